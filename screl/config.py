@@ -1,0 +1,363 @@
+"""Typed config blocks of a screl run, with the knob names of the single-controller spec.
+
+Each block is a dataclass whose attribute docstrings become ``screl fit --help`` text. Top-level
+blocks (``grpo``/``ppo``, ``async_rl``, ``data_plane``, ``checkpointing``, ``rollout_checkpointing``,
+``rollout_recovery``, ``token_capture``) sit beside Lightning's ``trainer``/``model``/``data`` in
+the YAML; ``RunConfig`` bundles them for the DataModule and the controller. Cross-block rules live
+in ``screl.validation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from screl.data.sampler_config import (
+    CustomSamplerConfig,
+    InOrderSamplerConfig,
+    ReadyFirstSamplerConfig,
+    SamplerConfig,
+    WeightFifoSamplerConfig,
+    WindowedSamplerConfig,
+    parse_sampler_config,
+    required_buffer_capacity,
+)
+
+__all__ = [
+    "AdvantageEstimatorConfig",
+    "AsyncRLConfig",
+    "CheckpointingConfig",
+    "ColocatedConfig",
+    "CustomSamplerConfig",
+    "DataPlaneConfig",
+    "GRPOConfig",
+    "GenerationConfig",
+    "InOrderSamplerConfig",
+    "PPOConfig",
+    "RayConfig",
+    "ReadyFirstSamplerConfig",
+    "RewardTransformConfig",
+    "RolloutCheckpointingConfig",
+    "RolloutFailureConfig",
+    "RolloutRecoveryConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TokenCaptureConfig",
+    "WeightFifoSamplerConfig",
+    "WindowedSamplerConfig",
+    "parse_sampler_config",
+    "required_buffer_capacity",
+]
+
+Granularity = Literal["sibling", "prompt_group"]
+
+
+@dataclass
+class AdvantageEstimatorConfig:
+    """How advantages are computed from rewards (GRPO) or values (PPO)."""
+
+    name: Literal["grpo", "gae"] = "grpo"
+    """``grpo``: group-relative baseline over the ``num_generations_per_prompt`` siblings; ``gae``: PPO's GAE."""
+    use_leave_one_out_baseline: bool = True
+    """(grpo) Baseline each row with the mean of its siblings excluding itself (else the group mean)."""
+    normalize_rewards: bool = True
+    """(grpo) Divide advantages by the group's reward standard deviation (zero-variance groups give 0)."""
+    gamma: float = 1.0
+    """(gae) Discount factor."""
+    lam: float = 0.95
+    """(gae) GAE lambda."""
+
+
+@dataclass
+class RewardTransformConfig:
+    """Reward shaping/scaling: not implemented in screl; enabling it is rejected at setup."""
+
+    enabled: bool = False
+    """Must stay false: screl would otherwise silently skip the transform."""
+
+
+@dataclass
+class GRPOConfig:
+    """Step settings of a GRPO run. One RL step = one training batch = one optimizer step."""
+
+    num_prompts_per_step: int = 8
+    """Prompt groups per RL step (P)."""
+    num_generations_per_prompt: int = 4
+    """Rollouts per prompt, the GRPO group size (G). Rows per step = P x G."""
+    max_num_epochs: int = 1
+    """Passes over the prompt dataset; must be positive (there is no -1 = unbounded convention)."""
+    max_num_steps: int | None = None
+    """Stop after this many RL steps (None: bounded by epochs x batches and ``trainer.max_steps``)."""
+    adv_estimator: AdvantageEstimatorConfig = field(default_factory=AdvantageEstimatorConfig)
+    """Advantage estimator (``name: grpo``)."""
+    val_period: int = 0
+    """Validation every N steps: not supported on the single controller; must be 0."""
+    val_at_start: bool = False
+    """Validation before training: not supported; must be false."""
+    val_at_end: bool = False
+    """Validation after training: not supported; must be false."""
+    use_dynamic_sampling: bool = False
+    """Dynamic sampling (drop zero-variance groups and refill): not implemented; must be false."""
+    reward_shaping: RewardTransformConfig = field(default_factory=RewardTransformConfig)
+    """Reward shaping: not implemented; ``enabled`` must be false."""
+    reward_scaling: RewardTransformConfig = field(default_factory=RewardTransformConfig)
+    """Reward scaling: not implemented; ``enabled`` must be false."""
+    async_grpo: dict[str, Any] | None = None
+    """Legacy async-GRPO block: must be null (port its knobs to ``async_rl``)."""
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    """Step settings of a PPO run: ``ppo_epochs`` policy and ``critic_ppo_epochs`` critic updates per step."""
+
+    adv_estimator: AdvantageEstimatorConfig = field(default_factory=lambda: AdvantageEstimatorConfig(name="gae"))
+    """Advantage estimator; PPO requires ``name: gae``."""
+    ppo_epochs: int = 1
+    """Policy updates per RL step over the same batch (>= 1)."""
+    critic_ppo_epochs: int = 1
+    """Critic updates per RL step over the same batch (>= 1)."""
+    policy_training_start_step: int = 0
+    """Critic warmup: for the first N steps the policy is neither trained nor refit."""
+    warm_start_value_checkpoint: str | None = None
+    """Seed the critic from another run's checkpoint (path or fsspec URL) instead of warming it up online."""
+    async_ppo: dict[str, Any] | None = None
+    """Legacy async-PPO block: must be null (port its knobs to ``async_rl``)."""
+    async_grpo: dict[str, Any] | None = None
+    """Not used by PPO; must be null."""
+
+
+@dataclass
+class RolloutFailureConfig:
+    """Retry and drop budgets for failed rollouts."""
+
+    max_infra_attempts: int = 5
+    """Attempts per prompt when generation infrastructure fails (worker died, timeout)."""
+    max_data_attempts: int = 2
+    """Attempts per prompt when the rollout itself fails (reward function raised, bad output)."""
+    backoff_base_s: float = 1.0
+    """First retry delay; doubles per attempt."""
+    max_backoff_s: float = 30.0
+    """Cap on the retry delay; >= backoff_base_s."""
+    max_skipped_prompts: int = 0
+    """Prompts the run may drop after exhausting data attempts (0 = a failure stops the run)."""
+    max_consecutive_dropped_prompts: int = 0
+    """Consecutive prompts that may be dropped after exhausting infra attempts (0 = stop the run)."""
+    min_step_batch_fraction: float = 0.9
+    """A step shortened by drops must keep at least this fraction of its groups, in (0, 1]."""
+    on_dropped_prompt: Literal["shrink", "replace"] = "shrink"
+    """``shrink`` trains a shorter step; ``replace`` fills the slot from a reserve of spare prompts."""
+    max_replacement_attempts: int = 1
+    """(replace) Spares tried per dropped slot."""
+    replacement_reserve_prompts: int = 1
+    """(replace) Spare prompts held back for replacement."""
+
+
+@dataclass
+class AsyncRLConfig:
+    """Single-controller async knobs: the staleness sampler and the rollout pump's bounds."""
+
+    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "in_order", "max_lookahead_versions": 1})
+    """Staleness sampler, as a mapping chosen by ``name`` (each mode takes only its own knobs):
+    ``in_order`` {max_lookahead_versions: 1, warmup_lookahead_versions: null};
+    ``weight_fifo`` {max_staleness_versions: 1}; ``ready_first`` {max_staleness_versions: 1};
+    ``windowed`` {max_staleness_versions: 1, sample_freshest_first: false, over_sampling_ratio: null};
+    ``custom`` {target: "module:ClassName", ...extra keys passed as kwargs}."""
+    min_groups_for_streaming_train: int | None = None
+    """Ready groups the trainer waits for before training a chunk (None: num_prompts_per_step, one chunk/step)."""
+    max_inflight_prompts: int | None = None
+    """Concurrent prompt groups in generation (None: num_prompts_per_step x (window + 1))."""
+    max_buffered_rollouts: int | None = None
+    """Hard cap on unconsumed groups in the data plane (None: the sampler's required capacity)."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """After a refit, recompute the KV cache of in-flight requests with the new weights."""
+    rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
+    """Retry and drop budgets."""
+    event_log: bool = True
+    """Append every admit/reserve/commit/select/... to ``events.jsonl`` in the run directory."""
+
+
+@dataclass
+class DataPlaneConfig:
+    """The TransferQueue data plane that holds rollout rows between the pumps."""
+
+    enabled: bool = True
+    """Required: the single controller always moves rollouts through TransferQueue."""
+    backend: Literal["simple", "mooncake_cpu"] = "simple"
+    """Storage backend; native checkpointing supports only ``simple``."""
+    num_storage_units: int = 1
+    """TransferQueue storage unit actors."""
+    partition_id: str = "train"
+    """Partition rollout rows are written to."""
+
+
+@dataclass
+class Resources:
+    """Devices set aside for generation when not colocated."""
+
+    num_nodes: int = 1
+    """Nodes for generation."""
+    gpus_per_node: int = 0
+    """Generation GPUs per node (0 on CPU)."""
+
+
+@dataclass
+class ColocatedConfig:
+    """Whether generation shares the training devices."""
+
+    enabled: bool = False
+    """Colocated generation (supported only with ``backend: megatron``)."""
+    resources: Resources = field(default_factory=Resources)
+    """Generation devices when not colocated."""
+
+
+@dataclass
+class GenerationConfig:
+    """The generation side (``policy.generation`` in the spec)."""
+
+    backend: Literal["torch", "vllm", "megatron"] = "torch"
+    """Engine: ``torch`` (HF model, CPU or GPU), ``vllm`` (GPU), ``megatron``."""
+    num_workers: int = 1
+    """Generation worker actors (each holds a copy of the policy)."""
+    max_new_tokens: int = 16
+    """Completion length cap."""
+    min_new_tokens: int = 0
+    """Ignore EOS before this many tokens (set equal to max_new_tokens for fixed-length completions)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); logprobs are those of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int | None = None
+    """Top-k sampling (None: off)."""
+    async_engine: bool = True
+    """(vllm) Use the async engine; required when not colocated."""
+    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
+    """Colocation and generation resources."""
+    num_threads: int = 1
+    """Torch intra-op threads per worker on CPU."""
+    max_batch_size: int = 64
+    """Requests a worker generates together."""
+    device: str = "cpu"
+    """Device of the torch engine (``cpu`` or ``cuda``)."""
+    injected_latency_s: float = 0.0
+    """Testing aid: random extra latency per request, uniform in [0, this] (out-of-order completions)."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """Trainer checkpoint bundles (model, optimizer, controller state, data plane)."""
+
+    enabled: bool = False
+    """Write checkpoint bundles and resume from the latest one."""
+    checkpoint_dir: str | None = None
+    """Local path, ``s3://bucket/prefix`` or a shared filesystem path."""
+    save_period: int = 10
+    """Save every N RL steps (and at the last step)."""
+    save_data_plane: bool = True
+    """Include the TransferQueue snapshot and replay index so buffered rollouts survive a restart."""
+    keep_top_k: int | None = 3
+    """Keep the newest K bundles (None: keep all)."""
+    save_optimizer: bool = True
+    """Include optimizer state."""
+    metric_name: str | None = None
+    """Metric to rank bundles by: null or ``train:<metric>`` (there is no validation loop)."""
+
+
+@dataclass
+class RolloutCheckpointingConfig:
+    """Periodic rollout snapshots between trainer checkpoints."""
+
+    snapshot_attempt_interval_s: float | None = None
+    """Attempt a snapshot this often (None: off). An attempt after step N needs step_N durable."""
+    keep_latest_k: int = 2
+    """Published snapshots kept per anchor."""
+    restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
+    """``latest``: newest compatible snapshot; ``trainer_checkpoint``: ignore snapshots, use the bundle."""
+    extra_fingerprint_excluded_paths: list[str] = field(default_factory=list)
+    """Dotpaths left out of the bootstrap fingerprint (``*`` one level, ``**`` any levels)."""
+    max_consecutive_failures: int = 3
+    """Abort the run after this many consecutive failed snapshot attempts."""
+
+
+@dataclass
+class RolloutRecoveryConfig:
+    """What happens to unfinished prompt groups on failure and restart."""
+
+    default_granularity: Granularity = "sibling"
+    """``sibling``: keep sealed siblings, regenerate unfinished ones; ``prompt_group``: regenerate the group."""
+    task_source_granularity_overrides: dict[str, Granularity] = field(default_factory=dict)
+    """Granularity by the rollout row's task source."""
+    agent_granularity_overrides: dict[str, Granularity] = field(default_factory=dict)
+    """Granularity by agent name; wins over a task-source override."""
+
+
+@dataclass
+class TokenCaptureConfig:
+    """Token-level capture of generations (per-sibling staging for recovery)."""
+
+    enabled: bool = False
+    """Stage each finished generation so sibling-level recovery can reuse it."""
+
+
+@dataclass
+class RayConfig:
+    """Where Ray runs."""
+
+    address: str | None = None
+    """Join an existing cluster (``ray://`` or ``host:port``); None starts a local one on loopback."""
+    num_cpus: int = 6
+    """Logical CPUs of a local cluster (TransferQueue needs at least 3)."""
+    namespace: str = "screl"
+    """Ray namespace for screl's actors."""
+
+
+@dataclass
+class RunConfig:
+    """Everything the rollout side needs, assembled by the CLI from the top-level blocks."""
+
+    grpo: GRPOConfig | None = None
+    ppo: PPOConfig | None = None
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    rollout_checkpointing: RolloutCheckpointingConfig = field(default_factory=RolloutCheckpointingConfig)
+    rollout_recovery: RolloutRecoveryConfig = field(default_factory=RolloutRecoveryConfig)
+    token_capture: TokenCaptureConfig = field(default_factory=TokenCaptureConfig)
+
+    @property
+    def algo(self) -> GRPOConfig:
+        """The step settings of whichever algorithm block is present."""
+        block = self.ppo if self.ppo is not None else self.grpo
+        if block is None:
+            raise ValueError("neither `grpo` nor `ppo` is set: add exactly one algorithm block")
+        return block
+
+    @property
+    def sampler(self) -> SamplerConfig:
+        return parse_sampler_config(self.async_rl.sampler)
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.algo.num_prompts_per_step
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.algo.num_prompts_per_step * self.algo.num_generations_per_prompt
+
+    @property
+    def min_groups(self) -> int:
+        m = self.async_rl.min_groups_for_streaming_train
+        return self.groups_per_step if m is None else m
+
+    @property
+    def required_capacity(self) -> int:
+        return required_buffer_capacity(self.sampler, self.groups_per_step, self.min_groups)
+
+    @property
+    def max_buffered_rollouts(self) -> int:
+        m = self.async_rl.max_buffered_rollouts
+        return self.required_capacity if m is None else m
+
+    @property
+    def max_inflight_prompts(self) -> int:
+        m = self.async_rl.max_inflight_prompts
+        return self.groups_per_step * (self.sampler.peak_window + 1) if m is None else m
