@@ -9,8 +9,12 @@ in ``screl.validation``.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from screl.data.sampler_config import (
     CustomSamplerConfig,
@@ -50,6 +54,39 @@ __all__ = [
 ]
 
 Granularity = Literal["sibling", "prompt_group"]
+
+T = TypeVar("T")
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    """The dataclass in a field type (``X``, ``X | None``), if any."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | T | None) -> T:
+    """Build dataclass ``cls`` from a (nested) mapping; unknown keys are an error naming them."""
+    if data is None:
+        return cls()
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known keys are {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = _dataclass_in(hints[key])
+        kwargs[key] = from_dict(sub, value) if sub is not None and isinstance(value, Mapping) else value
+    return cls(**kwargs)
 
 
 @dataclass
@@ -322,6 +359,13 @@ class RunConfig:
     rollout_checkpointing: RolloutCheckpointingConfig = field(default_factory=RolloutCheckpointingConfig)
     rollout_recovery: RolloutRecoveryConfig = field(default_factory=RolloutRecoveryConfig)
     token_capture: TokenCaptureConfig = field(default_factory=TokenCaptureConfig)
+
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | RunConfig | None) -> RunConfig:
+        """Build from the plain mapping the CLI links into ``data.init_args.run``."""
+        return from_dict(cls, data)
 
     @property
     def algo(self) -> GRPOConfig:

@@ -151,14 +151,15 @@ def sampler_config_problems(cfg: SamplerConfig) -> list[tuple[str, str]]:
     if isinstance(cfg, WindowedSamplerConfig) and cfg.over_sampling_ratio is not None:
         if not cfg.over_sampling_ratio >= 1.0:
             problems.append(
-                ("over_sampling_ratio", f"must be >= 1.0 (a multiple of a step), got {cfg.over_sampling_ratio}")
+                (
+                    "over_sampling_ratio",
+                    f"must be >= 1.0 (a multiple of a step), got {cfg.over_sampling_ratio}",
+                )
             )
     if isinstance(cfg, CustomSamplerConfig):
         module, sep, cls = cfg.target.partition(":")
         if not sep or not module or not cls:
-            problems.append(
-                ("target", f"must look like 'package.module:ClassName', got {cfg.target!r}")
-            )
+            problems.append(("target", f"must look like 'package.module:ClassName', got {cfg.target!r}"))
     return problems
 
 
@@ -171,7 +172,9 @@ def parse_sampler_config(block: Mapping[str, Any] | SamplerConfig) -> SamplerCon
         cfg = block
     else:
         if not isinstance(block, Mapping):
-            raise SamplerConfigError([("", f"must be a mapping with a 'name' key, got {type(block).__name__}")])
+            raise SamplerConfigError(
+                [("", f"must be a mapping with a 'name' key, got {type(block).__name__}")]
+            )
         name = block.get("name", "in_order")
         cls = SAMPLER_CONFIGS.get(name)
         if cls is None:

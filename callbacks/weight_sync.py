@@ -1,0 +1,39 @@
+"""``WeightSync``: refit the generation workers after every optimizer step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync(Callback):
+    """After the chunk that closes an RL step: retire the step, bump the trainer version and push the
+    policy's weights to the generation workers, then re-open the rollout pump.
+
+    Always present: ``screl fit`` adds it, and ``RolloutDataModule`` refuses to run without it. On an
+    exception anywhere in fit, it stops the controller, workers and data plane.
+    """
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not (isinstance(batch, dict) and batch.get("last_chunk")):
+            return
+        dm = trainer.datamodule
+        export = getattr(pl_module, "export_weights", None)
+        if export is None:
+            raise TypeError(f"{type(pl_module).__name__} has no export_weights(): WeightSync cannot refit")
+        info = dm.complete_step(export())
+        pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        dm = getattr(trainer, "datamodule", None)
+        if dm is not None and hasattr(dm, "shutdown"):
+            try:
+                dm.shutdown()
+            except Exception as err:  # noqa: BLE001 - the original exception matters more
+                log.warning("screl: shutdown after %r failed: %r", exception, err)

@@ -1,0 +1,16 @@
+"""Pure torch RL math: advantages (GRPO, GAE) and policy/value losses with IS correction."""
+
+from screl.algos.advantages import gae_advantages, grpo_advantages, masked_whiten, terminal_token_rewards
+from screl.algos.losses import ClippedPGLoss, ClippedValueLoss, KLEstimator, PolicyLoss, kl_estimate
+
+__all__ = [
+    "ClippedPGLoss",
+    "ClippedValueLoss",
+    "KLEstimator",
+    "PolicyLoss",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_estimate",
+    "masked_whiten",
+    "terminal_token_rewards",
+]

@@ -1,0 +1,219 @@
+"""``screl``: the one composition root.
+
+* ``screl fit --config X.yaml`` trains (LightningCLI's fit);
+* ``screl check --config X.yaml`` parses and validates the whole config without starting anything
+  and prints the capacity plan;
+* ``screl events check RUN_DIR`` audits a run's ``events.jsonl``.
+
+The spec's top-level blocks (``grpo``/``ppo``, ``async_rl``, ``data_plane``, ``checkpointing``,
+``rollout_checkpointing``, ``rollout_recovery``, ``token_capture``, ``ray``) sit beside
+``trainer``/``model``/``data``; they are linked into the DataModule (``data.init_args.run``) and the
+algorithm block into the model (``model.init_args.algo``), so nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import Namespace, set_parsing_settings
+
+from screl.config import (
+    AsyncRLConfig,
+    CheckpointingConfig,
+    DataPlaneConfig,
+    GRPOConfig,
+    PPOConfig,
+    RayConfig,
+    RolloutCheckpointingConfig,
+    RolloutRecoveryConfig,
+    RunConfig,
+    TokenCaptureConfig,
+)
+from screl.validation import ConfigError, config_problems
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+#: Top-level blocks and their types (None default = optional block).
+TOP_LEVEL_BLOCKS: dict[str, type] = {
+    "async_rl": AsyncRLConfig,
+    "data_plane": DataPlaneConfig,
+    "checkpointing": CheckpointingConfig,
+    "rollout_checkpointing": RolloutCheckpointingConfig,
+    "rollout_recovery": RolloutRecoveryConfig,
+    "token_capture": TokenCaptureConfig,
+    "ray": RayConfig,
+}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Namespace):
+        return {k: _plain(v) for k, v in vars(value).items() if k != "__path__"}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _algo_block(value: Any) -> dict[str, Any] | None:
+    """A parsed ``grpo``/``ppo`` value as a plain dict (jsonargparse wraps optional dataclasses)."""
+    plain = _plain(value)
+    if isinstance(plain, dict) and "init_args" in plain and "class_path" in plain:
+        plain = plain["init_args"]
+    return plain  # type: ignore[no-any-return]
+
+
+def build_run_config(
+    grpo: Any, ppo: Any, async_rl: Any, data_plane: Any, checkpointing: Any, rollout_checkpointing: Any,
+    rollout_recovery: Any, token_capture: Any, ray: Any,
+) -> dict[str, Any]:
+    """The ``data.init_args.run`` mapping linked from the top-level blocks (a plain dict, so it serializes)."""
+    return {
+        "grpo": _algo_block(grpo),
+        "ppo": _algo_block(ppo),
+        "async_rl": _plain(async_rl),
+        "data_plane": _plain(data_plane),
+        "checkpointing": _plain(checkpointing),
+        "rollout_checkpointing": _plain(rollout_checkpointing),
+        "rollout_recovery": _plain(rollout_recovery),
+        "token_capture": _plain(token_capture),
+        "ray": _plain(ray),
+    }
+
+
+def _algo_for_model(grpo: Any, ppo: Any) -> dict[str, Any] | None:
+    return _algo_block(ppo) if ppo is not None else _algo_block(grpo)
+
+
+class ScrelCLI(LightningCLI):
+    """LightningCLI with screl's top-level blocks, validation before any work, and WeightSync injected."""
+
+    def __init__(self, *args: Any, check_only: bool = False, **kwargs: Any) -> None:
+        self.check_only = check_only
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("trainer_defaults", {"max_epochs": 1, "num_sanity_val_steps": 0})
+        kwargs.setdefault("parser_kwargs", {"default_env": False})
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument("--grpo", type=GRPOConfig | None, default=None, help="GRPO step settings.")
+        parser.add_argument("--ppo", type=PPOConfig | None, default=None, help="PPO step settings.")
+        for key, cls in TOP_LEVEL_BLOCKS.items():
+            parser.add_class_arguments(cls, key, instantiate=False)
+        parser.link_arguments(
+            ("grpo", "ppo", *TOP_LEVEL_BLOCKS), "data.init_args.run", compute_fn=build_run_config
+        )
+        parser.link_arguments(("grpo", "ppo"), "model.init_args.algo", compute_fn=_algo_for_model)
+        parser.link_arguments("data.init_args.generation.temperature", "model.init_args.temperature")
+
+    # -- validation before anything starts ---------------------------------------------------------
+    def current_config(self) -> Namespace:
+        cfg = self.config
+        if self.subcommand is not None and self.subcommand in cfg:
+            cfg = cfg[self.subcommand]
+        return cfg  # type: ignore[no-any-return]
+
+    def config_dict(self) -> dict[str, Any]:
+        return _plain(self.current_config())  # type: ignore[no-any-return]
+
+    def before_instantiate_classes(self) -> None:
+        problems = config_problems(self.config_dict())
+        if problems:
+            raise ConfigError(problems)
+
+    def instantiate_classes(self) -> None:
+        if self.check_only:
+            return
+        super().instantiate_classes()
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        from screl.callbacks import WeightSync
+
+        if not any(isinstance(cb, WeightSync) for cb in trainer.callbacks):
+            trainer.callbacks.append(WeightSync())
+        return trainer
+
+
+def capacity_plan(cfg: dict[str, Any]) -> str:
+    """The human summary ``screl check`` prints for a valid config."""
+    run = RunConfig.from_dict(cfg["data"]["init_args"]["run"])
+    sampler = run.sampler
+    algo_name = "PPO" if run.ppo is not None else "GRPO"
+    knobs = {k: v for k, v in vars(sampler).items() if k != "name"}
+    loss = (cfg.get("model") or {}).get("init_args", {}).get("loss_fn") or {}
+    loss_args = loss.get("init_args", loss) if isinstance(loss, dict) else {}
+    is_on = bool(loss_args.get("use_importance_sampling_correction", False))
+    steps = run.algo.max_num_steps
+    window = sampler.peak_window
+    if sampler.name == "windowed":
+        staleness = f"window [T-{window}, T]; dispatch ungated"
+        if getattr(sampler, "over_sampling_ratio", None):
+            staleness += f", at most {sampler.over_sampling_ratio} x a step outstanding"  # type: ignore[union-attr]
+    elif sampler.name == "custom":
+        staleness = "decided by the custom sampler"
+    else:
+        staleness = f"dispatch leads the trainer by <= {window} version(s); staleness 0..{window}"
+    chunks = -(-run.groups_per_step // run.min_groups)
+    ck = run.checkpointing
+    lines = [
+        f"algorithm            {algo_name}",
+        f"groups per step      {run.groups_per_step}  (num_prompts_per_step)",
+        f"rows per step        {run.rows_per_step}  ({run.groups_per_step} x {run.algo.num_generations_per_prompt}"
+        " generations)",
+        f"sampler              {sampler.name} {knobs}",
+        f"lookahead/staleness  {staleness}",
+        f"buffer capacity      required {run.required_capacity}, configured {run.max_buffered_rollouts} groups"
+        " (max_buffered_rollouts)",
+        f"in-flight bound      {run.max_inflight_prompts} prompt groups (max_inflight_prompts)",
+        f"streaming            >= {run.min_groups} groups per chunk, up to {chunks} chunk(s) per step",
+        f"IS correction        {'on' if is_on else 'off'}",
+        f"max steps            {steps if steps is not None else 'epochs x batches / trainer.max_steps'}",
+        f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
+    ]
+    return "\n".join(lines)
+
+
+def check(argv: Sequence[str]) -> int:
+    """``screl check --config X.yaml``: validate everything, start nothing, print the capacity plan."""
+    try:
+        cli = ScrelCLI(args=list(argv), run=False, check_only=True)
+    except ConfigError as err:
+        print(f"screl check: {err}", file=sys.stderr)
+        return 2
+    print("screl check: the config is valid\n")
+    print(capacity_plan(cli.config_dict()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "check":
+        return check(args[1:])
+    if args and args[0] == "events":
+        from screl.data.events import main as events_main
+
+        return int(events_main(args[1:]) or 0)
+    try:
+        ScrelCLI(args=args)
+    except ConfigError as err:
+        print(f"screl: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,512 @@
+"""Audit a run's event log: no group trained twice, every sampler rule held, no prompt lost.
+
+``check_events(source, sampler_config)`` replays the log (see ``screl.data.events`` for the records
+and the logging contract) and reports each violation with its rule and line:
+
+* ``trained-twice`` / ``selected-twice``: a group trained or selected again (after a restore, only
+  steps from the restore point on are superseded).
+* ``select-rule``: a selected group broke its sampler's rule (in_order ``target_step == T``;
+  windowed ``T - S <= start_weight <= T``; ready_first ``start_weight <= T``; weight_fifo the oldest
+  in-window start weight); ``select-order``: the selection is not the head of the sampler's
+  eligible list at that moment (the greedy prefix, in dispatch or freshest-first order).
+* ``gate``: a gated sampler dispatched batch ``d > T + window``; ``dispatch-cursor``, ``in_order-stamp``.
+* ``evict-rule`` / ``abort-rule``: eviction or in-flight abort the sampler never does.
+* ``*-state`` / ``unknown-group``: transitions out of order (commit twice, select an unready group...).
+* ``train-step-mismatch``: a step trained other groups than were selected for it.
+* ``lost-on-restore``: a group ready or claimed at the resumed checkpoint is missing from the
+  restore's ``group_ids``.
+* ``capacity``: more buffered groups than ``max_buffered_rollouts`` (when given).
+* ``unfinished`` (only with ``final=True``): a run that ended with rollouts in flight, failed attempts
+  neither retried nor dropped, or a selected step never trained.
+
+A ``restore`` at step R supersedes what the log said before it about steps >= R: those train steps
+no longer count, and groups open at the crash are superseded unless restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from screl.data.events import (
+    EVENTS_FILENAME,
+    AbortEvent,
+    AdmitEvent,
+    CheckpointEvent,
+    CommitEvent,
+    DropEvent,
+    Event,
+    EvictEvent,
+    FailEvent,
+    PromoteEvent,
+    RefitEvent,
+    ReserveEvent,
+    RestoreEvent,
+    SelectEvent,
+    SnapshotEvent,
+    TrainStepEvent,
+    parse_event,
+    read_events,
+)
+from screl.data.sampler_config import (
+    GATED_SAMPLERS,
+    SamplerConfig,
+    WindowedSamplerConfig,
+    parse_sampler_config,
+)
+
+_LIVE = ("inflight", "ready")
+_OPEN = ("inflight", "ready", "selected", "failed")
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: [{self.rule}] {self.message}"
+
+
+@dataclass
+class EventCheckReport:
+    """Outcome of ``check_events``: violations plus where every reserved group ended up."""
+
+    events: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """Groups per final state: trained, evicted, dropped, aborted, retried, inflight, ready (buffered),
+    selected (open step), failed (awaiting retry), superseded (by a restore)."""
+    sampler: str | None = None
+    restores: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def format(self, max_violations: int = 50) -> str:
+        head = f"{self.events} events, sampler {self.sampler or 'unknown (sampler rules not checked)'}"
+        if self.restores:
+            head += f", {self.restores} restore(s)"
+        lines = [head, "groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items()) if v)]
+        if self.ok:
+            lines.append("OK: no violations")
+        else:
+            lines.append(f"{len(self.violations)} violation(s):")
+            lines += [f"  {v}" for v in self.violations[:max_violations]]
+            if len(self.violations) > max_violations:
+                lines.append(f"  ... and {len(self.violations) - max_violations} more")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Group:
+    prompt_id: int
+    start_weight: int
+    target_step: int | None
+    order: int
+    status: str = "inflight"
+    end_weight: int | None = None
+    selected_at: int | None = None
+    trained_step: int | None = None
+
+
+class _Checker:
+    def __init__(self, cfg: SamplerConfig | None, max_buffered_rollouts: int | None) -> None:
+        self.cfg = cfg
+        self.cap = max_buffered_rollouts
+        self.report = EventCheckReport(sampler=cfg.name if cfg else None)
+        self.groups: dict[str, _Group] = {}
+        self.version = 0
+        self.cursor: int | None = -1
+        self.order = 0
+        self.open_steps: dict[int, list[str]] = {}
+        self.pending_retry: dict[int, list[str]] = {}
+        self.anchors: dict[int, list[str]] = {}
+        self.line = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def flag(self, rule: str, message: str) -> None:
+        self.report.violations.append(Violation(rule, self.line, message))
+
+    def group(self, gid: str, event: str, allowed: Sequence[str]) -> _Group | None:
+        g = self.groups.get(gid)
+        if g is None:
+            self.flag("unknown-group", f"{event} of group {gid!r} that was never reserved")
+            return None
+        if g.status not in allowed:
+            rule = "trained-twice" if g.status == "trained" else f"{event}-state"
+            self.flag(rule, f"{event} of group {gid!r} which is {g.status} (expected {' or '.join(allowed)})")
+            return None
+        return g
+
+    def live(self) -> list[tuple[str, _Group]]:
+        return sorted(((k, g) for k, g in self.groups.items() if g.status in _LIVE), key=lambda p: p[1].order)
+
+    def floor(self, version: int) -> int:
+        return max(0, version - (self.cfg.window if self.cfg else 0))
+
+    # ------------------------------------------------------------------ events
+
+    def on_admit(self, e: AdmitEvent) -> None:
+        if e.trainer_version > self.version:
+            self.flag(
+                "admit-version",
+                f"admit at trainer_version {e.trainer_version} ahead of {self.version} steps done",
+            )
+        if self.cursor is not None and e.step != self.cursor + 1:
+            self.flag("dispatch-cursor", f"admitted batch {e.step} after batch {self.cursor}")
+        self.cursor = e.step
+        if self.cfg and self.cfg.name in GATED_SAMPLERS and e.step > e.trainer_version + self.cfg.peak_window:
+            self.flag(
+                "gate",
+                f"{self.cfg.name} admitted batch {e.step} at T={e.trainer_version}, beyond the window "
+                f"{self.cfg.peak_window} (latest allowed batch {e.trainer_version + self.cfg.peak_window})",
+            )
+        if self.cfg and self.cfg.name == "in_order" and e.target_step != e.step:
+            self.flag(
+                "in_order-stamp", f"batch {e.step} stamped target_step={e.target_step}, expected {e.step}"
+            )
+
+    def on_reserve(self, e: ReserveEvent) -> None:
+        old = self.groups.get(e.group_id)
+        if old is not None and old.status != "superseded":
+            self.flag("reserve-state", f"group {e.group_id!r} reserved again while {old.status}")
+        retry = self.pending_retry.get(e.prompt_id)
+        if retry:
+            self.groups[retry.pop(0)].status = "retried"
+        self.groups[e.group_id] = _Group(e.prompt_id, e.start_weight, e.target_step, self.order)
+        self.order += 1
+        held = sum(1 for g in self.groups.values() if g.status in ("inflight", "ready", "selected"))
+        if self.cap is not None and held > self.cap:
+            self.flag(
+                "capacity",
+                f"{held} groups buffered after reserving {e.group_id!r}, max_buffered_rollouts={self.cap}",
+            )
+
+    def on_commit(self, e: CommitEvent) -> None:
+        g = self.group(e.group_id, "commit", ("inflight",))
+        if g is None:
+            return
+        if e.end_weight < g.start_weight or (e.start_weight is not None and e.start_weight != g.start_weight):
+            self.flag(
+                "commit-weights",
+                f"group {e.group_id!r} committed start/end weights {e.start_weight}/{e.end_weight}, "
+                f"reserved at start_weight {g.start_weight}",
+            )
+        g.status, g.end_weight = "ready", e.end_weight
+
+    def on_fail(self, e: FailEvent) -> None:
+        g = self.group(e.group_id, "fail", ("inflight",))
+        if g is None or e.sibling is not None:
+            return
+        g.status = "failed"
+        self.pending_retry.setdefault(g.prompt_id, []).append(e.group_id)
+
+    def on_promote(self, e: PromoteEvent) -> None:
+        g = self.group(e.group_id, "promote", ("ready",))
+        if g is None:
+            return
+        if g.target_step != e.step or e.target_step >= e.step:
+            self.flag(
+                "promote-state",
+                f"group {e.group_id!r} stamped {g.target_step} promoted from {e.step} to {e.target_step}",
+            )
+        g.target_step = e.target_step
+
+    def on_select(self, e: SelectEvent) -> None:
+        t = e.trainer_version
+        if t != self.version:
+            self.flag("select-version", f"select at trainer_version {t} while {self.version} steps are done")
+        eligible = self.eligible(t)
+        groups = []
+        for gid in e.group_ids:
+            g = self.groups.get(gid)
+            if g is not None and g.status in ("selected", "trained"):
+                self.flag(
+                    "selected-twice" if g.status == "selected" else "trained-twice",
+                    f"group {gid!r} selected at T={t} but already {g.status}",
+                )
+                continue
+            g = self.group(gid, "select", ("ready",))
+            if g is not None:
+                self.check_select_rule(gid, g, t, eligible)
+                groups.append(g)
+        if eligible is not None and list(e.group_ids) != eligible[: len(e.group_ids)]:
+            self.flag(
+                "select-order",
+                f"{self.report.sampler} at T={t} selected {list(e.group_ids)}; the eligible groups in order "
+                f"were {eligible[: len(e.group_ids) + 3]}",
+            )
+        for g in groups:
+            g.status, g.selected_at = "selected", t
+        self.open_steps.setdefault(t, []).extend(e.group_ids)
+
+    def eligible(self, t: int) -> list[str] | None:
+        """The sampler's eligible list at trainer version ``t`` (None: custom/unknown sampler)."""
+        cfg = self.cfg
+        if cfg is None or cfg.name == "custom":
+            return None
+        live = self.live()
+        ready = [(k, g) for k, g in live if g.status == "ready"]
+        if cfg.name == "in_order":
+            return [k for k, g in ready if g.target_step == t]
+        if cfg.name == "ready_first":
+            return [k for k, g in ready if g.start_weight <= t]
+        lo = self.floor(t)
+        if cfg.name == "weight_fifo":
+            weights = [g.start_weight for _, g in live if lo <= g.start_weight <= t]
+            return [k for k, g in ready if weights and g.start_weight == min(weights)]
+        window = [(k, g) for k, g in ready if lo <= g.start_weight <= t]
+        if isinstance(cfg, WindowedSamplerConfig) and cfg.sample_freshest_first:
+            window.sort(key=lambda p: t - p[1].start_weight)
+        return [k for k, _ in window]
+
+    def check_select_rule(self, gid: str, g: _Group, t: int, eligible: list[str] | None) -> None:
+        cfg = self.cfg
+        if cfg is None or eligible is None or gid in eligible:
+            return
+        name, lo = cfg.name, self.floor(t)
+        if name == "in_order":
+            why = f"target_step {g.target_step} != T={t}"
+        elif name == "ready_first":
+            why = f"start_weight {g.start_weight} > T={t}"
+        elif name == "windowed" or not lo <= g.start_weight <= t:
+            why = f"start_weight {g.start_weight} outside the window [{lo}, {t}]"
+        else:
+            why = f"start_weight {g.start_weight} is not the oldest in-window weight"
+        self.flag("select-rule", f"{name} selected group {gid!r} at T={t}: {why}")
+
+    def on_evict(self, e: EvictEvent) -> None:
+        g = self.groups.get(e.group_id)
+        if g is not None and g.status == "inflight":
+            self.flag("evict-unready", f"evicted group {e.group_id!r} while its rollout was in flight")
+        g = self.group(e.group_id, "evict", ("ready", "inflight"))
+        if g is None:
+            return
+        t, cfg = e.trainer_version, self.cfg
+        if cfg is not None and cfg.name != "custom":
+            if cfg.name == "ready_first":
+                ok = False
+            elif cfg.name == "in_order":
+                ok = g.target_step is not None and g.target_step < t
+            else:
+                ok = g.start_weight < self.floor(t)
+            if not ok:
+                self.flag(
+                    "evict-rule",
+                    f"{cfg.name} evicted group {e.group_id!r} (start_weight {g.start_weight}, target_step "
+                    f"{g.target_step}) at T={t}, which it may still select",
+                )
+        g.status = "evicted"
+
+    def on_abort(self, e: AbortEvent) -> None:
+        g = self.group(e.group_id, "abort", ("inflight",))
+        if g is None:
+            return
+        cfg = self.cfg
+        if cfg is not None and cfg.name != "custom" and e.reason in (None, "stale"):
+            if cfg.name != "windowed" or g.start_weight >= self.floor(e.trainer_version):
+                self.flag(
+                    "abort-rule",
+                    f"{cfg.name} aborted in-flight group {e.group_id!r} (start_weight {g.start_weight}) at "
+                    f"T={e.trainer_version}; only windowed aborts, and only below T - S",
+                )
+        g.status = "aborted"
+
+    def on_drop(self, e: DropEvent) -> None:
+        if e.group_id is not None:
+            g = self.group(e.group_id, "drop", ("inflight", "ready", "failed"))
+            if g is not None:
+                if g.status == "failed":
+                    self.pending_retry[g.prompt_id].remove(e.group_id)
+                g.status = "dropped"
+        elif e.prompt_id is not None and self.pending_retry.get(e.prompt_id):
+            self.groups[self.pending_retry[e.prompt_id].pop(0)].status = "dropped"
+
+    def on_train_step(self, e: TrainStepEvent) -> None:
+        if e.step != self.version:
+            self.flag("train-step-order", f"train step {e.step} logged after {self.version} steps")
+        selected = self.open_steps.pop(e.step, [])
+        if sorted(selected) != sorted(e.group_ids):
+            self.flag(
+                "train-step-mismatch",
+                f"step {e.step} trained {sorted(e.group_ids)} but selected {sorted(selected)}",
+            )
+        for gid in e.group_ids:
+            g = self.groups.get(gid)
+            if g is None:
+                self.flag("unknown-group", f"train_step of group {gid!r} that was never reserved")
+            elif g.status == "trained":
+                self.flag(
+                    "trained-twice", f"group {gid!r} trained at step {e.step} and step {g.trained_step}"
+                )
+            else:
+                g.status, g.trained_step = "trained", e.step
+        self.version = e.step + 1
+
+    def on_refit(self, e: RefitEvent) -> None:
+        if e.trainer_version != self.version:
+            self.flag("refit-version", f"refit to version {e.trainer_version} after {self.version} steps")
+
+    def on_anchor(self, e: CheckpointEvent | SnapshotEvent) -> None:
+        if e.step != self.version:
+            self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
+        self.anchors[e.step] = [k for k, g in self.groups.items() if g.status in ("ready", "selected")]
+
+    def on_restore(self, e: RestoreEvent) -> None:
+        self.report.restores += 1
+        r = e.step
+        expected = self.anchors.get(r)
+        restored = list(e.group_ids) if e.group_ids is not None else (expected or [])
+        if expected is not None and e.group_ids is not None:
+            lost = sorted(set(expected) - set(e.group_ids))
+            if lost:
+                self.flag(
+                    "lost-on-restore", f"groups {lost} were buffered at the step-{r} anchor but not restored"
+                )
+        for g in self.groups.values():
+            if g.status == "trained" and g.trained_step is not None and g.trained_step >= r:
+                g.status, g.trained_step = "superseded", None
+            elif g.status in _OPEN:
+                g.status = "superseded"
+        for gid in restored:
+            back = self.groups.get(gid)
+            if back is None or back.status in ("trained", "retried") or back.end_weight is None:
+                state = (
+                    "unknown"
+                    if back is None
+                    else "never committed"
+                    if back.end_weight is None
+                    else back.status
+                )
+                self.flag(
+                    "restore-state", f"restored group {gid!r} is {state}; only committed groups restore"
+                )
+                continue
+            back.status, back.selected_at = "ready", None
+        self.anchors = {s: ids for s, ids in self.anchors.items() if s <= r}
+        self.open_steps.clear()
+        self.pending_retry.clear()
+        self.version, self.cursor = r, None
+
+    def finish(self, final: bool) -> None:
+        counts: dict[str, int] = {}
+        for g in self.groups.values():
+            counts[g.status] = counts.get(g.status, 0) + 1
+        self.report.outcomes = counts
+        if final:
+            unfinished = {s: counts.get(s, 0) for s in ("inflight", "failed", "selected") if counts.get(s)}
+            if unfinished:
+                self.flag("unfinished", f"the run ended with groups {unfinished} unaccounted for")
+
+
+_HANDLERS: dict[type[Event], str] = {
+    AdmitEvent: "on_admit",
+    ReserveEvent: "on_reserve",
+    CommitEvent: "on_commit",
+    FailEvent: "on_fail",
+    PromoteEvent: "on_promote",
+    SelectEvent: "on_select",
+    EvictEvent: "on_evict",
+    AbortEvent: "on_abort",
+    DropEvent: "on_drop",
+    TrainStepEvent: "on_train_step",
+    RefitEvent: "on_refit",
+    CheckpointEvent: "on_anchor",
+    SnapshotEvent: "on_anchor",
+    RestoreEvent: "on_restore",
+}
+
+
+def check_events(
+    source: str | os.PathLike[str] | Iterable[str | Event],
+    sampler_config: Mapping[str, Any] | SamplerConfig | None = None,
+    *,
+    max_buffered_rollouts: int | None = None,
+    final: bool = False,
+) -> EventCheckReport:
+    """Check an event log (a run directory, an ``events.jsonl`` path, lines, or Event objects).
+
+    Without ``sampler_config`` only the sampler-independent rules are checked.
+    """
+    cfg = parse_sampler_config(sampler_config) if sampler_config is not None else None
+    checker = _Checker(cfg, max_buffered_rollouts)
+    if isinstance(source, (str, os.PathLike)):
+        items: Iterable[tuple[int, str | Event]] = read_events(source)
+    else:
+        items = enumerate(source, 1)
+    for n, item in items:
+        checker.line = n
+        checker.report.events += 1
+        if isinstance(item, str):
+            if not item.strip():
+                continue
+            try:
+                item = parse_event(item)
+            except ValueError as exc:
+                checker.flag("parse", str(exc))
+                continue
+        getattr(checker, _HANDLERS[type(item)])(item)
+    checker.finish(final)
+    return checker.report
+
+
+def _find_async_rl(node: Any) -> Mapping[str, Any] | None:
+    if isinstance(node, Mapping):
+        block = node.get("async_rl")
+        if isinstance(block, Mapping) and "sampler" in block:
+            return block
+        for value in node.values():
+            found = _find_async_rl(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _run_config(run_dir: Path) -> Mapping[str, Any] | None:
+    for name in ("config.yaml", "config.yml"):
+        path = run_dir / name
+        if path.is_file():
+            import yaml
+
+            return _find_async_rl(yaml.safe_load(path.read_text(encoding="utf-8")))
+    return None
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``screl events check`` / ``python -m screl.data.events check``."""
+    parser = argparse.ArgumentParser(prog="screl events", description="Audit a run's events.jsonl.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "check", help="check every sampler rule and that no prompt was lost or trained twice"
+    )
+    check.add_argument("run_dir", help=f"run directory holding {EVENTS_FILENAME}, or the log file itself")
+    check.add_argument(
+        "--sampler", help="the async_rl.sampler block as JSON (default: from RUN_DIR/config.yaml)"
+    )
+    check.add_argument("--max-buffered-rollouts", type=int, default=None)
+    check.add_argument(
+        "--final", action="store_true", help="the run has ended: nothing may be left in flight"
+    )
+    args = parser.parse_args(argv)
+    path = Path(args.run_dir)
+    log = path / EVENTS_FILENAME if path.is_dir() else path
+    if not log.is_file():
+        print(f"error: no event log at {log}", file=sys.stderr)
+        return 2
+    run_dir = path if path.is_dir() else path.parent
+    async_rl = _run_config(run_dir) or {}
+    sampler = json.loads(args.sampler) if args.sampler else async_rl.get("sampler")
+    cap = args.max_buffered_rollouts or async_rl.get("max_buffered_rollouts")
+    report = check_events(log, sampler, max_buffered_rollouts=cap, final=args.final)
+    print(report.format())
+    return 0 if report.ok else 1

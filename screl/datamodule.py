@@ -1,0 +1,242 @@
+"""``RolloutDataModule``: the rollout side of a screl run, as a LightningDataModule.
+
+``setup("fit")`` starts (or joins) Ray on loopback, the TransferQueue data plane, the generation
+workers and the ``RolloutController`` on global rank 0. Its train dataloader is a stream of RL-step
+*chunks*: each item holds whole prompt groups fetched from the data plane by the keys the controller
+handed out (metadata only crosses the controller boundary). A step ends with the chunk marked
+``last_chunk``; the ``WeightSync`` callback then retires it, bumps the trainer version and refits the
+workers. ``teardown`` (also on exceptions) stops everything it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+
+from screl.config import GenerationConfig, RunConfig
+from screl.controller.controller import ROW_FIELDS
+from screl.envs import Task
+
+log = logging.getLogger(__name__)
+
+
+def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int) -> dict[str, Any]:
+    """Dense, next-token-aligned training tensors for one chunk of rollout rows.
+
+    ``token_mask[i, j]`` is 1 where position ``j`` predicts a response token (``input_ids[i, j + 1]``);
+    ``generation_logprobs`` and ``token_versions`` are aligned the same way.
+    """
+    rows = len(meta["keys"])
+    version = int(meta["trainer_version"])
+    base = {k: meta[k] for k in ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight",
+                                 "generation_s") if k in meta}
+    if rows == 0:
+        empty = torch.zeros((0, 1))
+        return {**base, "input_ids": empty.long(), "attention_mask": empty.long(), "token_mask": empty,
+                "generation_logprobs": empty, "token_versions": empty.long(), "rewards": torch.zeros(0),
+                "sample_mask": torch.zeros(0), "start_weight": torch.zeros(0, dtype=torch.long)}
+    ids = data["input_ids"]
+    length = max(int(t.numel()) for t in ids)
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, length), dtype=torch.long)
+    token_mask = torch.zeros((rows, length - 1))
+    gen_lp = torch.zeros((rows, length - 1))
+    versions = torch.full((rows, length - 1), version, dtype=torch.long)
+    for i in range(rows):
+        n = int(ids[i].numel())
+        p = int(data["prompt_len"][i].reshape(-1)[0])
+        resp = n - p
+        input_ids[i, :n] = ids[i].long()
+        attention[i, :n] = 1
+        token_mask[i, p - 1:p - 1 + resp] = 1.0
+        gen_lp[i, p - 1:p - 1 + resp] = data["generation_logprobs"][i].float().reshape(-1)[:resp]
+        versions[i, p - 1:p - 1 + resp] = data["token_versions"][i].long().reshape(-1)[:resp]
+    rewards = torch.stack([r.float().reshape(-1)[0] for r in data["reward"]])
+    return {
+        **base,
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "generation_logprobs": gen_lp,
+        "token_versions": versions,
+        "rewards": rewards,
+        "sample_mask": torch.ones(rows),
+        "start_weight": torch.tensor(meta["start_weight"], dtype=torch.long),
+    }
+
+
+class _StepStream:
+    """The train dataloader: yields chunks until the controller says the run is done."""
+
+    def __init__(self, dm: RolloutDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            batch = self.dm.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+
+class RolloutDataModule(LightningDataModule):
+    """Owns the single controller and feeds the fit loop one RL-step chunk per batch.
+
+    Args:
+        task: The prompt dataset and reward function (``screl.envs.CountLetter``, ``screl.envs.Addition``...).
+        generation: Generation settings (``policy.generation`` in the spec).
+        run: The top-level blocks (grpo/ppo, async_rl, data_plane, checkpointing, ...), linked by the CLI.
+        step_timeout_s: Longest wait for a trainable chunk before failing with a clear error.
+        run_dir: Where ``events.jsonl`` goes (default: the trainer's log dir).
+        seed: Seeds prompt order and every request's sampling (with the prompt, epoch and sibling).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        generation: GenerationConfig | None = None,
+        run: dict[str, Any] | None = None,
+        step_timeout_s: float = 600.0,
+        run_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.task = task
+        self.generation = generation if generation is not None else GenerationConfig()
+        self.run = RunConfig.from_dict(run) if not isinstance(run, RunConfig) else run
+        if self.run.grpo is None and self.run.ppo is None:
+            from screl.config import GRPOConfig
+
+            self.run.grpo = GRPOConfig()
+        self.step_timeout_s = step_timeout_s
+        self.run_dir = run_dir
+        self.seed = seed
+        self.controller: Any = None
+        self.workers: list[Any] = []
+        self.dataplane: Any = None
+        self._ray_started = False
+        self._pad_id = 0
+        self.events_path: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            raise NotImplementedError(
+                f"RolloutDataModule supports only `fit` (got {stage!r}): validation is not supported on the "
+                "single controller"
+            )
+        if self.controller is not None:
+            return
+        from screl.callbacks import WeightSync
+
+        trainer = self.trainer
+        if trainer is None or not any(isinstance(cb, WeightSync) for cb in trainer.callbacks):
+            raise RuntimeError(
+                "RolloutDataModule needs the WeightSync callback (it refits the generation workers after each "
+                "step): run through `screl fit`, which adds it, or pass callbacks=[screl.callbacks.WeightSync()]"
+            )
+        if trainer.global_rank != 0:
+            raise NotImplementedError(
+                "multi-rank training with the RolloutDataModule is not supported yet: run one training process"
+            )
+        torch.set_num_threads(max(1, self.generation.num_threads))
+        module = trainer.lightning_module
+        run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
+        self._start(module.policy_spec, run_dir, module.export_weights())
+
+    def _start(self, policy: Any, run_dir: str, initial_weights: dict[str, torch.Tensor]) -> None:
+        import ray
+
+        from screl.controller import spawn_controller
+        from screl.dataplane import DataPlane, start_local_ray
+        from screl.rollout.worker import spawn_workers
+
+        rc = self.run.ray
+        self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
+        try:
+            self.dataplane = DataPlane.start(
+                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
+            )
+            g = self.generation
+            self.workers = spawn_workers(
+                g.num_workers, policy, device=g.device, num_threads=g.num_threads, max_batch_size=g.max_batch_size,
+                recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
+                injected_latency_s=g.injected_latency_s, seed=self.seed, backend=g.backend,
+            )
+            self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
+            weights = [ray.put(initial_weights)]
+            ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.step_timeout_s)
+            self.controller = spawn_controller(
+                self.run, self.task, policy, g, self.workers, self.dataplane, run_dir, self.seed
+            )
+            info = ray.get(self.controller.start.remote(weights), timeout=self.step_timeout_s)
+            self.events_path = info["events_path"]
+            log.info("screl: controller started; events -> %s", self.events_path)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def teardown(self, stage: str) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the controller, workers and data plane (and Ray, if this module started it). Idempotent."""
+        if self.controller is None and not self.workers and self.dataplane is None and not self._ray_started:
+            return
+        import ray
+
+        from screl.dataplane import stop_ray_if_started
+
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=30)
+            except Exception as err:  # noqa: BLE001 - keep tearing down
+                log.warning("screl: controller shutdown failed: %r", err)
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.dataplane is not None:
+            try:
+                self.dataplane.shutdown()
+            except Exception as err:  # noqa: BLE001
+                log.warning("screl: data plane shutdown failed: %r", err)
+            self.dataplane = None
+        stop_ray_if_started(self._ray_started)
+        self._ray_started = False
+
+    # -- the train pump's side ---------------------------------------------------------------------------
+    def train_dataloader(self) -> _StepStream:
+        return _StepStream(self)
+
+    def next_batch(self) -> dict[str, Any] | None:
+        """Block for the next chunk (metadata from the controller, tensors from the data plane)."""
+        import ray
+
+        t0 = time.perf_counter()
+        meta = ray.get(self.controller.next_chunk.remote(self.step_timeout_s), timeout=self.step_timeout_s + 60)
+        if meta is None:
+            return None
+        data = self.dataplane.get(meta["keys"], list(ROW_FIELDS)) if meta["keys"] else {}
+        batch = collate_chunk(meta, data, self._pad_id)
+        batch["wait_s"] = time.perf_counter() - t0
+        return batch
+
+    def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Retire the finished step and refit the workers with ``weights`` (called by WeightSync)."""
+        import ray
+
+        ref = [ray.put(weights)]
+        return ray.get(self.controller.complete_step.remote(ref), timeout=self.step_timeout_s)  # type: ignore[no-any-return]
+
+    def controller_stats(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]
+

@@ -1,0 +1,113 @@
+"""Start (or join) the Ray cluster that screl runs on, bound to loopback only.
+
+Ray listens on every interface by default. Two environment variables keep a local cluster on
+127.0.0.1 (see ``shared/STACK.md``):
+
+* ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes the node IP ``127.0.0.1`` and the GCS, raylet, core
+  workers and actors bind there. Ray reads it **when ``ray`` is first imported**
+  (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``); setting it later is silently ignored and every
+  Ray server binds ``*``. :func:`start_local_ray` therefore also sets that constant when Ray is already
+  imported.
+* ``RAY_AUTH_MODE=disabled``.
+
+``_node_ip_address="127.0.0.1"`` alone does not help: the servers still bind all interfaces.
+TransferQueue's ZMQ servers bind Ray's node IP, so they follow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+"""Environment that keeps Ray on 127.0.0.1; set before ``ray.init`` (ideally before ``import ray``)."""
+
+LOOPBACK_IPS = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def _force_loopback_env() -> None:
+    os.environ.update(LOOPBACK_ENV)
+    # TransferQueue's put/get pins torch to TQ_NUM_THREADS threads (default 8, clamped to the physical
+    # cores, with a warning) and Ray workers inherit this environment: one thread is right on CPU.
+    os.environ.setdefault("TQ_NUM_THREADS", "1")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # `import ray` already happened: its import-time read missed the variable
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
+
+
+def start_local_ray(
+    num_cpus: int = 6,
+    namespace: str = "screl",
+    address: str | None = None,
+    *,
+    log_to_driver: bool = False,
+    object_store_memory: int | None = None,
+) -> bool:
+    """Start a loopback-only local Ray cluster, or join ``address``; return whether this call started Ray.
+
+    Args:
+        num_cpus: Logical CPUs of a new local cluster (ignored when joining). TransferQueue needs
+            ``1 + num_storage_units`` of them; logical CPUs may exceed the physical cores.
+        namespace: Ray namespace of this driver (named actors live there).
+        address: ``host:port`` of a running cluster to join; ``None`` always starts a new local
+            cluster (never silently attaches to one found through ``RAY_ADDRESS`` or ``/tmp/ray``).
+        log_to_driver: Forward worker stdout/stderr to this process.
+        object_store_memory: Object store size in bytes for a new cluster (Ray's default when ``None``).
+
+    Returns:
+        ``False`` when Ray was already initialised in this process (nothing is done), else ``True``.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    _force_loopback_env()
+    if address is not None:
+        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        return True
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        log_to_driver=log_to_driver,
+        logging_level=logging.WARNING,
+        object_store_memory=object_store_memory,
+    )
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip.strip("[]") not in LOOPBACK_IPS:
+        ray.shutdown()
+        raise RuntimeError(
+            f"Ray started with node IP {node_ip!r}, not loopback: set "
+            f"{' '.join(f'{k}={v}' for k, v in LOOPBACK_ENV.items())} before `import ray`."
+        )
+    return True
+
+
+def stop_ray_if_started(started: bool) -> None:
+    """Shut Ray down if ``started`` (the value :func:`start_local_ray` returned); otherwise leave it be."""
+    if not started:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def listening_addresses(pids: set[int] | None = None) -> list[tuple[int, str, int]]:
+    """``(pid, ip, port)`` of every listening TCP socket of this process and its descendants (or ``pids``).
+
+    A local Ray cluster's GCS, raylet, workers and actors all descend from the driver that started it,
+    so this covers Ray and TransferQueue; used to check that nothing listens beyond loopback.
+    """
+    import psutil
+
+    if pids is None:
+        me = psutil.Process()
+        pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in pids and conn.laddr:
+            found.append((int(conn.pid), str(conn.laddr.ip), int(conn.laddr.port)))
+    return found

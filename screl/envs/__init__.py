@@ -1,0 +1,17 @@
+"""Tasks and reward functions (plain Python; see ``screl.envs.base`` for the plugin point)."""
+
+from screl.envs.base import CustomReward, PromptRecord, RewardFn, Task, decode_completion, load_reward_fn
+from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts
+
+__all__ = [
+    "Addition",
+    "CountLetter",
+    "CustomReward",
+    "JsonlTask",
+    "PromptRecord",
+    "RewardFn",
+    "Task",
+    "arithmetic_prompts",
+    "decode_completion",
+    "load_reward_fn",
+]

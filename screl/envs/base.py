@@ -1,0 +1,112 @@
+"""Tasks: a prompt dataset plus a reward function (the reward plugin point).
+
+Write a reward in one of two ways:
+
+* subclass :class:`Task` and implement ``prompts()`` and ``reward(prompt, completion)``;
+* keep a task's prompts and give a plain function as ``"module:function"``, with the signature
+  ``fn(prompt: PromptRecord, completion: str) -> float``, through :class:`CustomReward`
+  (or :class:`JsonlTask` for prompts read from a JSONL file).
+
+``completion`` is the decoded completion text (:func:`decode_completion`: special tokens skipped,
+as TRL decodes). Rewards must be deterministic plain floats and cheap; they run on the controller.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt of a task's dataset."""
+
+    prompt_id: int
+    """Stable integer id: the same prompt has the same id in every run and process."""
+    text: str
+    """The prompt text given to the tokenizer (no special tokens added)."""
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    """Task-specific fields the reward needs (e.g. the operands ``a`` and ``b``)."""
+
+
+RewardFn = Callable[[PromptRecord, str], float]
+"""``fn(prompt, completion_text) -> float``."""
+
+
+class _Decoder(Protocol):
+    def decode(self, token_ids: Any, skip_special_tokens: bool = ..., **kwargs: Any) -> Any: ...
+
+
+def decode_completion(tokenizer: _Decoder, token_ids: Sequence[int]) -> str:
+    """The completion text a reward sees: special tokens (pad, eos, bos) skipped, as TRL decodes."""
+    return str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def load_reward_fn(target: str) -> RewardFn:
+    """Import ``"package.module:function"`` and return the function."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward_fn={target!r} must have the form 'package.module:function'.")
+    fn = importlib.import_module(module_name)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"reward_fn={target!r} resolves to {fn!r}, which is not callable.")
+    return fn  # type: ignore[return-value]
+
+
+class Task(ABC):
+    """A prompt dataset and a reward function. Subclass to plug in a task."""
+
+    @abstractmethod
+    def prompts(self) -> list[PromptRecord]:
+        """All prompts, in a fixed order, with unique stable ``prompt_id``s."""
+
+    @abstractmethod
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """Score one decoded completion of ``prompt``."""
+
+    def rewards(self, prompts: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
+        """Score many completions (override to batch an expensive verifier)."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
+        return [float(self.reward(p, c)) for p, c in zip(prompts, completions, strict=True)]
+
+    def prompt(self, prompt_id: int) -> PromptRecord:
+        """Look a prompt up by id."""
+        by_id: dict[int, PromptRecord] | None = self.__dict__.get("_by_id")
+        if by_id is None:
+            by_id = {}
+            for rec in self.prompts():
+                if rec.prompt_id in by_id:
+                    raise ValueError(f"{type(self).__name__}: duplicate prompt_id {rec.prompt_id}.")
+                by_id[rec.prompt_id] = rec
+            self.__dict__["_by_id"] = by_id
+        if prompt_id not in by_id:
+            raise KeyError(f"{type(self).__name__} has no prompt_id {prompt_id}.")
+        return by_id[prompt_id]
+
+
+class CustomReward(Task):
+    """Another task's prompts scored by a user function.
+
+    Args:
+        task: The task whose prompts are used.
+        reward_fn: ``"package.module:function"``; called as ``fn(prompt, completion) -> float``.
+    """
+
+    def __init__(self, task: Task, reward_fn: str) -> None:
+        self.task = task
+        self.reward_fn = reward_fn
+        self._fn = load_reward_fn(reward_fn)
+
+    def prompts(self) -> list[PromptRecord]:
+        """The wrapped task's prompts."""
+        return self.task.prompts()
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """The user function's score."""
+        return float(self._fn(prompt, completion))

@@ -1,0 +1,100 @@
+"""Tasks shipped with screl: the TRL benchmark peer's two tasks, and prompts from a JSONL file."""
+
+from __future__ import annotations
+
+import json
+
+from screl.envs.base import PromptRecord, Task, load_reward_fn
+
+
+def arithmetic_prompts() -> list[PromptRecord]:
+    """The 100 prompts ``"{a}+{b}="`` for single digits, a-major; ``prompt_id = 10 * a + b``."""
+    return [
+        PromptRecord(prompt_id=10 * a + b, text=f"{a}+{b}=", metadata={"a": a, "b": b})
+        for a in range(10)
+        for b in range(10)
+    ]
+
+
+class CountLetter(Task):
+    """Dense toy reward: the fraction of ``letter`` among the completion's characters.
+
+    Args:
+        letter: The single character to count.
+    """
+
+    def __init__(self, letter: str = "a") -> None:
+        if len(letter) != 1:
+            raise ValueError(f"CountLetter(letter={letter!r}) must be a single character.")
+        self.letter = letter
+
+    def prompts(self) -> list[PromptRecord]:
+        """The 100 arithmetic prompts (the reward ignores them)."""
+        return arithmetic_prompts()
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """``completion.count(letter) / max(1, len(completion))``."""
+        return completion.count(self.letter) / max(1, len(completion))
+
+
+class Addition(Task):
+    """Verifiable single-digit addition: 1.0 if the completion starts with the sum's digits, else 0.0."""
+
+    def prompts(self) -> list[PromptRecord]:
+        """The 100 prompts ``"{a}+{b}="``."""
+        return arithmetic_prompts()
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """Exact-prefix match of ``str(a + b)``."""
+        a, b = int(prompt.metadata["a"]), int(prompt.metadata["b"])
+        return 1.0 if completion.startswith(str(a + b)) else 0.0
+
+
+class JsonlTask(Task):
+    """Prompts from a JSONL file, scored by a user reward function.
+
+    Each line is a JSON object; ``text_key`` holds the prompt, ``id_key`` (if given) its integer id,
+    else the line number (0-based, blank lines skipped). The other fields become ``metadata``.
+
+    Args:
+        path: Local JSONL file.
+        reward_fn: ``"package.module:function"``; called as ``fn(prompt, completion) -> float``.
+        text_key: Field holding the prompt text.
+        id_key: Field holding a stable integer id; ``None`` numbers lines.
+    """
+
+    def __init__(
+        self, path: str, reward_fn: str, text_key: str = "prompt", id_key: str | None = None
+    ) -> None:
+        self.path = path
+        self.reward_fn = reward_fn
+        self.text_key = text_key
+        self.id_key = id_key
+        self._fn = load_reward_fn(reward_fn)
+        self._records: list[PromptRecord] | None = None
+
+    def prompts(self) -> list[PromptRecord]:
+        """The file's prompts in file order (read once)."""
+        if self._records is None:
+            self._records = self._read()
+        return list(self._records)
+
+    def _read(self) -> list[PromptRecord]:
+        records: list[PromptRecord] = []
+        seen: set[int] = set()
+        with open(self.path, encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.strip()]
+        for i, line in enumerate(lines):
+            row = json.loads(line)
+            if self.text_key not in row:
+                raise KeyError(f"JsonlTask: line {i} of {self.path} has no text_key={self.text_key!r}.")
+            pid = int(row.pop(self.id_key)) if self.id_key is not None else i
+            if pid in seen:
+                raise ValueError(f"JsonlTask: duplicate prompt id {pid} in {self.path}.")
+            seen.add(pid)
+            records.append(PromptRecord(prompt_id=pid, text=str(row.pop(self.text_key)), metadata=row))
+        return records
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """The user function's score."""
+        return float(self._fn(prompt, completion))

@@ -1,0 +1,29 @@
+"""Policy specs (model + tokenizer builders) shared by the trainer and the generation workers."""
+
+from screl.models.hf import HFCausalLM
+from screl.models.spec import PolicySpec, resolve_dtype
+from screl.models.tiny import MODEL_SCALES, TinyCausalLM
+from screl.models.tokenizer import (
+    BOS_TOKEN_ID,
+    CHARS,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    SPECIAL_TOKENS,
+    build_char_tokenizer,
+    char_vocab,
+)
+
+__all__ = [
+    "BOS_TOKEN_ID",
+    "CHARS",
+    "EOS_TOKEN_ID",
+    "MODEL_SCALES",
+    "PAD_TOKEN_ID",
+    "SPECIAL_TOKENS",
+    "HFCausalLM",
+    "PolicySpec",
+    "TinyCausalLM",
+    "build_char_tokenizer",
+    "char_vocab",
+    "resolve_dtype",
+]

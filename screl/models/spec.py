@@ -1,0 +1,48 @@
+"""Policy specs: small picklable descriptions from which any process builds the same model and tokenizer.
+
+The trainer (LightningModule) and every generation worker build from the same spec, so they hold the
+same architecture; workers then receive the trainer's weights. A spec holds only plain values, so it
+pickles across Ray and fits a jsonargparse config (``policy: {class_path: screl.models.TinyCausalLM}``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """Map ``"float32" | "bfloat16" | "float16"`` to a torch dtype."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported. Expected one of {sorted(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+class PolicySpec(ABC):
+    """A causal LM policy: ``build_model()`` and ``build_tokenizer()``, deterministic and picklable."""
+
+    @abstractmethod
+    def build_model(self) -> PreTrainedModel:
+        """Build the model (on CPU). Seeded specs build identical weights every call."""
+
+    @abstractmethod
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        """Build the tokenizer that goes with the model."""
+
+    def _fields(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted((k, repr(v)) for k, v in self._fields().items()))))

@@ -1,0 +1,176 @@
+"""The GRPO LightningModule: one RL step = one optimizer step, assembled from one or more chunks.
+
+The train dataloader (``RolloutDataModule``) yields *chunks* of whole prompt groups; a step may be
+streamed as several chunks (``async_rl.min_groups_for_streaming_train`` < ``num_prompts_per_step``).
+Gradients accumulate over a step's chunks and the optimizer steps on the chunk marked ``last_chunk``,
+so optimization is manual.
+
+Because the policy changes only at the end of a step, the logprobs of the current parameters *are*
+the step-start ("old"/proximal) logprobs: ``prev_logprobs = curr_logprobs.detach()`` exactly, and the
+importance-sampling weight ``exp(prev - gen)`` corrects for the behaviour policy that generated each
+token. Tokens that the current weight version generated (their recorded version equals the trainer
+version) are on-policy by construction: their behaviour logprobs are taken to be the trainer's, so
+their IS weight is exactly 1; ``train/logprob_mismatch`` reports how far engine and trainer numerics
+differ on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from screl.algos import ClippedPGLoss, grpo_advantages
+from screl.config import GRPOConfig, from_dict
+from screl.models import PolicySpec
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+    """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class GRPO(LightningModule):
+    """Group Relative Policy Optimization with importance-sampling correction for async rollouts.
+
+    Args:
+        policy: The policy spec (``screl.models.TinyCausalLM``, ``screl.models.HFCausalLM``, ...).
+        loss_fn: The policy loss (``screl.algos.ClippedPGLoss``); None uses its defaults.
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: Clip the gradient norm before each optimizer step (None: no clipping).
+        micro_batch_size: Rows per forward/backward inside a chunk (None: the whole chunk at once).
+        train_global_batch_size: Rows per optimizer step; must equal num_prompts_per_step x
+            num_generations_per_prompt (None: derived).
+        temperature: Sampling temperature of generation (linked from ``data.init_args.generation``).
+        algo: The ``grpo`` block (linked by the CLI).
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        loss_fn: ClippedPGLoss | None = None,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int | None = None,
+        train_global_batch_size: int | None = None,
+        temperature: float = 1.0,
+        algo: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy_spec = policy
+        self.model = policy.build_model()
+        self.loss_fn = loss_fn if loss_fn is not None else ClippedPGLoss()
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.train_global_batch_size = train_global_batch_size
+        self.temperature = temperature
+        self.algo: GRPOConfig = from_dict(GRPOConfig, algo) if not isinstance(algo, GRPOConfig) else algo
+        self.reference: torch.nn.Module | None = None
+        if self.loss_fn.requires_reference_logprobs:
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self._step_started: float | None = None
+
+    # -- optimization --------------------------------------------------------------------------------
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+
+    def export_weights(self) -> dict[str, Tensor]:
+        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        t0 = time.perf_counter()
+        if self._step_started is None:
+            self._step_started = t0
+        opt = self.optimizers()
+        rows = batch["input_ids"].shape[0]
+        group_size = self.algo.num_generations_per_prompt
+        step_groups = int(batch["step_groups"])
+        chunk_groups = rows // group_size
+        sample_mask = batch["sample_mask"].float()
+        token_mask = batch["token_mask"].float()
+        advantages = grpo_advantages(
+            batch["rewards"].float(),
+            group_size,
+            sample_mask,
+            leave_one_out=self.algo.adv_estimator.use_leave_one_out_baseline,
+            normalize_std=self.algo.adv_estimator.normalize_rewards,
+        )
+        valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
+        mb = self.micro_batch_size or rows
+        loss_total = torch.zeros((), device=self.device)
+        metrics_acc: dict[str, list[Tensor]] = {}
+        for lo in range(0, rows, mb):
+            sl = slice(lo, min(rows, lo + mb))
+            curr = token_logprobs(self.model, batch["input_ids"][sl], batch["attention_mask"][sl], self.temperature)
+            prev = curr.detach()
+            on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
+            gen = torch.where(on_policy, prev, batch["generation_logprobs"][sl].float())
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(
+                        self.reference, batch["input_ids"][sl], batch["attention_mask"][sl], self.temperature
+                    )
+            adv_tok = advantages[sl, None].expand_as(curr)
+            loss, metrics = self.loss_fn(
+                curr, prev, gen, adv_tok, token_mask[sl], sample_mask[sl], reference_logprobs=ref,
+                global_normalizer=valid_tokens if self.loss_fn.token_level_loss else None,
+            )
+            if not self.loss_fn.token_level_loss:
+                loss = loss * (sl.stop - sl.start) / rows
+            # A step streamed as several chunks: each chunk carries its share of the step's groups.
+            self.manual_backward(loss * (chunk_groups / step_groups))
+            loss_total = loss_total + loss.detach()
+            on_mask = on_policy & token_mask[sl].bool()
+            if on_mask.any():
+                mismatch = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()
+                metrics["logprob_mismatch"] = mismatch
+            for k, v in metrics.items():
+                metrics_acc.setdefault(k, []).append(v.detach().float())
+        stepped = bool(batch["last_chunk"])
+        if stepped:
+            if self.max_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                self.log("train/grad_norm", grad_norm, batch_size=rows)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped)
+        return loss_total
+
+    def _log_chunk(
+        self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], rows: int, t0: float,
+        stepped: bool,
+    ) -> None:
+        version = int(batch["trainer_version"])
+        staleness = (version - batch["start_weight"]).float()
+        resp_len = batch["token_mask"].float().sum(-1)
+        self.log("train/loss", loss, batch_size=rows)
+        self.log("reward", batch["rewards"].float().mean(), prog_bar=True, batch_size=rows)
+        self.log("train/response_length", resp_len.mean(), batch_size=rows)
+        self.log("staleness", staleness.mean(), prog_bar=True, batch_size=rows)
+        self.log("train/staleness_max", staleness.max(), batch_size=rows)
+        for key in ("buffer_fill", "inflight", "wait_s", "generation_s"):
+            if key in batch:
+                self.log(f"rollout/{key}", float(batch[key]), prog_bar=key == "buffer_fill", batch_size=rows)
+        for k, vs in metrics.items():
+            reduce = torch.stack(vs).max() if k.endswith("max") or k == "logprob_mismatch" else torch.stack(vs).mean()
+            self.log(f"train/{k}", reduce, batch_size=rows)
+        now = time.perf_counter()
+        self.log("time/train_chunk_s", now - t0, batch_size=rows)
+        if stepped and self._step_started is not None:
+            self.log("time/train_step_s", now - self._step_started, batch_size=rows)
+            self._step_started = None

@@ -1,0 +1,151 @@
+"""The generation engine protocol: one request per sample, per-token logprobs and weight versions.
+
+Shaped after vLLM's ``AsyncLLM`` (``spec/vllm-rl-api.md``) so a vLLM engine slots in behind it:
+``SamplingParams`` maps onto vLLM's (``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` ->
+``min_tokens``, ``top_k=None`` -> ``0``, ``logprobs=0``), ``abort`` and ``pause``/``resume`` onto
+``abort`` / ``pause_generation(mode=...)`` / ``resume_generation``, and per-token weight versions onto
+``CompletionOutput.weight_versions`` spans.
+
+**Logprob convention.** ``GenerationResult.logprobs[i]`` is ``log_softmax(logits / temperature)`` of
+the sampled token over the *whole* vocabulary: temperature-scaled, but before top-k/top-p truncation
+and before the ``min_new_tokens`` EOS mask (vLLM: ``logprobs_mode="processed_logprobs"`` with top-k/top-p
+off). The trainer computes the same quantity from its own forward pass, so with a single weight
+version the behaviour logprobs equal the trainer's. ``temperature == 0`` is greedy decoding and
+reports ``log_softmax(logits)`` (temperature 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["length", "stop", "abort"]
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion."""
+
+    max_new_tokens: int = 16
+    """Completion length cap (vLLM ``max_tokens``)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 is off."""
+    top_k: int | None = None
+    """Keep the k most likely tokens; None is off."""
+    min_new_tokens: int = 0
+    """Stop tokens are masked out until this many tokens exist; equal to ``max_new_tokens`` gives fixed-length
+    completions (vLLM ``min_tokens``)."""
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and weights give the same completion, whatever the batch."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the tokenizer's EOS."""
+    ignore_eos: bool = False
+    """Never stop at EOS (stop_token_ids still stop)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams(max_new_tokens={self.max_new_tokens}) must be >= 1.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"SamplingParams(min_new_tokens={self.min_new_tokens}) must be in [0, max_new_tokens="
+                f"{self.max_new_tokens}]."
+            )
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams(temperature={self.temperature}) must be >= 0 (0 = greedy).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams(top_p={self.top_p}) must be in (0, 1].")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"SamplingParams(top_k={self.top_k}) must be >= 1, or None for off.")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sample to generate."""
+
+    request_id: str
+    """Unique among requests in flight on an engine; ``abort`` addresses it."""
+    prompt_token_ids: Sequence[int]
+    """The tokenized prompt (non-empty)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenerationResult:
+    """One finished (or aborted) sample."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Sampled tokens, including a final stop token when ``finish_reason == "stop"``."""
+    logprobs: list[float]
+    """Per sampled token: ``log_softmax(logits / temperature)[token]`` (see the module docstring)."""
+    finish_reason: FinishReason
+    """``length`` (hit max_new_tokens), ``stop`` (sampled a stop token) or ``abort`` (partial tokens)."""
+    weight_versions: list[int]
+    """Per sampled token: the weight version of the forward pass whose logits produced it."""
+    start_version: int
+    """Engine weight version when the request started (its prefill)."""
+    end_version: int
+    """Engine weight version when the request finished."""
+
+    def weight_version_spans(self) -> list[tuple[int, int, int]]:
+        """``(version, start, end)`` runs over output-token indexes, as vLLM reports them."""
+        spans: list[tuple[int, int, int]] = []
+        for i, v in enumerate(self.weight_versions):
+            if spans and spans[-1][0] == v:
+                spans[-1] = (v, spans[-1][1], i + 1)
+            else:
+                spans.append((v, i, i + 1))
+        return spans
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What a generation worker drives: torch on HF models now, vLLM ``AsyncLLM`` later.
+
+    Thread safety: ``generate`` blocks; ``abort``, ``pause``, ``resume``, ``update_weights`` and
+    ``set_version`` may be called from other threads while it runs.
+    """
+
+    @property
+    def version(self) -> int:
+        """The weight version now loaded."""
+        ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate every request (in the given order) and return when all have finished or been aborted."""
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights (atomically between decode steps) and set the version."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """Set the weight version label without loading weights."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these in-flight requests now with their partial tokens (``finish_reason="abort"``).
+
+        Ids not in flight are ignored (as vLLM does).
+        """
+        ...
+
+    def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop generating until ``resume()``; returns once the engine is quiet.
+
+        ``keep``: in-flight requests stop at a step boundary and continue after resume (their KV cache
+        is kept, or recomputed if the engine is so configured); ``wait``: in-flight requests finish,
+        new ones wait; ``abort``: in-flight requests are aborted. New requests wait for ``resume()``.
+        """
+        ...
+
+    def resume(self) -> None:
+        """Undo ``pause``."""
+        ...

@@ -1,0 +1,386 @@
+"""A generation engine on a Hugging Face causal LM in plain torch (CPU or GPU).
+
+Batched sampling with a KV cache: prompts are left-padded (attention mask + position ids), then one
+token per step is decoded for the whole batch. Sampling is our own loop (not ``model.generate``) so
+that logprobs, per-token weight versions, stop handling and ``min_new_tokens`` are exact.
+
+Determinism: each request draws its uniforms from its own ``torch.Generator`` seeded by
+``SamplingParams.seed`` and samples by inverse CDF, so a request's tokens depend on its seed, prompt
+and weights, not on its batch mates. Give siblings of a group different seeds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from screl.models.spec import PolicySpec
+from screl.rollout.engine import FinishReason, GenerationRequest, GenerationResult, PauseMode, SamplingParams
+
+
+@dataclass
+class _Row:
+    """Decode state of one request."""
+
+    req: GenerationRequest
+    uniforms: torch.Tensor
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    start_version: int | None = None
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.req.sampling
+
+
+@dataclass
+class _Batch:
+    """Per-batch tensors of the sampling parameters and the KV-cache state."""
+
+    temps: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_new: torch.Tensor
+    stop_mask: torch.Tensor
+    cache: Any = None
+    attn: torch.Tensor | None = None
+    next_pos: torch.Tensor | None = None
+
+
+class TorchGenerationEngine:
+    """The torch implementation of :class:`~screl.rollout.engine.GenerationEngine`.
+
+    Args:
+        policy: Spec to build the model and tokenizer from (weights then come via ``update_weights``).
+        device: Torch device for the model (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        num_threads: Torch intra-op threads for this process (``None`` leaves the setting alone).
+        max_batch_size: Requests decoded together; a larger ``generate`` call runs in chunks.
+        recompute_kv_cache_after_weight_updates: When weights change mid-generation, re-prefill the
+            in-flight sequences under the new weights (else the old KV cache is kept, PipelineRL style).
+        seed: Seeds the seeds of requests without ``SamplingParams.seed`` (``None``: nondeterministic).
+        version: Initial weight version label.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        device: str = "cpu",
+        num_threads: int | None = 1,
+        max_batch_size: int | None = None,
+        recompute_kv_cache_after_weight_updates: bool = False,
+        seed: int | None = None,
+        version: int = 0,
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"TorchGenerationEngine(max_batch_size={max_batch_size}) must be >= 1 or None.")
+        self.policy = policy
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
+        self.tokenizer = policy.build_tokenizer()
+        self.model = policy.build_model()
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers' wrapped .to
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = self._eos_ids()
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._version = version
+        self._model_lock = threading.Lock()  # one forward pass or one weight load at a time
+        self._cond = threading.Condition()  # guards everything below
+        self._inflight: set[str] = set()
+        self._aborted: set[str] = set()
+        self._pause_mode: PauseMode | None = None
+        self._active = 0  # generate calls decoding now (not parked, not waiting to start)
+
+    # ----------------------------------------------------------------------------------- protocol
+
+    @property
+    def version(self) -> int:
+        """The weight version now loaded."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Set the weight version label (between decode steps)."""
+        with self._model_lock:
+            self._version = version
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` into the model between decode steps and set the version.
+
+        Keys must match the model's; tied parameters may be given under any one of their names.
+        """
+        names: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        names.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        unexpected = sorted(set(state_dict) - set(names))
+        if unexpected:
+            raise KeyError(
+                f"update_weights: keys not in the model: {unexpected[:5]} ({len(unexpected)} in all)."
+            )
+        loaded = {id(names[k]) for k in state_dict}
+        missing = sorted(k for k, t in names.items() if k not in state_dict and id(t) not in loaded)
+        persistent = set(self.model.state_dict())
+        missing = [k for k in missing if k in persistent]
+        if missing:
+            raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
+        with self._model_lock, torch.no_grad():
+            for k, t in state_dict.items():
+                names[k].copy_(t)
+            self._version = version
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these in-flight requests at the next step with their partial tokens."""
+        with self._cond:
+            self._aborted.update(set(request_ids) & self._inflight)
+            self._cond.notify_all()
+
+    def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
+        """Stop generating until :meth:`resume` (see the protocol); returns when no batch is decoding.
+
+        Raises:
+            TimeoutError: the engine did not become quiet within ``timeout`` seconds (it stays paused).
+        """
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause(mode={mode!r}): expected 'abort', 'wait' or 'keep'.")
+        with self._cond:
+            self._pause_mode = mode
+            if mode == "abort":
+                self._aborted.update(self._inflight)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._active == 0, timeout):
+                raise TimeoutError(
+                    f"pause(mode={mode!r}): {self._active} generate call(s) still running after {timeout} s."
+                )
+
+    def resume(self) -> None:
+        """Let waiting and parked ``generate`` calls continue."""
+        with self._cond:
+            self._pause_mode = None
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the engine is paused."""
+        return self._pause_mode is not None
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate all requests, ``max_batch_size`` at a time; results in request order."""
+        if not requests:
+            return []
+        rows = [self._new_row(r) for r in requests]
+        ids = [r.request_id for r in requests]
+        self._enter(ids)
+        try:
+            size = self.max_batch_size or len(rows)
+            for i in range(0, len(rows), size):
+                self._run_batch(rows[i : i + size])
+        finally:
+            self._exit(ids)
+        end = self._version
+        return [self._result(r, end) for r in rows]
+
+    # ------------------------------------------------------------------------- pause/abort gates
+
+    def _enter(self, ids: list[str]) -> None:
+        with self._cond:
+            if len(set(ids)) != len(ids) or self._inflight & set(ids):
+                dup = sorted({i for i in ids if ids.count(i) > 1} | (self._inflight & set(ids)))
+                raise ValueError(f"generate: request ids already in flight or repeated: {dup[:5]}.")
+            self._inflight.update(ids)
+            self._cond.wait_for(lambda: self._pause_mode is None)
+            self._active += 1
+
+    def _exit(self, ids: list[str]) -> None:
+        with self._cond:
+            self._active -= 1
+            self._inflight.difference_update(ids)
+            self._aborted.difference_update(ids)
+            self._cond.notify_all()
+
+    def _checkpoint(self, rows: list[_Row]) -> None:
+        """Between steps: park while paused in ``keep`` mode, then apply aborts."""
+        with self._cond:
+            if self._pause_mode == "keep":
+                self._active -= 1
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._pause_mode != "keep")
+                self._active += 1
+            for r in rows:
+                if r.finish is None and r.req.request_id in self._aborted:
+                    r.finish = "abort"
+
+    # -------------------------------------------------------------------------------- decoding
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_cfg = getattr(self.model, "generation_config", None)
+        cfg_eos = getattr(gen_cfg, "eos_token_id", None)
+        if cfg_eos is None:
+            cfg_eos = getattr(self.model.config, "eos_token_id", None)
+        if isinstance(cfg_eos, int):
+            ids.add(cfg_eos)
+        elif cfg_eos is not None:
+            ids.update(int(i) for i in cfg_eos)
+        return frozenset(ids)
+
+    def _new_row(self, req: GenerationRequest) -> _Row:
+        if len(req.prompt_token_ids) == 0:
+            raise ValueError(f"generate: request {req.request_id!r} has an empty prompt.")
+        bad = [t for t in req.prompt_token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"generate: request {req.request_id!r} has token ids outside the vocabulary: {bad[:5]}."
+            )
+        sp = req.sampling
+        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
+        uniforms = torch.rand(sp.max_new_tokens, generator=gen, dtype=torch.float64)
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        return _Row(req=req, uniforms=uniforms, stop_ids=frozenset(stop))
+
+    def _batch_params(self, rows: list[_Row]) -> _Batch:
+        dev, n_vocab = self.device, self.vocab_size
+        stop_mask = torch.zeros(len(rows), n_vocab, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids = [t for t in r.stop_ids if 0 <= t < n_vocab]
+            stop_mask[i, ids] = True
+        return _Batch(
+            temps=torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev),
+            top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.sampling.top_k or n_vocab for r in rows], dtype=torch.long, device=dev),
+            min_new=torch.tensor([r.sampling.min_new_tokens for r in rows], dtype=torch.long, device=dev),
+            stop_mask=stop_mask.to(dev),
+        )
+
+    def _run_batch(self, rows: list[_Row]) -> None:
+        self._checkpoint(rows)
+        if all(r.finish is not None for r in rows):
+            return
+        batch = self._batch_params(rows)
+        with self._model_lock:
+            version = self._version
+            logits = self._prefill(rows, batch)
+        for r in rows:
+            r.start_version = version
+        cache_version = version
+        while True:
+            self._sample_step(rows, batch, logits, version)
+            self._checkpoint(rows)
+            if all(r.finish is not None for r in rows):
+                return
+            with self._model_lock:
+                version = self._version
+                if self.recompute_kv_cache and version != cache_version:
+                    logits = self._prefill(rows, batch)
+                    cache_version = version
+                else:
+                    logits = self._decode(rows, batch)
+
+    @torch.inference_mode()
+    def _prefill(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+        """Forward the full sequences (prompt + tokens so far), left-padded; logits of the last position."""
+        seqs = [list(r.req.prompt_token_ids) + r.tokens for r in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            attn[i, width - len(s) :] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
+        )
+        batch.cache = self._out_cache(out)
+        batch.attn = attn
+        batch.next_pos = attn.sum(-1)
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+        """One cached step on each row's last token (finished rows decode a dummy token, ignored)."""
+        assert batch.attn is not None and batch.next_pos is not None
+        last = [r.tokens[-1] if r.finish is None else self.pad_token_id for r in rows]
+        ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]
+        batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(rows), 1))], dim=1)
+        pos = batch.next_pos[:, None]
+        batch.next_pos = batch.next_pos + 1
+        kwargs = {self._cache_kw: batch.cache}
+        out = self.model(input_ids=ids, attention_mask=batch.attn, position_ids=pos, use_cache=True, **kwargs)
+        batch.cache = self._out_cache(out)
+        return out.logits[:, -1, :].float()
+
+    @staticmethod
+    def _out_cache(out: Any) -> Any:
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
+    def _sample_step(self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, version: int) -> None:
+        """Sample one token for every unfinished row and record logprob, version and finish."""
+        step = len(next(r for r in rows if r.finish is None).tokens)
+        greedy = batch.temps == 0
+        scaled = logits / torch.where(greedy, torch.ones_like(batch.temps), batch.temps)[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        proc = scaled.masked_fill(batch.stop_mask & (step < batch.min_new)[:, None], float("-inf"))
+        proc = _filter_top_k_top_p(proc, batch.top_k, batch.top_p)
+        probs = torch.softmax(proc, dim=-1).double()
+        cdf = probs.cumsum(dim=-1)
+        u = torch.stack([r.uniforms[min(step, len(r.uniforms) - 1)] for r in rows]).to(self.device)
+        target = ((1.0 - u) * cdf[:, -1])[:, None]
+        sampled = torch.searchsorted(cdf, target).squeeze(1).clamp(max=self.vocab_size - 1)
+        tokens = torch.where(greedy, proc.argmax(dim=-1), sampled)
+        tok_logp = logp.gather(1, tokens[:, None]).squeeze(1)
+        for r, t, lp in zip(rows, tokens.tolist(), tok_logp.tolist(), strict=True):
+            if r.finish is not None:
+                continue
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            if t in r.stop_ids and len(r.tokens) > r.sampling.min_new_tokens:
+                r.finish = "stop"
+            elif len(r.tokens) >= r.sampling.max_new_tokens:
+                r.finish = "length"
+
+    def _result(self, r: _Row, end_version: int) -> GenerationResult:
+        return GenerationResult(
+            request_id=r.req.request_id,
+            prompt_token_ids=[int(t) for t in r.req.prompt_token_ids],
+            token_ids=r.tokens,
+            logprobs=r.logprobs,
+            finish_reason=r.finish or "abort",
+            weight_versions=r.versions,
+            start_version=r.start_version if r.start_version is not None else end_version,
+            end_version=end_version,
+        )
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    n_vocab = logits.shape[-1]
+    if bool((top_k >= n_vocab).all()) and bool((top_p >= 1).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(n_vocab, device=logits.device)[None, :]
+    drop_sorted = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted |= (mass_before >= top_p[:, None]) & (ranks > 0)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,117 @@
+"""GRPO group-relative advantages: expected values derived by hand in the comments."""
+
+import math
+
+import pytest
+import torch
+
+from screl.algos import grpo_advantages
+
+EPS = 1e-6  # the default std epsilon
+
+
+def close(actual: torch.Tensor, expected: list[float] | torch.Tensor) -> None:
+    expected_t = torch.as_tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected_t, rtol=1e-5, atol=1e-6)
+
+
+def test_leave_one_out_without_std() -> None:
+    # r = [1, 0, 2]; b_0 = (0+2)/2 = 1, b_1 = (1+2)/2 = 1.5, b_2 = (1+0)/2 = 0.5
+    # A = [1-1, 0-1.5, 2-0.5] = [0, -1.5, 1.5]
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 2.0]), 3, normalize_std=False)
+    close(adv, [0.0, -1.5, 1.5])
+
+
+def test_mean_baseline_without_std() -> None:
+    # mean([1, 0, 2]) = 1 -> A = [0, -1, 1]
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 2.0]), 3, leave_one_out=False, normalize_std=False)
+    close(adv, [0.0, -1.0, 1.0])
+
+
+def test_mean_baseline_with_bessel_std() -> None:
+    # mean 1, deviations [0, -1, 1]; Bessel std = sqrt((0+1+1)/(3-1)) = 1 -> A = [0, -1, 1] / (1 + eps)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 2.0]), 3, leave_one_out=False)
+    close(adv, [0.0, -1.0 / (1 + EPS), 1.0 / (1 + EPS)])
+
+
+def test_leave_one_out_std_over_the_other_rows() -> None:
+    # r = [1, 0, 2]. Row 0: others [0, 2], b=1, A=0.
+    # Row 1: others [1, 2], b=1.5, std = sqrt((0.25+0.25)/1) = sqrt(0.5) -> A = -1.5/(sqrt(0.5)+eps)
+    # Row 2: others [1, 0], b=0.5, std = sqrt(0.5) -> A = 1.5/(sqrt(0.5)+eps)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 2.0]), 3)
+    s = math.sqrt(0.5)
+    close(adv, [0.0, -1.5 / (s + EPS), 1.5 / (s + EPS)])
+
+
+def test_leave_one_out_zero_spread_among_others_stays_unnormalized() -> None:
+    # r = [1, 0, 0]. Row 0: others [0, 0], b=0, std 0 -> A = 1, not divided (no 1/eps blow-up).
+    # Rows 1, 2: others [1, 0], b=0.5, std sqrt(0.5) -> A = -0.5/(sqrt(0.5)+eps)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), 3)
+    a = -0.5 / (math.sqrt(0.5) + EPS)
+    close(adv, [1.0, a, a])
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_zero_variance_group_gives_zero_not_nan(leave_one_out: bool, normalize_std: bool) -> None:
+    # every reward equal -> every baseline equals the reward -> A = 0; std 0 is never divided by
+    adv = grpo_advantages(torch.full((4,), 3.0), 4, leave_one_out=leave_one_out, normalize_std=normalize_std)
+    close(adv, [0.0] * 4)
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_one_sample_groups_give_zero(leave_one_out: bool, normalize_std: bool) -> None:
+    # G = 1: no sibling to compare against -> A = 0 (LOO would otherwise divide by n-1 = 0)
+    adv = grpo_advantages(
+        torch.tensor([5.0, -2.0]), 1, leave_one_out=leave_one_out, normalize_std=normalize_std
+    )
+    close(adv, [0.0, 0.0])
+
+
+def test_groups_are_independent() -> None:
+    # G = 2, groups [1, 0] and [10, 20].
+    # Mean baseline, no std: [0.5, -0.5, -5, 5]. LOO, no std: [1, -1, -10, 10].
+    # LOO with std: each row's "others" set has one row -> std undefined -> unnormalized, same values.
+    # Mean with std: group 0 std = sqrt((0.25+0.25)/1) = sqrt(0.5) -> +-0.5/(sqrt(0.5)+eps);
+    #                group 1 std = sqrt((25+25)/1) = sqrt(50) -> +-5/(sqrt(50)+eps).
+    r = torch.tensor([1.0, 0.0, 10.0, 20.0])
+    close(grpo_advantages(r, 2, leave_one_out=False, normalize_std=False), [0.5, -0.5, -5.0, 5.0])
+    close(grpo_advantages(r, 2, normalize_std=False), [1.0, -1.0, -10.0, 10.0])
+    close(grpo_advantages(r, 2), [1.0, -1.0, -10.0, 10.0])
+    a0, a1 = 0.5 / (math.sqrt(0.5) + EPS), 5.0 / (math.sqrt(50.0) + EPS)
+    close(grpo_advantages(r, 2, leave_one_out=False), [a0, -a0, -a1, a1])
+
+
+def test_masked_rows_are_excluded_from_the_baseline_and_get_zero() -> None:
+    # Row 2 is masked; its reward (NaN here) must not leak. Valid rows [1, 0, 2] as in the tests above:
+    # mean baseline -> [0, -1, (masked) 0, 1]; LOO -> [0, -1.5, 0, 1.5].
+    r = torch.tensor([1.0, 0.0, float("nan"), 2.0])
+    mask = torch.tensor([True, True, False, True])
+    close(grpo_advantages(r, 4, mask, leave_one_out=False, normalize_std=False), [0.0, -1.0, 0.0, 1.0])
+    close(grpo_advantages(r, 4, mask, normalize_std=False), [0.0, -1.5, 0.0, 1.5])
+    # with std (mean baseline): Bessel std of [1, 0, 2] = 1
+    close(grpo_advantages(r, 4, mask, leave_one_out=False), [0.0, -1 / (1 + EPS), 0.0, 1 / (1 + EPS)])
+
+
+def test_all_masked_group_and_single_valid_row_give_zero() -> None:
+    # group 0 fully masked; group 1 has one valid row (no baseline) -> all zeros, no NaN
+    r = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    mask = torch.tensor([0, 0, 0, 0, 1, 0])
+    for loo in (True, False):
+        close(grpo_advantages(r, 3, mask, leave_one_out=loo), [0.0] * 6)
+
+
+def test_float64_preserved() -> None:
+    adv = grpo_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2, normalize_std=False)
+    assert adv.dtype == torch.float64
+    close(adv, [1.0, -1.0])
+
+
+def test_invalid_shapes_raise() -> None:
+    with pytest.raises(ValueError, match=r"group_size=3.*multiple of group_size"):
+        grpo_advantages(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match=r"rewards.shape=\(2, 2\).*expected \[B\]"):
+        grpo_advantages(torch.zeros(2, 2), 2)
+    with pytest.raises(ValueError, match=r"sample_mask.shape=\(3,\)"):
+        grpo_advantages(torch.zeros(4), 2, torch.ones(3))

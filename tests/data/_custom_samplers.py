@@ -1,0 +1,72 @@
+"""Importable custom samplers for the ``custom`` factory tests (target ``_custom_samplers:<Class>``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from screl.data import Admission, GroupSlot, InOrderSampler, StalenessSampler
+
+
+class NewestFirst(StalenessSampler):
+    """Newest ready groups first; takes a kwarg."""
+
+    name: ClassVar[str] = "newest_first"
+    supports_buffer_checkpoint: ClassVar[bool] = True
+    supports_training_claims: ClassVar[bool] = True
+
+    def __init__(self, limit: int = 100) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
+        return sorted((s for s in slots if s.ready), key=lambda s: -s.start_weight)[: self.limit]
+
+
+class PlainProtocol:
+    """Satisfies the protocol without subclassing anything; its admit takes no outstanding_groups."""
+
+    supports_buffer_checkpoint: ClassVar[bool] = False
+    supports_training_claims: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.admits = 0
+
+    def admit(self, trainer_version: int) -> Admission:
+        self.admits += 1
+        return Admission(True, None)
+
+    def select(
+        self, slots: Sequence[GroupSlot], trainer_version: int, min_groups: int, max_groups: int
+    ) -> list[str] | None:
+        return None
+
+    def evict(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[str]:
+        return []
+
+    def should_abort_inflight(self, start_weight: int, trainer_version: int) -> bool:
+        return False
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class InheritsCheckpointFlag(InOrderSampler):
+    """Does not declare supports_buffer_checkpoint itself."""
+
+
+class MissingSelect:
+    supports_buffer_checkpoint: ClassVar[bool] = True
+    supports_training_claims: ClassVar[bool] = True
+
+    def admit(self, trainer_version: int) -> Admission:
+        return Admission(True, None)
+
+
+NOT_A_CLASS = 3
