@@ -199,8 +199,27 @@ def check(argv: Sequence[str]) -> int:
     return 0
 
 
+USAGE = """screl: asynchronous single-controller RL post-training (GRPO, PPO) on PyTorch Lightning
+
+  screl fit --config X.yaml        train (LightningCLI fit; `screl fit --help` lists every knob,
+                                   `screl fit --grpo.help GRPOConfig` the step settings)
+  screl check --config X.yaml      validate the whole config, start nothing, print the capacity plan
+  screl events check RUN_DIR       audit a run's events.jsonl (sampler rules, no group trained twice,
+                                   every prompt accounted for)
+
+LightningCLI's own help follows.
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        try:
+            ScrelCLI(args=["--help"])
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        return 0
     if args and args[0] == "check":
         return check(args[1:])
     if args and args[0] == "events":

@@ -277,9 +277,9 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
     if tgbs is not None and tgbs != P * G:
         bad("model.init_args.train_global_batch_size", tgbs, f"one RL step is one batch of num_prompts_per_step x "
             f"num_generations_per_prompt = {P} x {G} = {P * G} rows", f"set it to {P * G} or null (derived)")
-    vgbs = get(cfg, "model.init_args.value.train_global_batch_size")
+    vgbs = get(cfg, "model.init_args.value_train_global_batch_size")
     if vgbs is not None and vgbs != P * G:
-        bad("model.init_args.value.train_global_batch_size", vgbs, f"the critic trains on the whole step: "
+        bad("model.init_args.value_train_global_batch_size", vgbs, f"the critic trains on the whole step: "
             f"{P} x {G} = {P * G} rows", f"set it to {P * G} or null (derived)")
 
     # --- generation --------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from screl.data.sampler_config import (
 
 _LIVE = ("inflight", "ready")
 _OPEN = ("inflight", "ready", "selected", "failed")
+_MAX_ANCHORS = 8  # checkpoints/snapshots remembered as restore points (the newest ones)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class _Checker:
         self.order = 0
         self.open_steps: dict[int, list[str]] = {}
         self.pending_retry: dict[int, list[str]] = {}
-        self.anchors: dict[int, list[str]] = {}
+        self.anchors: dict[int, dict[str, tuple[str, int | None, int | None, int | None]]] = {}
         self.line = 0
 
     # ------------------------------------------------------------------ helpers
@@ -227,6 +228,9 @@ class _Checker:
         if t != self.version:
             self.flag("select-version", f"select at trainer_version {t} while {self.version} steps are done")
         eligible = self.eligible(t)
+        flagged = len(self.report.violations)
+        if len(set(e.group_ids)) != len(e.group_ids):
+            self.flag("selected-twice", f"select at T={t} names a group twice: {list(e.group_ids)}")
         groups = []
         for gid in e.group_ids:
             g = self.groups.get(gid)
@@ -240,7 +244,8 @@ class _Checker:
             if g is not None:
                 self.check_select_rule(gid, g, t, eligible)
                 groups.append(g)
-        if eligible is not None and list(e.group_ids) != eligible[: len(e.group_ids)]:
+        clean = len(self.report.violations) == flagged  # one cause, one report: order only if all else held
+        if clean and eligible is not None and list(e.group_ids) != eligible[: len(e.group_ids)]:
             self.flag(
                 "select-order",
                 f"{self.report.sampler} at T={t} selected {list(e.group_ids)}; the eligible groups in order "
@@ -360,43 +365,55 @@ class _Checker:
     def on_anchor(self, e: CheckpointEvent | SnapshotEvent) -> None:
         if e.step != self.version:
             self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
-        self.anchors[e.step] = [k for k, g in self.groups.items() if g.status in ("ready", "selected")]
+        self.anchors[e.step] = {
+            k: (g.status, g.trained_step, g.target_step, g.end_weight) for k, g in self.groups.items()
+        }
+        while len(self.anchors) > _MAX_ANCHORS:
+            del self.anchors[min(self.anchors)]
 
     def on_restore(self, e: RestoreEvent) -> None:
+        """Rewind to the anchor at step R: later history is void, open groups superseded unless restored."""
         self.report.restores += 1
         r = e.step
-        expected = self.anchors.get(r)
-        restored = list(e.group_ids) if e.group_ids is not None else (expected or [])
-        if expected is not None and e.group_ids is not None:
-            lost = sorted(set(expected) - set(e.group_ids))
+        anchor = self.anchors.get(r)
+        buffered = [k for k, st in (anchor or {}).items() if st[0] in ("ready", "selected")]
+        if anchor is not None and e.group_ids is not None:
+            lost = sorted(set(buffered) - set(e.group_ids))
             if lost:
                 self.flag(
                     "lost-on-restore", f"groups {lost} were buffered at the step-{r} anchor but not restored"
                 )
-        for g in self.groups.values():
+        for k, g in self.groups.items():
+            if anchor is not None:
+                g.status, g.trained_step, g.target_step, g.end_weight = anchor.get(
+                    k, ("superseded", None, None, None)
+                )
             if g.status == "trained" and g.trained_step is not None and g.trained_step >= r:
                 g.status, g.trained_step = "superseded", None
             elif g.status in _OPEN:
                 g.status = "superseded"
-        for gid in restored:
-            back = self.groups.get(gid)
-            if back is None or back.status in ("trained", "retried") or back.end_weight is None:
-                state = (
-                    "unknown"
-                    if back is None
-                    else "never committed"
-                    if back.end_weight is None
-                    else back.status
-                )
-                self.flag(
-                    "restore-state", f"restored group {gid!r} is {state}; only committed groups restore"
-                )
-                continue
-            back.status, back.selected_at = "ready", None
-        self.anchors = {s: ids for s, ids in self.anchors.items() if s <= r}
+            g.selected_at = None
+        for gid in e.group_ids if e.group_ids is not None else buffered:
+            self.restore_group(gid)
+        self.anchors = {s: a for s, a in self.anchors.items() if s <= r}
         self.open_steps.clear()
         self.pending_retry.clear()
         self.version, self.cursor = r, None
+
+    def restore_group(self, gid: str) -> None:
+        g = self.groups.get(gid)
+        if (
+            g is None
+            or g.status not in ("superseded", "evicted", "dropped", "aborted")
+            or g.end_weight is None
+        ):
+            state = "unknown" if g is None else "never committed" if g.end_weight is None else g.status
+            self.flag(
+                "restore-state",
+                f"restored group {gid!r} is {state}; only committed, untrained groups restore",
+            )
+            return
+        g.status = "ready"
 
     def finish(self, final: bool) -> None:
         counts: dict[str, int] = {}

@@ -64,7 +64,9 @@ def start_local_ray(
         return False
     _force_loopback_env()
     if address is not None:
-        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        ray.init(
+            address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING
+        )
         return True
     ray.init(
         address="local",

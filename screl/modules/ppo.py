@@ -23,6 +23,7 @@ class PPO(GRPO):
         offload_optimizer_for_logprob: Keep the policy optimizer off the device while the critic runs
             (required on the single controller).
         train_global_batch_size: Rows per policy update (None: derived).
+        value_train_global_batch_size: Rows per critic update; must equal the step's rows (None: derived).
         temperature: Sampling temperature (linked from generation).
         algo: The ``ppo`` block (linked by the CLI).
     """
@@ -37,6 +38,7 @@ class PPO(GRPO):
         value_learning_rate: float = 1e-3,
         offload_optimizer_for_logprob: bool = True,
         train_global_batch_size: int | None = None,
+        value_train_global_batch_size: int | None = None,
         temperature: float = 1.0,
         algo: dict[str, Any] | None = None,
     ) -> None:

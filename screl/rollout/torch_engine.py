@@ -138,6 +138,13 @@ class TorchGenerationEngine:
         missing = [k for k in missing if k in persistent]
         if missing:
             raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
+        shapes = [
+            f"{k}: {tuple(t.shape)} != {tuple(names[k].shape)}"
+            for k, t in state_dict.items()
+            if t.shape != names[k].shape
+        ]
+        if shapes:
+            raise ValueError(f"update_weights: shape mismatch (given != model): {shapes[:5]}.")
         with self._model_lock, torch.no_grad():
             for k, t in state_dict.items():
                 names[k].copy_(t)

@@ -91,7 +91,9 @@ class GenerationWorker:
                     self._cv.wait()
                 batch: list[_Pending] = []
                 rows = 0
-                while self._queue and (not batch or rows + len(self._queue[0].requests) <= self.max_batch_size):
+                while self._queue and (
+                    not batch or rows + len(self._queue[0].requests) <= self.max_batch_size
+                ):
                     item = self._queue.pop(0)
                     batch.append(item)
                     rows += len(item.requests)
@@ -104,12 +106,19 @@ class GenerationWorker:
                 continue
             at = 0
             for item in batch:
-                part = results[at:at + len(item.requests)]
+                part = results[at : at + len(item.requests)]
                 at += len(item.requests)
                 item.loop.call_soon_threadsafe(_set_result, item.future, part)
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Finish these requests early with their partial tokens (finish_reason ``abort``)."""
+        """Finish these requests early: running ones return partial tokens (finish_reason ``abort``),
+        queued ones are dropped before they start (their callers see a cancellation)."""
+        ids = set(request_ids)
+        with self._cv:
+            dropped = [item for item in self._queue if ids & {r.request_id for r in item.requests}]
+            self._queue = [item for item in self._queue if item not in dropped]
+        for item in dropped:
+            item.future.cancel()
         self.engine.abort(request_ids)
 
     # -- weights --------------------------------------------------------------------------------------
@@ -150,7 +159,10 @@ def spawn_workers(
     seed = int(kwargs.pop("seed", 0))
     return [
         remote_cls.options(  # type: ignore[attr-defined]
-            num_cpus=1, max_restarts=-1, max_task_retries=0, max_concurrency=64,
+            num_cpus=1,
+            max_restarts=-1,
+            max_task_retries=0,
+            max_concurrency=64,
             name=f"{namespace_prefix}-generation-{i}-{os.getpid()}",
         ).remote(policy, seed=seed + i, **kwargs)
         for i in range(num_workers)

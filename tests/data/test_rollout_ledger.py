@@ -28,7 +28,10 @@ def _seal_all(ledger: RolloutLedger, gid: str) -> None:
 
 def test_reserve_creates_reserved_siblings_all_pending() -> None:
     ledger = RolloutLedger()
-    assert ledger.reserve("g0", prompt_id=3, num_generations=4, start_weight=0, target_step=0) is Granularity.SIBLING
+    assert (
+        ledger.reserve("g0", prompt_id=3, num_generations=4, start_weight=0, target_step=0)
+        is Granularity.SIBLING
+    )
     assert _states(ledger, "g0") == ["reserved"] * 4
     assert ledger.pending_siblings("g0") == [0, 1, 2, 3]
     assert ledger.redispatch_plan() == {"g0": [0, 1, 2, 3]}
@@ -142,7 +145,9 @@ class TestGranularityResolution:
         assert self.POLICY.resolve(task_source, agent) is expected
 
     def test_bad_granularity_named(self) -> None:
-        with pytest.raises(ValueError, match="task_source_granularity_overrides.math: unknown recovery granularity 'group'"):
+        with pytest.raises(
+            ValueError, match="task_source_granularity_overrides.math: unknown recovery granularity 'group'"
+        ):
             RecoveryPolicy(task_source_granularity_overrides={"math": "group"})  # type: ignore[dict-item]
 
     def test_resolved_once_and_persisted(self) -> None:
@@ -266,7 +271,9 @@ def test_drop_and_evict_are_accounted_with_reasons() -> None:
 def test_invalid_group_transitions_raise_and_change_nothing() -> None:
     ledger = RolloutLedger()
     ledger.reserve("g", 0, 1, start_weight=0)
-    with pytest.raises(LedgerError, match=r"cannot claim groups \{'g': 'generating'\}: each must be finalized"):
+    with pytest.raises(
+        LedgerError, match=r"cannot claim groups \{'g': 'generating'\}: each must be finalized"
+    ):
         ledger.claim(["g"])
     with pytest.raises(LedgerError, match=r"cannot evict groups \{'x': 'unknown'\}"):
         ledger.evict(["x"])

@@ -28,7 +28,9 @@ from screl.data import (
 
 
 def slot(gid: str, sw: int, ready: bool = True, ts: int | None = None) -> GroupSlot:
-    return GroupSlot(gid, prompt_id=0, start_weight=sw, end_weight=sw if ready else None, target_step=ts, ready=ready)
+    return GroupSlot(
+        gid, prompt_id=0, start_weight=sw, end_weight=sw if ready else None, target_step=ts, ready=ready
+    )
 
 
 ALL_BUILTINS = [
@@ -58,7 +60,9 @@ def test_create_sampler_reports_bad_block() -> None:
         create_sampler({"name": "fastest"})
     with pytest.raises(SamplerConfigError, match="max_staleness_versions: must be >= 0, got -1"):
         create_sampler({"name": "windowed", "max_staleness_versions": -1})
-    with pytest.raises(SamplerConfigError, match="max_lookahead_versions: is not a knob of the 'windowed' sampler"):
+    with pytest.raises(
+        SamplerConfigError, match="max_lookahead_versions: is not a knob of the 'windowed' sampler"
+    ):
         create_sampler({"name": "windowed", "max_lookahead_versions": 1})
 
 
@@ -204,13 +208,17 @@ def test_in_order_never_aborts_inflight() -> None:
 
 
 def test_in_order_warmup_below_steady_rejected() -> None:
-    with pytest.raises(ValueError, match=r"must be greater than or equal to max_lookahead_versions \(1 < 2\)"):
+    with pytest.raises(
+        ValueError, match=r"must be greater than or equal to max_lookahead_versions \(1 < 2\)"
+    ):
         InOrderSampler(max_lookahead_versions=2, warmup_lookahead_versions=1)
 
 
 @pytest.mark.parametrize(("t", "expected"), [(0, 5), (1, 4), (3, 2), (4, 1), (9, 1)])
 def test_lookahead_schedule_table(t: int, expected: int) -> None:
-    assert lookahead_schedule(t, max_lookahead=1, warmup_lookahead=5, policy_training_start_step=4) == expected
+    assert (
+        lookahead_schedule(t, max_lookahead=1, warmup_lookahead=5, policy_training_start_step=4) == expected
+    )
 
 
 def test_lookahead_schedule_floor_and_defaults() -> None:
@@ -406,7 +414,9 @@ def test_custom_target_errors(custom_path: None, target: str, error: type[Except
 
 
 def test_custom_bad_kwargs_named(custom_path: None) -> None:
-    with pytest.raises(TypeError, match="cannot construct custom sampler '_custom_samplers:NewestFirst' with kwargs"):
+    with pytest.raises(
+        TypeError, match="cannot construct custom sampler '_custom_samplers:NewestFirst' with kwargs"
+    ):
         create_sampler({"name": "custom", "target": "_custom_samplers:NewestFirst", "bogus": 1})
 
 

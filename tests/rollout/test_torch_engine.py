@@ -215,6 +215,10 @@ def test_update_weights_rejects_wrong_keys() -> None:
     sd = dict(SPEC.build_model().state_dict())
     with pytest.raises(KeyError, match="keys not in the model"):
         eng.update_weights({**sd, "extra.weight": torch.zeros(1)}, 1)
+    with pytest.raises(
+        ValueError, match=r"shape mismatch \(given != model\): \['model.norm.weight: \(3,\) != \(64,\)'\]"
+    ):
+        eng.update_weights({**sd, "model.norm.weight": torch.zeros(3)}, 1)
     sd.pop("model.norm.weight")
     with pytest.raises(KeyError, match=r"missing keys: \['model.norm.weight'\]"):
         eng.update_weights(sd, 1)

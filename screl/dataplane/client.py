@@ -1,0 +1,693 @@
+"""``DataPlane``: the one place screl talks to TransferQueue (TQ).
+
+Rollout rows are keyed per sample (``<group_id>_g<i>``) in one TQ partition. A row is a dict of
+per-sample tensors whose lengths may differ (prompt/response tokens, per-token behaviour logprobs and
+weight versions, a scalar reward, ...). The controller and the trainer exchange keys only; the rows
+travel through TQ's storage units.
+
+How TQ is used (transferqueue 0.1.11, SimpleStorage backend):
+
+* One TQ per Ray cluster: the controller is the named actor ``TransferQueueController`` in namespace
+  ``transfer_queue``; the storage units are named ``TransferQueueStorageUnit#<i>`` in the starter's
+  namespace; each is a ``num_cpus=1`` actor, so the cluster needs ``1 + num_storage_units`` free CPUs.
+* One TQ client per process (module globals in ``transfer_queue.interface``). Another process attaches
+  by looking the controller up by name and reading its stored config (``transfer_queue.init()`` does
+  this when a controller exists). A :class:`DataPlane` pickles to its :class:`DataPlaneHandle` and
+  attaches lazily on first use, so it can be passed to Ray actors as is.
+* Columns: a per-sample 0-d tensor becomes one regular ``(B,)`` column; per-sample tensors of one or
+  more dims always travel as a jagged nested tensor (only the first dim may vary). :meth:`DataPlane.get`
+  returns plain dense CPU tensors per sample, in key order, with their dtype unchanged (int64, float32
+  bit for bit, bfloat16, bool, ...).
+
+TQ quirks handled here: it silently returns an empty or short batch for missing keys or fields (we
+check and raise); its controller RPCs have no timeout (every call here has one); ``tq.close()`` in an
+attached process kills the shared controller (attached processes only drop their client); its put/get
+resets ``torch.set_num_threads`` to the value seen when TQ was imported (we restore the caller's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+# Read once at import by TQ's client and storage units: pin their torch thread pool to one thread.
+os.environ.setdefault("TQ_NUM_THREADS", "1")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+import transfer_queue as tq  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from transfer_queue import interface as _tqi  # noqa: E402
+
+T = TypeVar("T")
+
+CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
+DEFAULT_TIMEOUT_S = 60.0
+
+Column = torch.Tensor | Sequence[torch.Tensor]
+
+
+class DataPlaneError(RuntimeError):
+    """The data plane is missing, misused, or a request could not be served."""
+
+
+class DataPlaneTimeoutError(DataPlaneError, TimeoutError):
+    """A data-plane call did not finish within its timeout."""
+
+
+class DataPlaneKeyError(DataPlaneError):
+    """Requested keys or fields are not (or not yet) in the data plane."""
+
+
+@dataclass(frozen=True)
+class DataPlaneHandle:
+    """Picklable address of a running data plane: enough for another process to attach."""
+
+    partition_id: str
+    controller_actor_id: str
+    """Ray actor id (hex) of the TQ controller; a handle outlives a restarted TQ only to fail clearly."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+# ---------------------------------------------------------------- process-wide TQ client state
+
+_LOCK = threading.RLock()
+_connected_to: str | None = None  # controller actor id the process's TQ client talks to
+
+
+def _find_controller() -> Any | None:
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _actor_id(handle: Any) -> str:
+    return str(handle._actor_id.hex())
+
+
+def _drop_client() -> None:
+    """Forget this process's TQ client without touching any actor (``tq.close()`` would kill them)."""
+    global _connected_to
+    client = _tqi._TQ_CLIENT
+    _tqi._TQ_CLIENT = None
+    _tqi._TQ_CONTROLLER = None
+    _connected_to = None
+    if client is not None:
+        try:
+            client.close()
+        except Exception:  # a client of a dead TQ may fail to close; it is garbage either way
+            pass
+
+
+def _tq_named_actors() -> list[tuple[str, str]]:
+    """``(namespace, name)`` of every live TQ actor (controller and storage units) in the cluster."""
+    return [
+        (a["namespace"], a["name"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"] == CONTROLLER_NAME or a["name"].startswith(STORAGE_UNIT_PREFIX)
+    ]
+
+
+def tq_actors_alive() -> list[str]:
+    """Names of the TransferQueue actors alive in this Ray cluster (empty after a clean shutdown)."""
+    return sorted(f"{ns}/{name}" for ns, name in _tq_named_actors())
+
+
+def _kill_tq_actors() -> None:
+    for namespace, name in _tq_named_actors():
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # died meanwhile
+            pass
+
+
+def _in_daemon_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """Run a blocking call in a daemon thread (a hung TQ call must not block interpreter exit)."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="screl-dataplane", daemon=True).start()
+    return fut
+
+
+def _wait(fut: concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
+    try:
+        return fut.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise DataPlaneTimeoutError(
+            f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
+            f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
+        ) from None
+
+
+def _connect(expected_controller: str | None, timeout_s: float) -> None:
+    """Make this process's TQ client talk to the running controller (idempotent, thread-safe)."""
+    global _connected_to
+    with _LOCK:
+        controller = _find_controller()
+        if controller is None:
+            raise DataPlaneError(
+                f"No TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) runs in this Ray "
+                f"cluster: call DataPlane.start() in the driver first (and connect to the same Ray cluster)."
+            )
+        cid = _actor_id(controller)
+        if expected_controller is not None and cid != expected_controller:
+            raise DataPlaneError(
+                f"This data-plane handle refers to TransferQueue controller {expected_controller}, but "
+                f"{cid} runs now (TransferQueue was restarted): get a fresh handle from the new DataPlane."
+            )
+        if _tqi._TQ_CLIENT is not None and _connected_to == cid:
+            return
+        _drop_client()  # stale client of an earlier TQ (e.g. in a reused Ray worker)
+        deadline = time.monotonic() + timeout_s
+        while True:  # the controller stores its config at the end of start(); wait for it, bounded
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DataPlaneTimeoutError(
+                    f"TransferQueue controller {cid} did not publish its config within {timeout_s:g}s."
+                )
+            try:
+                conf = ray.get(controller.get_config.remote(), timeout=remaining)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            if conf is not None:
+                break
+            time.sleep(0.1)
+        _tqi._TQ_CONTROLLER = controller
+        tq.init()  # finds the controller above and builds this process's client from its config
+        if _tqi._TQ_CLIENT is None:
+            raise DataPlaneError(f"transfer_queue.init() did not create a client for controller {cid}.")
+        _connected_to = cid
+
+
+# ---------------------------------------------------------------- row conversion
+
+
+def _to_column(name: str, value: Column, n: int) -> torch.Tensor:
+    """Per-sample values of one field -> a TQ column: regular ``(B,)`` or jagged ``(B, j, ...)``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            if value.size(0) != n:
+                raise ValueError(f"field {name!r}: nested tensor holds {value.size(0)} samples, keys {n}.")
+            return value.detach().cpu()
+        if value.dim() == 0 or value.shape[0] != n:
+            raise ValueError(
+                f"field {name!r}: tensor of shape {tuple(value.shape)} does not start with {n} (keys)."
+            )
+        samples = list(value.detach().cpu().unbind(0))
+    else:
+        samples = list(value)
+        if len(samples) != n:
+            raise ValueError(f"field {name!r}: {len(samples)} values for {n} keys.")
+        if not all(isinstance(t, torch.Tensor) for t in samples):
+            raise TypeError(f"field {name!r}: every per-sample value must be a torch.Tensor.")
+        samples = [t.detach().cpu() for t in samples]
+    dtypes = {t.dtype for t in samples}
+    if len(dtypes) != 1:
+        raise TypeError(f"field {name!r}: mixed dtypes {sorted(map(str, dtypes))}.")
+    dims = {t.dim() for t in samples}
+    if dims == {0}:
+        return torch.stack(samples)
+    if 0 in dims or len(dims) != 1 or len({tuple(t.shape[1:]) for t in samples}) != 1:
+        raise ValueError(
+            f"field {name!r}: per-sample shapes {[tuple(t.shape) for t in samples]} differ beyond the first "
+            f"dim (only the first dim may vary; all samples must be 0-d or all >= 1-d)."
+        )
+    return torch.nested.nested_tensor([t.contiguous() for t in samples], layout=torch.jagged)
+
+
+def _to_batch(keys: Sequence[str], rows: Mapping[str, Column]) -> TensorDict:
+    return TensorDict(
+        {name: _to_column(name, v, len(keys)) for name, v in rows.items()}, batch_size=[len(keys)]
+    )
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    keys = list(keys)
+    if not keys:
+        raise ValueError("keys must not be empty.")
+    if not all(isinstance(k, str) and k for k in keys):
+        raise TypeError("keys must be non-empty strings.")
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"duplicate keys: {dup[:8]}.")
+    return keys
+
+
+def _from_batch(td: TensorDict, keys: list[str], fields: list[str]) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for f in fields:
+        v = td.get(f)
+        if not isinstance(v, torch.Tensor):
+            raise DataPlaneError(f"field {f!r} came back as {type(v).__name__}, not a tensor.")
+        samples = list(v.unbind()) if v.is_nested else list(v.unbind(0))
+        out[f] = [t.cpu() for t in samples]
+    return out
+
+
+class _Threads:
+    """Restore torch's intra-op thread count that TQ's put/get resets to its import-time value."""
+
+    def __enter__(self) -> None:
+        self.n = torch.get_num_threads()
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.get_num_threads() != self.n:
+            torch.set_num_threads(self.n)
+
+
+# ---------------------------------------------------------------- the data plane
+
+
+class DataPlane:
+    """Per-sample rollout rows in one TransferQueue partition; sync methods plus async twins.
+
+    Create it once with :meth:`start` (the owner; only the owner can :meth:`shutdown`), then hand it
+    (or :meth:`handle`) to other processes: unpickled or :meth:`attach`-ed copies talk to the same TQ.
+    Sync methods block the calling thread (they run on TQ's own client loop); inside an asyncio actor
+    use the ``a*`` twins, which await TQ on the caller's loop. Every call has a timeout
+    (``timeout_s`` per call, default the handle's) and raises :class:`DataPlaneTimeoutError`.
+    """
+
+    def __init__(self, handle: DataPlaneHandle, *, _owner: bool = False) -> None:
+        self._handle = handle
+        self._owner = _owner
+        self._closed = False
+
+    # ---- lifecycle
+
+    @classmethod
+    def start(
+        cls,
+        num_storage_units: int = 1,
+        partition_id: str = "train",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        total_storage_size: int | None = None,
+    ) -> DataPlane:
+        """Start TQ's controller and ``num_storage_units`` SimpleStorage units in the current Ray cluster.
+
+        Args:
+            num_storage_units: Storage unit actors (``num_cpus=1`` each). A checkpoint loads only into a
+                data plane with the same number.
+            partition_id: TQ partition all rows of this data plane live in.
+            timeout_s: Default timeout of every call, and of this start.
+            total_storage_size: Capacity in samples across all units (``None``: unlimited).
+
+        Raises:
+            DataPlaneError: Ray is not initialised, a TQ already runs in this cluster, or too few CPUs.
+            DataPlaneTimeoutError: TQ did not come up within ``timeout_s`` (its actors are killed).
+        """
+        if not ray.is_initialized():
+            raise DataPlaneError("Ray is not initialised: call screl.dataplane.start_local_ray() first.")
+        if num_storage_units < 1:
+            raise ValueError(f"num_storage_units={num_storage_units} must be >= 1.")
+        if _find_controller() is not None:
+            raise DataPlaneError(
+                f"A TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) already runs in this "
+                f"Ray cluster and TQ allows one per cluster: attach to it with DataPlane.attach(handle) or "
+                f"shut it down first."
+            )
+        need, free = 1 + num_storage_units, ray.available_resources().get("CPU", 0.0)
+        if free < need:
+            raise DataPlaneError(
+                f"TransferQueue needs {need} free logical CPUs (controller + {num_storage_units} storage "
+                f"units, num_cpus=1 each) but Ray has {free:g}: start Ray with more num_cpus."
+            )
+        conf = OmegaConf.create(
+            {
+                "backend": {
+                    "storage_backend": "SimpleStorage",
+                    "SimpleStorage": {
+                        "num_data_storage_units": num_storage_units,
+                        "total_storage_size": total_storage_size,
+                    },
+                }
+            }
+        )
+        global _connected_to
+        with _LOCK:
+            _drop_client()
+            _tqi._TQ_STORAGE = None  # storage handles of an earlier TQ started (and lost) by this process
+            fut = _in_daemon_thread(lambda: tq.init(conf))
+            try:
+                _wait(fut, timeout_s, f"Starting TransferQueue ({num_storage_units} storage units)")
+            except BaseException:
+                _kill_tq_actors()
+                _drop_client()
+                _tqi._TQ_STORAGE = None
+                raise
+            controller = _find_controller()
+            if controller is None:
+                raise DataPlaneError("transfer_queue.init() returned but no controller is registered.")
+            _connected_to = _actor_id(controller)
+        return cls(DataPlaneHandle(partition_id, _connected_to, timeout_s), _owner=True)
+
+    @classmethod
+    def attach(cls, handle: DataPlaneHandle) -> DataPlane:
+        """Attach this process to the data plane ``handle`` names (connects now; see :meth:`handle`)."""
+        dp = cls(handle)
+        dp._ensure_connected()
+        return dp
+
+    def handle(self) -> DataPlaneHandle:
+        """Picklable address of this data plane for :meth:`attach` in another process."""
+        return self._handle
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"handle": self._handle}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._handle = state["handle"]
+        self._owner = False  # an unpickled copy never owns TQ; it attaches on first use
+        self._closed = False
+
+    @property
+    def partition_id(self) -> str:
+        return self._handle.partition_id
+
+    @property
+    def is_owner(self) -> bool:
+        """Whether this object started TQ (and so may shut it down)."""
+        return self._owner
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self._handle.timeout_s if timeout_s is None else timeout_s
+
+    def _ensure_connected(self) -> None:
+        if self._closed:
+            raise DataPlaneError("This DataPlane was closed or shut down.")
+        if _tqi._TQ_CLIENT is None or _connected_to != self._handle.controller_actor_id:
+            _wait(
+                _in_daemon_thread(lambda: _connect(self._handle.controller_actor_id, self._handle.timeout_s)),
+                self._handle.timeout_s + 5.0,
+                "Attaching to TransferQueue",
+            )
+
+    async def _aensure_connected(self) -> None:
+        if self._closed:
+            raise DataPlaneError("This DataPlane was closed or shut down.")
+        if _tqi._TQ_CLIENT is None or _connected_to != self._handle.controller_actor_id:
+            fut = _in_daemon_thread(
+                lambda: _connect(self._handle.controller_actor_id, self._handle.timeout_s)
+            )
+            await self._await(
+                asyncio.wrap_future(fut), self._handle.timeout_s + 5.0, "Attaching to TransferQueue"
+            )
+
+    def _run(self, make: Callable[[], Awaitable[T]], timeout_s: float | None, what: str) -> T:
+        """Run a TQ coroutine on TQ's client loop (thread) and wait for it, bounded."""
+        self._ensure_connected()
+        client = _tqi._TQ_CLIENT
+
+        async def call() -> T:
+            return await make()
+
+        with _Threads():
+            fut = asyncio.run_coroutine_threadsafe(call(), client._loop)
+            return _wait(fut, self._timeout(timeout_s), what)
+
+    async def _arun(self, make: Callable[[], Awaitable[T]], timeout_s: float | None, what: str) -> T:
+        """Await a TQ coroutine on the caller's event loop, bounded."""
+        await self._aensure_connected()
+        with _Threads():
+            return await self._await(make(), self._timeout(timeout_s), what)
+
+    @staticmethod
+    async def _await(aw: Awaitable[T], timeout_s: float, what: str) -> T:
+        try:
+            return await asyncio.wait_for(aw, timeout_s)
+        except asyncio.TimeoutError:
+            raise DataPlaneTimeoutError(
+                f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
+                f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
+            ) from None
+
+    # ---- put / get / clear
+
+    def _put_coro(
+        self, keys: Sequence[str], rows: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
+    ) -> Callable[[], Awaitable[Any]]:
+        keys = _check_keys(keys)
+        if not rows and tags is None:
+            raise ValueError("put needs rows or tags.")
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"{len(tags)} tags for {len(keys)} keys.")
+        batch = _to_batch(keys, rows) if rows else None
+        tag_list = [dict(t) for t in tags] if tags is not None else None
+        return lambda: tq.async_kv_batch_put(
+            keys=keys, partition_id=self.partition_id, fields=batch, tags=tag_list
+        )
+
+    def put(
+        self,
+        keys: Sequence[str],
+        rows: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Write (or add fields to) the rows ``keys``.
+
+        Args:
+            keys: One unique key per sample, e.g. ``f"{group_id}_g{i}"``.
+            rows: Field name -> a list of per-sample tensors (lengths may differ in the first dim) or one
+                tensor whose first dim indexes the samples. Existing keys get the fields added/replaced.
+            tags: Optional small picklable dict per key (e.g. ``{"weight_version": 3}``); see :meth:`list_tags`.
+        """
+        self._run(self._put_coro(keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
+
+    async def aput(
+        self,
+        keys: Sequence[str],
+        rows: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Async :meth:`put`."""
+        await self._arun(self._put_coro(keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
+
+    def _get_coro(self, keys: list[str], fields: list[str]) -> Callable[[], Awaitable[TensorDict]]:
+        async def get() -> TensorDict:
+            try:
+                return await tq.async_kv_batch_get(
+                    keys=keys, partition_id=self.partition_id, select_fields=fields
+                )
+            except ValueError as e:  # "keys or partition were not found!" / "... not ready ..."
+                raise DataPlaneKeyError(await self._missing_message(keys, fields, str(e))) from None
+
+        return get
+
+    async def _missing_message(self, keys: list[str], fields: list[str], detail: str) -> str:
+        listing = await tq.async_kv_list(self.partition_id)
+        present = set(listing.get(self.partition_id, {}))
+        missing = [k for k in keys if k not in present]
+        if missing:
+            return (
+                f"{len(missing)} of {len(keys)} keys are not in partition {self.partition_id!r}: "
+                f"{missing[:8]} (never put, or cleared)."
+            )
+        return f"fields {fields} are not all written for keys {keys[:8]}... ({detail})."
+
+    async def _aget_checked(self, keys: list[str], fields: list[str], td: TensorDict) -> None:
+        if td.batch_size[0] != len(keys) or any(f not in td.keys() for f in fields):
+            raise DataPlaneKeyError(
+                await self._missing_message(keys, fields, f"got fields {list(td.keys())}")
+            )
+
+    def get(
+        self, keys: Sequence[str], fields: Sequence[str], *, timeout_s: float | None = None
+    ) -> dict[str, list[torch.Tensor]]:
+        """Read ``fields`` of ``keys``: ``{field: [per-sample dense CPU tensor, in key order]}``.
+
+        Raises:
+            DataPlaneKeyError: A key is not in the partition or a field is not written for every key.
+        """
+        keys, fields = _check_keys(keys), list(fields)
+        if not fields:
+            raise ValueError("fields must not be empty.")
+        get = self._get_coro(keys, fields)
+
+        async def checked() -> TensorDict:
+            td = await get()
+            await self._aget_checked(keys, fields, td)
+            return td
+
+        td = self._run(checked, timeout_s, f"get of {len(keys)} rows")
+        return _from_batch(td, keys, fields)
+
+    async def aget(
+        self, keys: Sequence[str], fields: Sequence[str], *, timeout_s: float | None = None
+    ) -> dict[str, list[torch.Tensor]]:
+        """Async :meth:`get`."""
+        keys, fields = _check_keys(keys), list(fields)
+        if not fields:
+            raise ValueError("fields must not be empty.")
+        get = self._get_coro(keys, fields)
+
+        async def checked() -> TensorDict:
+            td = await get()
+            await self._aget_checked(keys, fields, td)
+            return td
+
+        td = await self._arun(checked, timeout_s, f"get of {len(keys)} rows")
+        return _from_batch(td, keys, fields)
+
+    def clear(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
+        """Delete the rows ``keys`` (keys not present are ignored)."""
+        keys = _check_keys(keys)
+        self._run(lambda: tq.async_kv_clear(keys=keys, partition_id=self.partition_id), timeout_s, "clear")
+
+    async def aclear(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
+        """Async :meth:`clear`."""
+        keys = _check_keys(keys)
+        await self._arun(
+            lambda: tq.async_kv_clear(keys=keys, partition_id=self.partition_id), timeout_s, "clear"
+        )
+
+    def list_tags(self, *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """``{key: tags}`` of every row in the partition, in insertion order."""
+        listing = self._run(lambda: tq.async_kv_list(self.partition_id), timeout_s, "list")
+        return {k: dict(v or {}) for k, v in listing.get(self.partition_id, {}).items()}
+
+    async def alist_tags(self, *, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Async :meth:`list_tags`."""
+        listing = await self._arun(lambda: tq.async_kv_list(self.partition_id), timeout_s, "list")
+        return {k: dict(v or {}) for k, v in listing.get(self.partition_id, {}).items()}
+
+    def list_keys(self, *, timeout_s: float | None = None) -> list[str]:
+        """Keys of every row in the partition, in insertion order."""
+        return list(self.list_tags(timeout_s=timeout_s))
+
+    async def alist_keys(self, *, timeout_s: float | None = None) -> list[str]:
+        """Async :meth:`list_keys`."""
+        return list(await self.alist_tags(timeout_s=timeout_s))
+
+    # ---- checkpoint
+
+    @staticmethod
+    def _local(path: str | os.PathLike[str]) -> Path:
+        s = os.fspath(path)
+        if "://" in s:
+            raise ValueError(
+                f"{s!r}: TransferQueue checkpoints need a local path (copy to remote storage after)."
+            )
+        return Path(s)
+
+    def save(
+        self,
+        local_dir: str | os.PathLike[str],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Save every partition (controller state + storage units) to ``local_dir`` with TQ's checkpoint.
+
+        TQ writes ``<dir>.tmp`` then swaps it in: ``metadata.json``, ``controller_state.pkl`` and
+        ``simple_storage/``. Do not clear rows concurrently (TQ would save a mixed view).
+        """
+        path = self._local(local_dir)
+        self._ensure_connected()
+        meta = dict(metadata or {})
+        with _Threads():
+            _wait(
+                _in_daemon_thread(lambda: tq.save_checkpoint(path, metadata=meta)),
+                self._timeout(timeout_s),
+                f"TransferQueue save to {path}",
+            )
+
+    def load(self, local_dir: str | os.PathLike[str], *, timeout_s: float | None = None) -> None:
+        """Restore a :meth:`save` into this data plane.
+
+        TQ requires a freshly started system (no rows in any partition) with the same number of storage
+        units as at save time (units are matched by position); load is not transactional.
+        """
+        path = self._local(local_dir)
+        if not (path / "metadata.json").exists():
+            raise FileNotFoundError(f"{path} is not a TransferQueue checkpoint (no metadata.json).")
+        everything = self._run(lambda: tq.async_kv_list(None), timeout_s, "list")
+        nonempty = {p: len(k) for p, k in everything.items() if k}
+        if nonempty:
+            raise DataPlaneError(
+                f"TransferQueue load needs a freshly started data plane, but it holds rows {nonempty}: "
+                f"shut it down and DataPlane.start() a new one with the same num_storage_units."
+            )
+        with _Threads():
+            _wait(
+                _in_daemon_thread(lambda: tq.load_checkpoint(path)),
+                self._timeout(timeout_s),
+                f"TransferQueue load of {path}",
+            )
+
+    # ---- teardown
+
+    def close(self) -> None:
+        """Drop this process's TQ client (no actor is touched). The owner's ``close`` is :meth:`shutdown`."""
+        if self._owner:
+            self.shutdown()
+            return
+        if self._closed:
+            return
+        self._closed = True
+        with _LOCK:
+            if _connected_to == self._handle.controller_actor_id:
+                _drop_client()
+
+    def shutdown(self, *, timeout_s: float | None = None) -> None:
+        """Stop TQ: kill its storage units and controller and close the client; idempotent (owner only).
+
+        Raises:
+            DataPlaneError: Called on an attached copy, or some TQ actor survived ``timeout_s``.
+        """
+        if not self._owner:
+            raise DataPlaneError(
+                "Only the DataPlane returned by DataPlane.start() may shut TQ down; use close()."
+            )
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self._timeout(timeout_s)
+        with _LOCK:
+            try:  # graceful: storage units' shutdown(), then ray.kill of units and controller
+                _wait(_in_daemon_thread(tq.close), timeout, "TransferQueue close")
+            except DataPlaneTimeoutError:
+                pass
+            finally:
+                _kill_tq_actors()
+                _drop_client()
+                _tqi._TQ_STORAGE = None
+            deadline = time.monotonic() + timeout
+            while tq_actors_alive():  # ray.kill is asynchronous: wait until the names are released
+                if time.monotonic() > deadline:
+                    raise DataPlaneError(
+                        f"TransferQueue actors still alive after shutdown: {tq_actors_alive()}"
+                    )
+                time.sleep(0.05)
+
+    def __enter__(self) -> DataPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self._owner else "attached"
+        return f"DataPlane(partition_id={self.partition_id!r}, {role}, controller={self._handle.controller_actor_id[:8]})"

@@ -1,0 +1,259 @@
+"""`screl check`: every shipped config passes; one bad config per validation rule fails naming its key."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from screl.cli import check, main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+def _load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+
+def _run_check(cfg: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc = check(["--config", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
+def test_every_shipped_config_passes_check(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert check(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the config is valid" in out
+    assert "rows per step" in out and "buffer capacity" in out and "IS correction" in out
+
+
+def test_shipped_configs_cover_every_sampler_mode() -> None:
+    names = {yaml.safe_load(p.read_text()).get("async_rl", {}).get("sampler", {}).get("name") for p in CONFIGS}
+    assert {"in_order", "weight_fifo", "ready_first", "windowed"} <= names
+
+
+def test_capacity_plan_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("samplers/weight_fifo.yaml")
+    cfg["grpo"]["num_prompts_per_step"] = 6
+    cfg["grpo"]["num_generations_per_prompt"] = 3
+    cfg["async_rl"]["sampler"]["max_staleness_versions"] = 2
+    cfg["async_rl"]["max_buffered_rollouts"] = 18
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 4
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "groups per step      6" in out
+    assert "rows per step        18  (6 x 3 generations)" in out
+    assert "required 18, configured 18" in out  # 6 x (2 + 1)
+    assert "staleness 0..2" in out
+    assert "up to 2 chunk(s) per step" in out  # ceil(6 / 4)
+    assert "IS correction        on" in out
+
+
+def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    node = cfg
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def _delete(cfg: dict[str, Any], dotted: str) -> None:
+    node = cfg
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node[p]
+    del node[last]
+
+
+IS_KEY = "model.init_args.loss_fn.init_args.use_importance_sampling_correction"
+
+# (rule id, base config, {dotted key: value (None deletes)}, key the error must name, words it must say)
+BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
+    ("policy_batch", "grpo_tiny.yaml", {"model.init_args.train_global_batch_size": 31},
+     "model.init_args.train_global_batch_size", "8 x 4 = 32"),
+    ("value_batch", "ppo.yaml", {"model.init_args.value_train_global_batch_size": 16},
+     "model.init_args.value_train_global_batch_size", "8 x 4 = 32"),
+    ("min_groups_gt_prompts", "grpo_tiny.yaml", {"async_rl.min_groups_for_streaming_train": 9},
+     "async_rl.min_groups_for_streaming_train", "exceeds grpo.num_prompts_per_step"),
+    ("buffer_capacity", "grpo_tiny.yaml", {"async_rl.max_buffered_rollouts": 15},
+     "async_rl.max_buffered_rollouts", "required capacity 16"),
+    ("buffer_capacity_warmup", "ppo.yaml", {"async_rl.max_buffered_rollouts": 16},
+     "async_rl.max_buffered_rollouts", "warmup_lookahead_versions 2"),
+    ("is_needed_lookahead", "grpo_tiny.yaml", {IS_KEY: False}, IS_KEY, "max_lookahead_versions=1"),
+    ("is_needed_windowed", "samplers/windowed.yaml", {IS_KEY: False}, IS_KEY, "max_staleness_versions=1"),
+    ("ready_first_needs_is", "samplers/ready_first.yaml", {IS_KEY: False}, IS_KEY, "ready_first"),
+    ("ready_first_needs_is_w0", "samplers/ready_first.yaml",
+     {IS_KEY: False, "async_rl.sampler.max_staleness_versions": 0}, IS_KEY, "stragglers"),
+    ("epochs_nonpositive", "grpo_tiny.yaml", {"grpo.max_num_epochs": -1}, "grpo.max_num_epochs",
+     "no -1 = unbounded"),
+    ("legacy_async_grpo", "grpo_tiny.yaml", {"grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}},
+     "grpo.async_grpo", "max_trajectory_age_steps: N -> async_rl.sampler"),
+    ("legacy_async_ppo", "ppo.yaml", {"ppo.async_ppo": {"enabled": True}}, "ppo.async_ppo", "port it to `async_rl`"),
+    ("data_plane_required", "grpo_tiny.yaml", {"data_plane.enabled": False}, "data_plane.enabled", "TransferQueue"),
+    ("grpo_and_ppo", "ppo.yaml", {"grpo": {"num_prompts_per_step": 8}}, "grpo", "mutually exclusive"),
+    ("no_algo_block", "grpo_tiny.yaml", {"grpo": None}, "grpo", "no algorithm block"),
+    ("ppo_needs_value", "ppo.yaml", {"model.init_args.value": None}, "model.init_args.value", "needs a critic"),
+    ("ppo_needs_value_loss", "ppo.yaml", {"model.init_args.value_loss_fn": None}, "model.init_args.value_loss_fn",
+     "needs a value loss"),
+    ("ppo_needs_gae", "ppo.yaml", {"ppo.adv_estimator.name": "grpo"}, "ppo.adv_estimator.name", "GAE"),
+    ("ppo_needs_in_order", "ppo.yaml",
+     {"async_rl.sampler": {"name": "weight_fifo", "max_staleness_versions": 1}}, "async_rl.sampler.name",
+     "only the in_order sampler"),
+    ("ppo_full_step_chunks", "ppo.yaml", {"async_rl.min_groups_for_streaming_train": 4},
+     "async_rl.min_groups_for_streaming_train", "one full step per chunk"),
+    ("ppo_zero_drop_budget", "ppo.yaml", {"async_rl.rollout_failure": {"max_skipped_prompts": 1}},
+     "async_rl.rollout_failure.max_skipped_prompts", "PPO step"),
+    ("ppo_offload", "ppo.yaml", {"model.init_args.offload_optimizer_for_logprob": False},
+     "model.init_args.offload_optimizer_for_logprob", "off the device"),
+    ("colocated_needs_megatron", "grpo_tiny.yaml", {"data.init_args.generation.colocated": {"enabled": True}},
+     "data.init_args.generation.colocated.enabled", "only with backend megatron"),
+    ("colocated_full_step", "samplers/weight_fifo.yaml",
+     {"data.init_args.generation.colocated": {"enabled": True}, "data.init_args.generation.backend": "megatron"},
+     "async_rl.min_groups_for_streaming_train", "stands down for the whole train step"),
+    ("vllm_async_engine", "grpo_tiny.yaml",
+     {"data.init_args.generation.backend": "vllm", "data.init_args.generation.async_engine": False},
+     "data.init_args.generation.async_engine", "async engine"),
+    ("checkpoint_needs_data_plane", "grpo.yaml", {"checkpointing.save_data_plane": False},
+     "checkpointing.save_data_plane", "lost on restart"),
+    ("checkpoint_needs_dir", "grpo.yaml", {"checkpointing.checkpoint_dir": None}, "checkpointing.checkpoint_dir",
+     "has no directory"),
+    ("snapshots_need_checkpointing", "grpo_tiny.yaml",
+     {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True},
+     "checkpointing.enabled", "anchor to trainer checkpoints"),
+    ("snapshots_need_save_data_plane", "grpo.yaml",
+     {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True,
+      "checkpointing.save_data_plane": False}, "checkpointing.save_data_plane", "periodic rollout snapshots"),
+    ("snapshots_need_simple_backend", "grpo.yaml",
+     {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True,
+      "data_plane.backend": "mooncake_cpu", "checkpointing.save_data_plane": False},
+     "data_plane.backend", "native TransferQueue save/load"),
+    ("snapshots_need_token_capture", "grpo.yaml", {"rollout_checkpointing.snapshot_attempt_interval_s": 60},
+     "token_capture.enabled", "need token capture"),
+    ("snapshots_need_claims", "grpo.yaml",
+     {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True,
+      "async_rl.sampler": {"name": "custom", "target": "sampler_plugins:NoClaims"}},
+     "async_rl.sampler", "supports_training_claims = True"),
+    ("fingerprint_path_empty_segment", "grpo_tiny.yaml",
+     {"rollout_checkpointing.extra_fingerprint_excluded_paths": ["env..log_dir"]},
+     "rollout_checkpointing.extra_fingerprint_excluded_paths.0", "empty dot segment"),
+    ("fingerprint_path_bare_wildcard", "grpo_tiny.yaml",
+     {"rollout_checkpointing.extra_fingerprint_excluded_paths": ["ok.path", "**"]},
+     "rollout_checkpointing.extra_fingerprint_excluded_paths.1", "bare wildcard"),
+    ("fingerprint_path_whitespace", "grpo_tiny.yaml",
+     {"rollout_checkpointing.extra_fingerprint_excluded_paths": [" env.x"]},
+     "rollout_checkpointing.extra_fingerprint_excluded_paths.0", "whitespace"),
+    ("validation_unsupported", "grpo_tiny.yaml", {"grpo.val_period": 5}, "grpo.val_period", "validation"),
+    ("val_at_end_unsupported", "grpo_tiny.yaml", {"grpo.val_at_end": True}, "grpo.val_at_end", "validation"),
+    ("reward_shaping_rejected", "grpo_tiny.yaml", {"grpo.reward_shaping": {"enabled": True}},
+     "grpo.reward_shaping.enabled", "not implemented"),
+    ("reward_scaling_rejected", "grpo_tiny.yaml", {"grpo.reward_scaling": {"enabled": True}},
+     "grpo.reward_scaling.enabled", "not implemented"),
+    ("dynamic_sampling_rejected", "grpo_tiny.yaml", {"grpo.use_dynamic_sampling": True},
+     "grpo.use_dynamic_sampling", "not implemented"),
+    ("custom_must_declare", "grpo_tiny.yaml",
+     {"async_rl.sampler": {"name": "custom", "target": "sampler_plugins:InheritsCheckpoint"}},
+     "async_rl.sampler.target", "on its own class"),
+    ("custom_bad_target", "grpo_tiny.yaml", {"async_rl.sampler": {"name": "custom", "target": "no_colon"}},
+     "async_rl.sampler.target", "package.module:ClassName"),
+    ("drop_budget_unstamped", "samplers/windowed.yaml",
+     {"async_rl.rollout_failure": {"max_consecutive_dropped_prompts": 2}},
+     "async_rl.rollout_failure.max_skipped_prompts", "stamps target steps"),
+    ("warmup_on_grpo", "grpo_tiny.yaml", {"async_rl.sampler.warmup_lookahead_versions": 2},
+     "async_rl.sampler.warmup_lookahead_versions", "PPO critic-warmup knob"),
+    ("warmup_needs_start_step", "ppo.yaml", {"ppo.policy_training_start_step": 0},
+     "async_rl.sampler.warmup_lookahead_versions", "policy_training_start_step > 0"),
+    ("warmup_below_max", "ppo.yaml", {"async_rl.sampler.warmup_lookahead_versions": 0},
+     "async_rl.sampler.warmup_lookahead_versions", "greater than or equal"),
+    ("sampler_unknown_knob", "grpo_tiny.yaml", {"async_rl.sampler.max_staleness_versions": 1},
+     "async_rl.sampler.max_staleness_versions", "not a knob of the 'in_order' sampler"),
+    ("sampler_negative", "samplers/weight_fifo.yaml", {"async_rl.sampler.max_staleness_versions": -1},
+     "async_rl.sampler.max_staleness_versions", ">= 0"),
+    ("sampler_unknown_name", "grpo_tiny.yaml", {"async_rl.sampler": {"name": "fifo"}},
+     "async_rl.sampler.name", "unknown sampler 'fifo'"),
+    ("metric_name", "grpo.yaml", {"checkpointing.metric_name": "val:reward"}, "checkpointing.metric_name",
+     "train:<metric>"),
+    ("recovery_needs_token_capture", "grpo_tiny.yaml", {"rollout_recovery.default_granularity": "prompt_group"},
+     "rollout_recovery.default_granularity", "token capture"),
+    ("backoff_order", "grpo_tiny.yaml", {"async_rl.rollout_failure": {"backoff_base_s": 5.0, "max_backoff_s": 1.0}},
+     "async_rl.rollout_failure.max_backoff_s", "below backoff_base_s"),
+    ("temperature_positive", "grpo_tiny.yaml", {"data.init_args.generation.temperature": 0.0},
+     "data.init_args.generation.temperature", "must be > 0"),
+    ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},
+     "grpo.num_generations_per_prompt", "at least two rollouts"),
+]
+
+
+@pytest.mark.parametrize(("rule", "base", "changes", "key", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_config_fails_check_naming_its_key(
+    rule: str, base: str, changes: dict[str, Any], key: str, words: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = copy.deepcopy(_load(base))
+    for dotted, value in changes.items():
+        if value is None:
+            _delete(cfg, dotted)
+        else:
+            _set(cfg, dotted, value)
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc != 0, f"{rule}: check passed\n{out}"
+    lines = [line for line in out.splitlines() if f"{key} = " in line or f"{key}: " in line]
+    assert lines, f"{rule}: no problem names {key!r}:\n{out}"
+    assert any(words in line for line in lines), f"{rule}: {words!r} not said about {key}:\n{out}"
+    assert any("Fix:" in line for line in lines) or "see `screl fit --help`" in out
+
+
+def test_three_problems_are_all_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["grpo"]["max_num_epochs"] = 0
+    cfg["data_plane"]["enabled"] = False
+    cfg["async_rl"]["max_buffered_rollouts"] = 4
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 2
+    assert "3 problem(s)" in out
+    for key in ("grpo.max_num_epochs", "data_plane.enabled", "async_rl.max_buffered_rollouts"):
+        assert f"{key} = " in out
+
+
+def test_type_errors_fail_before_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["checkpointing"] = {"enabled": "maybe"}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit, match="2"):
+        check(["--config", str(path)])
+    assert "checkpointing.enabled" in capsys.readouterr().err
+
+
+def test_fit_rejects_a_bad_config_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["trainer"]["default_root_dir"] = str(tmp_path / "run")
+    cfg["data_plane"]["enabled"] = False
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["fit", "--config", str(path)]) == 2
+    assert "data_plane.enabled" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_describes_the_knobs() -> None:
+    top = subprocess.run([sys.executable, "-m", "screl.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert top.returncode == 0
+    assert "screl check" in top.stdout and "fit" in top.stdout
+    fit = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert fit.returncode == 0
+    assert "Hard cap on unconsumed groups in the data plane" in fit.stdout  # async_rl.max_buffered_rollouts
+    assert "--async_rl.sampler" in fit.stdout and "over_sampling_ratio" in fit.stdout
+    grpo = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--grpo.help", "GRPOConfig"],
+                          capture_output=True, text=True, timeout=120)
+    assert "Prompt groups per RL step" in grpo.stdout, grpo.stdout + grpo.stderr
