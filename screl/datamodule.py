@@ -24,6 +24,8 @@ from screl.envs import Task
 
 log = logging.getLogger(__name__)
 
+TICKET = "screl_ticket"
+
 
 def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int) -> dict[str, Any]:
     """Dense, next-token-aligned training tensors for one chunk of rollout rows.
@@ -71,17 +73,19 @@ def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad
 
 
 class _StepStream:
-    """The train dataloader: yields chunks until the controller says the run is done."""
+    """The train dataloader: an endless stream of *tickets*, each redeemed for the next chunk.
 
-    def __init__(self, dm: RolloutDataModule) -> None:
-        self.dm = dm
+    Lightning prefetches one item ahead, before the previous step's ``on_train_batch_end`` (where
+    ``WeightSync`` closes the step). A ticket costs nothing to prefetch; the chunk itself is fetched
+    in ``on_before_batch_transfer``, which runs in step order. When the controller reports the run
+    done, the redeemed batch says so and the trainer stops.
+    """
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        ticket = 0
         while True:
-            batch = self.dm.next_batch()
-            if batch is None:
-                return
-            yield batch
+            yield {TICKET: ticket}
+            ticket += 1
 
 
 class RolloutDataModule(LightningDataModule):
@@ -213,7 +217,17 @@ class RolloutDataModule(LightningDataModule):
 
     # -- the train pump's side ---------------------------------------------------------------------------
     def train_dataloader(self) -> _StepStream:
-        return _StepStream(self)
+        return _StepStream()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not (isinstance(batch, dict) and TICKET in batch):
+            return batch
+        chunk = self.next_batch()
+        if chunk is None:
+            if self.trainer is not None:
+                self.trainer.should_stop = True
+            return {"done": True}
+        return chunk
 
     def next_batch(self) -> dict[str, Any] | None:
         """Block for the next chunk (metadata from the controller, tensors from the data plane)."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-
 from screl.strategies import cpu_shim
 
 __all__ = ["ParallelismConfig", "current_parallelism", "destroy_model_parallel", "initialize_model_parallel"]

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
-from torch import Tensor
-
 from screl.strategies.provider import UNPADDED_VOCAB_ATTR
+from torch import Tensor
 
 __all__ = ["Naming", "export_weights", "iter_export_buckets", "load_hf_weights"]
 

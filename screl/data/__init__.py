@@ -1,31 +1,13 @@
 """Pure core of the single controller: replay buffer slots, staleness samplers, rollout ledger, event log.
 
-No Ray, Lightning, threads or clocks in here: every piece is a deterministic value.
+No Ray, Lightning, threads or clocks in here: every piece is a deterministic value. The event-log
+names load lazily, so that ``python -m screl.data.events`` runs without a double import.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from screl.data.buffer import CapacityError, GroupSlot, ReplayBuffer, ReplayBufferError
-from screl.data.event_check import EventCheckReport, Violation, check_events
-from screl.data.events import (
-    EVENT_TYPES,
-    AbortEvent,
-    AdmitEvent,
-    CheckpointEvent,
-    CommitEvent,
-    DropEvent,
-    Event,
-    EventLogWriter,
-    EvictEvent,
-    FailEvent,
-    PromoteEvent,
-    RefitEvent,
-    ReserveEvent,
-    RestoreEvent,
-    SelectEvent,
-    SnapshotEvent,
-    TrainStepEvent,
-    parse_event,
-    read_events,
-)
 from screl.data.ledger import (
     Granularity,
     GroupState,
@@ -62,6 +44,63 @@ from screl.data.samplers import (
     sampler_supports_buffer_checkpoint,
     sampler_supports_training_claims,
 )
+
+if TYPE_CHECKING:
+    from screl.data.event_check import EventCheckReport, Violation, check_events
+    from screl.data.events import (
+        EVENT_TYPES,
+        AbortEvent,
+        AdmitEvent,
+        CheckpointEvent,
+        CommitEvent,
+        DropEvent,
+        Event,
+        EventLogWriter,
+        EvictEvent,
+        FailEvent,
+        PromoteEvent,
+        RefitEvent,
+        ReserveEvent,
+        RestoreEvent,
+        SelectEvent,
+        SnapshotEvent,
+        TrainStepEvent,
+        parse_event,
+        read_events,
+    )
+
+_LAZY = {
+    "EVENT_TYPES": "screl.data.events",
+    "AbortEvent": "screl.data.events",
+    "AdmitEvent": "screl.data.events",
+    "CheckpointEvent": "screl.data.events",
+    "CommitEvent": "screl.data.events",
+    "DropEvent": "screl.data.events",
+    "Event": "screl.data.events",
+    "EventLogWriter": "screl.data.events",
+    "EvictEvent": "screl.data.events",
+    "FailEvent": "screl.data.events",
+    "PromoteEvent": "screl.data.events",
+    "RefitEvent": "screl.data.events",
+    "ReserveEvent": "screl.data.events",
+    "RestoreEvent": "screl.data.events",
+    "SelectEvent": "screl.data.events",
+    "SnapshotEvent": "screl.data.events",
+    "TrainStepEvent": "screl.data.events",
+    "parse_event": "screl.data.events",
+    "read_events": "screl.data.events",
+    "EventCheckReport": "screl.data.event_check",
+    "Violation": "screl.data.event_check",
+    "check_events": "screl.data.event_check",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'screl.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "AbortEvent",

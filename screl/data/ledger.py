@@ -203,6 +203,16 @@ class RolloutLedger:
             if r.state is GroupState.GENERATING and all(s.state is SiblingState.SEALED for s in r.siblings)
         ]
 
+    def check_replay_index(self, replay_group_ids: Iterable[str]) -> None:
+        """Raise unless the replay index (buffer groups + claims) holds exactly the finalized and claimed groups."""
+        replay = set(replay_group_ids)
+        owned = {g for g, r in self._groups.items() if r.state in (GroupState.FINALIZED, GroupState.CLAIMED)}
+        if replay != owned:
+            raise LedgerError(
+                f"replay index and ledger disagree: only in the replay index {sorted(replay - owned)}, "
+                f"finalized or claimed in the ledger but not in the replay index {sorted(owned - replay)}"
+            )
+
     def accounting(self) -> LedgerAccounting:
         counts = {s: 0 for s in GroupState}
         for r in self._groups.values():

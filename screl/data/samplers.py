@@ -86,6 +86,15 @@ class PromptGroupSampler(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
+    @property
+    def dispatch_index(self) -> int:
+        """Index of the last admitted batch (-1 before the first)."""
+        ...
+
+    def set_dispatch_index(self, resume_step: int) -> None:
+        """Seed the cursor for a run resumed at trainer step ``resume_step`` (cursor = resume_step - 1)."""
+        ...
+
 
 def _check_nonneg(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -434,6 +443,8 @@ def _missing_protocol_members(obj: object) -> list[str]:
         "required_buffer_capacity",
         "state_dict",
         "load_state_dict",
+        "dispatch_index",
+        "set_dispatch_index",
     ]
     return [m for m in members if not hasattr(obj, m)]
 

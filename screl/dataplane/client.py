@@ -83,6 +83,7 @@ class DataPlaneHandle:
 
 _LOCK = threading.RLock()
 _connected_to: str | None = None  # controller actor id the process's TQ client talks to
+_started_here: str | None = None  # controller actor id of a TQ this process started and has not shut down
 
 
 def _find_controller() -> Any | None:
@@ -342,7 +343,7 @@ class DataPlane:
                 }
             }
         )
-        global _connected_to
+        global _connected_to, _started_here
         with _LOCK:
             _drop_client()
             _tqi._TQ_STORAGE = None  # storage handles of an earlier TQ started (and lost) by this process
@@ -357,7 +358,7 @@ class DataPlane:
             controller = _find_controller()
             if controller is None:
                 raise DataPlaneError("transfer_queue.init() returned but no controller is registered.")
-            _connected_to = _actor_id(controller)
+            _connected_to = _started_here = _actor_id(controller)
         return cls(DataPlaneHandle(partition_id, _connected_to, timeout_s), _owner=True)
 
     @classmethod
@@ -647,8 +648,8 @@ class DataPlane:
         if self._closed:
             return
         self._closed = True
-        with _LOCK:
-            if _connected_to == self._handle.controller_actor_id:
+        with _LOCK:  # the owner in this process (if any) keeps using the shared client
+            if _connected_to == self._handle.controller_actor_id and _started_here != _connected_to:
                 _drop_client()
 
     def shutdown(self, *, timeout_s: float | None = None) -> None:
@@ -665,7 +666,9 @@ class DataPlane:
             return
         self._closed = True
         timeout = self._timeout(timeout_s)
+        global _started_here
         with _LOCK:
+            _started_here = None
             try:  # graceful: storage units' shutdown(), then ray.kill of units and controller
                 _wait(_in_daemon_thread(tq.close), timeout, "TransferQueue close")
             except DataPlaneTimeoutError:

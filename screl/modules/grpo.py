@@ -92,6 +92,8 @@ class GRPO(LightningModule):
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        if batch.get("done"):  # the controller has no more steps: the trainer stops after this
+            return torch.zeros((), device=self.device)
         t0 = time.perf_counter()
         if self._step_started is None:
             self._step_started = t0
@@ -110,7 +112,7 @@ class GRPO(LightningModule):
             normalize_std=self.algo.adv_estimator.normalize_rewards,
         )
         valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
-        mb = self.micro_batch_size or rows
+        mb = self.micro_batch_size or max(rows, 1)
         loss_total = torch.zeros((), device=self.device)
         metrics_acc: dict[str, list[Tensor]] = {}
         for lo in range(0, rows, mb):
@@ -148,7 +150,8 @@ class GRPO(LightningModule):
                 self.log("train/grad_norm", grad_norm, batch_size=rows)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped)
+        if rows > 0:
+            self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped)
         return loss_total
 
     def _log_chunk(

@@ -31,6 +31,14 @@ class PlainProtocol:
 
     def __init__(self) -> None:
         self.admits = 0
+        self.cursor = -1
+
+    @property
+    def dispatch_index(self) -> int:
+        return self.cursor
+
+    def set_dispatch_index(self, resume_step: int) -> None:
+        self.cursor = resume_step - 1
 
     def admit(self, trainer_version: int) -> Admission:
         self.admits += 1

@@ -27,8 +27,8 @@ from screl.data import (
     GatedSampler,
     Granularity,
     GroupState,
-    RefitEvent,
     RecoveryPolicy,
+    RefitEvent,
     ReplayBuffer,
     ReserveEvent,
     RestoreEvent,
@@ -58,7 +58,7 @@ SAMPLERS: list[dict[str, Any]] = [
 ]
 
 # weighted so that steps complete often; rare failures, drops and short steps still interleave
-OPS = ("admit",) * 2 + ("reserve",) * 4 + ("seal",) * 8 + ("train",) * 4
+OPS: tuple[str, ...] = ("admit",) * 2 + ("reserve",) * 4 + ("seal",) * 8 + ("train",) * 4
 OPS += ("fail_sibling", "drop", "retry", "close_step")
 ops_strategy = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 40)), max_size=80)
 
@@ -251,6 +251,8 @@ class Sim:
         assert set(self.ledger.group_ids(GroupState.FINALIZED)) == {
             s.group_id for s in buf.live_slots() if s.ready
         }
+        state = buf.state_dict()
+        self.ledger.check_replay_index(g["group_id"] for g in state["groups"] + state["claims"])
 
     def run(self, ops: list[tuple[str, int]]) -> None:
         for name, arg in ops:
@@ -269,7 +271,7 @@ class Sim:
         clone = Sim(self.block, self.granularity, self.min_groups, self.cap, self.inflight_cap)
         clone.buffer.load_state_dict(copy.deepcopy(self.buffer.state_dict()))
         clone.sampler.load_state_dict(copy.deepcopy(self.sampler.state_dict()))
-        clone.ledger = RolloutLedger.from_dict(copy.deepcopy(self.ledger.to_dict()))
+        clone.ledger = RolloutLedger.from_dict(copy.deepcopy(self.ledger.to_dict()), self.ledger.policy)
         for name in ("T", "next_prompt", "pending", "shortfall", "ever_selected", "attempts"):
             setattr(clone, name, copy.deepcopy(getattr(self, name)))
         for gid, siblings in clone.ledger.recover().items():

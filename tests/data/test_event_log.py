@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def test_writer_appends_flushed_lines_with_injected_clock() -> None:
 IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
 
 
-def _rules(events: list[Event], sampler: Any = IN_ORDER, **kwargs: Any) -> list[str]:
+def _rules(events: Sequence[Event], sampler: Any = IN_ORDER, **kwargs: Any) -> list[str]:
     return [v.rule for v in check_events(events, sampler, **kwargs).violations]
 
 

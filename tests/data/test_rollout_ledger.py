@@ -290,3 +290,16 @@ def test_invalid_group_transitions_raise_and_change_nothing() -> None:
         ledger.apply(["g", "g"])
     assert ledger.group("g").state is GroupState.CLAIMED
     assert ledger.group("g").siblings[0].state is SiblingState.SEALED
+
+
+def test_check_replay_index_names_the_mismatch() -> None:
+    ledger = RolloutLedger()
+    for gid in ("a", "b"):
+        ledger.reserve(gid, 0, 1, start_weight=0)
+    _seal_all(ledger, "a")
+    ledger.finalize("a")
+    ledger.check_replay_index(["a"])
+    with pytest.raises(
+        LedgerError, match=r"only in the replay index \['b'\], .* not in the replay index \['a'\]"
+    ):
+        ledger.check_replay_index(["b"])

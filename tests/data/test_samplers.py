@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 
@@ -387,7 +387,7 @@ def test_custom_sampler_is_imported_with_kwargs(custom_path: None) -> None:
     s = create_sampler({"name": "custom", "target": "_custom_samplers:NewestFirst", "limit": 1})
     assert type(s).__name__ == "NewestFirst" and s.limit == 1  # type: ignore[attr-defined]
     assert s.select([slot("o", 1), slot("n", 3)], 3, 1, 5) == ["n"]
-    s.set_dispatch_index(4)  # type: ignore[attr-defined]
+    s.set_dispatch_index(4)
     assert s.admit(4) == Admission(True, None)
 
 
@@ -431,7 +431,3 @@ def test_supports_flags_must_be_declared_on_the_class_itself() -> None:
     assert not sampler_supports_buffer_checkpoint(Sub)
     assert sampler_supports_buffer_checkpoint(Declared)
     assert not sampler_supports_training_claims(Declared)
-
-
-def _ids(slots: Sequence[GroupSlot]) -> list[str]:
-    return [s.group_id for s in slots]

@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import pickle
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 import torch
 
-from screl.dataplane import DataPlane, DataPlaneError, DataPlaneKeyError, DataPlaneTimeoutError
+from screl.dataplane import (
+    DataPlane,
+    DataPlaneError,
+    DataPlaneKeyError,
+    DataPlaneTimeoutError,
+    listening_addresses,
+)
+from screl.dataplane.cluster import LOOPBACK_IPS
 
 # Ray workers cannot import this test module by name: ship its actors and helpers by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -49,6 +57,14 @@ def assert_rows_equal(got: dict[str, list[torch.Tensor]], want: dict[str, list[t
             assert not a.is_nested and a.device.type == "cpu", f
             assert a.dtype == b.dtype and a.shape == b.shape, (f, a, b)
             assert torch.equal(bits(a), bits(b)), (f, a, b)
+
+
+def test_transfer_queue_listens_on_loopback_only(dp: DataPlane) -> None:
+    dp.put(["sock_g0"], {"x": [torch.arange(3)]})  # TQ's controller and storage unit are serving
+    found = listening_addresses()
+    assert len(found) >= 6, found  # Ray's servers plus TQ's controller and storage-unit ZMQ sockets
+    assert [(pid, ip, port) for pid, ip, port in found if ip not in LOOPBACK_IPS] == []
+    dp.clear(["sock_g0"])
 
 
 def test_roundtrip_preserves_order_shapes_and_dtypes(dp: DataPlane) -> None:
@@ -164,6 +180,10 @@ def test_pickled_copy_is_attached_not_owner(dp: DataPlane) -> None:
     with pytest.raises(DataPlaneError, match=r"Only the DataPlane returned by DataPlane.start\(\)"):
         copy.shutdown()
     assert copy.list_keys() == dp.list_keys()
+    copy.close()  # an attached copy in the owner's process leaves the shared client alone
+    with pytest.raises(DataPlaneError, match=r"was closed or shut down"):
+        copy.list_keys()
+    assert dp.list_keys() == []
 
 
 @ray.remote(num_cpus=0)
@@ -213,8 +233,9 @@ class SyncReader:
 
 
 def test_put_from_an_async_actor_get_in_the_driver_and_back(dp: DataPlane) -> None:
-    writer = AsyncRolloutWriter.remote(dp)  # the DataPlane pickles to its handle and attaches lazily
-    reader = SyncReader.remote(dp.handle())
+    # The DataPlane pickles to its handle and attaches lazily in the actor.
+    writer = AsyncRolloutWriter.remote(dp)  # type: ignore[attr-defined]
+    reader = SyncReader.remote(dp.handle())  # type: ignore[attr-defined]
     try:
         keys = ray.get(writer.write.remote("actor", [3, 1, 4, 1], 11), timeout=60)
         _, want = make_group("actor", [3, 1, 4, 1], 11)
@@ -230,3 +251,10 @@ def test_put_from_an_async_actor_get_in_the_driver_and_back(dp: DataPlane) -> No
     finally:
         ray.kill(writer)
         ray.kill(reader)
+
+
+def test_checkpoint_paths_are_checked_before_tq(dp: DataPlane, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"need a local path"):
+        dp.save("s3://bucket/dp")
+    with pytest.raises(FileNotFoundError, match=r"is not a TransferQueue checkpoint"):
+        dp.load(tmp_path / "missing")

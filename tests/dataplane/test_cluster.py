@@ -1,22 +1,19 @@
-"""Ray and TransferQueue listen on loopback only."""
+"""The Ray helpers: loopback only, and no-ops when Ray already runs."""
 
 from __future__ import annotations
 
 import ray
-import torch
 
-from screl.dataplane import DataPlane, listening_addresses, start_local_ray, stop_ray_if_started
+from screl.dataplane import listening_addresses, start_local_ray, stop_ray_if_started
 from screl.dataplane.cluster import LOOPBACK_IPS
 
 
-def test_every_listening_socket_is_loopback(dp: DataPlane) -> None:
-    dp.put(["sock_g0"], {"x": [torch.arange(3)]})  # TQ's controller and storage unit are serving
+def test_ray_listens_on_loopback_only(ray_cluster: None) -> None:
+    # `import ray` ran before start_local_ray set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: the helper covers that.
     found = listening_addresses()
-    # GCS, raylet, driver core worker, TQ controller + storage unit ZMQ servers, ...
-    assert len(found) >= 6, found
+    assert len(found) >= 3, found  # GCS, raylet, driver core worker, ...
     assert [(pid, ip, port) for pid, ip, port in found if ip not in LOOPBACK_IPS] == []
     assert ray.util.get_node_ip_address() == "127.0.0.1"
-    dp.clear(["sock_g0"])
 
 
 def test_start_local_ray_is_a_no_op_when_ray_runs(ray_cluster: None) -> None:

@@ -1,0 +1,409 @@
+"""``MegatronStrategy``: Lightning's DDP strategy with Megatron-core tensor/pipeline/data parallelism.
+
+Lightning starts the ranks and the default process group (gloo on CPU, nccl on CUDA) as for DDP; the
+strategy then initializes Megatron's ``parallel_state`` on that group. The LightningModule builds its
+Megatron model in ``configure_model()`` with ``self.trainer.strategy.build_model()`` (the strategy's
+model provider); ``setup()`` wraps every outermost Megatron module of the LightningModule in
+Megatron's ``DistributedDataParallel`` in place.
+
+Training, either way:
+
+- *plain Lightning*: ``training_step`` returns a loss; Lightning backpropagates it; before the
+  optimizer steps, the strategy finalizes the gradients (data-parallel all-reduce, sequence-parallel
+  norm reduction) and hands Megatron's ``main_grad`` buffers to the torch optimizer as ``.grad``;
+- *microbatched*: ``training_step`` calls :meth:`MegatronStrategy.forward_backward`, which runs
+  Megatron's schedule (a plain loop on CPU) including the backward passes, and returns the detached
+  reported loss; the strategy then skips Lightning's backward for that step.
+
+Checkpoints are ``dist_checkpointing`` directories (see :mod:`screl.strategies.checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.transformer.module import MegatronModule
+from screl.strategies import checkpoint as ckpt
+from screl.strategies import weights
+from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
+from screl.strategies.provider import UNPADDED_VOCAB_ATTR, GPTModelProvider, ModelProvider
+from screl.strategies.schedule import ForwardStep, LossReduction, forward_backward, token_logprobs
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = ["MegatronStrategy"]
+
+
+def _outermost_megatron_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if name and isinstance(module, MegatronModule) and not any(name.startswith(p + ".") for p, _ in found):
+            found.append((name, module))
+    return found
+
+
+def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, attr, value)
+
+
+class MegatronStrategy(DDPStrategy):
+    """Megatron-core TP/PP/CP/DP training under Lightning.
+
+    Args:
+        parallelism: Parallel sizes (default: all 1, data parallel over the world).
+        model_provider: Builds each rank's model shard in :meth:`build_model` (default:
+            :class:`~screl.strategies.GPTModelProvider`).
+        ddp_config: Keyword arguments of Megatron's ``DistributedDataParallelConfig``
+            (``grad_reduce_in_fp32``, ``overlap_grad_reduce``, ``bucket_size``, ...).
+        seed: Seed of Megatron's data-parallel and tensor-parallel RNG streams.
+        staging_dir: Local directory for staging checkpoints to and from non-local fsspec URLs
+            (default: the system temp directory).
+        export_bucket_bytes: Bucket size (local shard bytes) of :meth:`iter_export_weights`.
+        process_group_backend, timeout, start_method, accelerator, parallel_devices,
+            cluster_environment, checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        parallelism: ParallelismConfig | None = None,
+        model_provider: ModelProvider | None = None,
+        ddp_config: dict[str, Any] | None = None,
+        seed: int = 0,
+        staging_dir: str | None = None,
+        export_bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.parallelism = parallelism or ParallelismConfig()
+        self.model_provider: ModelProvider = model_provider or GPTModelProvider()
+        self.ddp_config = dict(ddp_config or {})
+        self.seed = seed
+        self.staging_dir = staging_dir
+        self.export_bucket_bytes = export_bucket_bytes
+        self._wrapped: dict[str, DistributedDataParallel] = {}
+        self._backward_done = False
+        self._grads_finalized = False
+
+    # ----------------------------------------------------------------------------------- set-up
+    @property
+    def on_cpu(self) -> bool:
+        """Whether this rank trains on the CPU (the CUDA shim is in place)."""
+        return self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        """Check the sizes, start the process group (as DDP does), then Megatron's ``parallel_state``."""
+        self.set_world_ranks()
+        self.parallelism.validate(self.world_size)
+        if self.root_device.type == "cpu" and self.parallelism.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"MegatronStrategy: pipeline_model_parallel_size={self.parallelism.pipeline_model_parallel_size} "
+                "is not supported on CPU (megatron-core's pipeline schedules allocate CUDA tensors). "
+                "Use pipeline_model_parallel_size=1 or a GPU."
+            )
+        super().setup_environment()
+        initialize_model_parallel(self.parallelism, self.seed, cpu=self.on_cpu)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas (context-parallel ranks excluded)."""
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over data-parallel replicas only: tensor/pipeline peers see the same batch."""
+        return {"num_replicas": parallel_state.get_data_parallel_world_size(),
+                "rank": parallel_state.get_data_parallel_rank()}
+
+    def build_model(self) -> MegatronModule:
+        """This rank's model shard from the model provider, on this rank's device (call in ``configure_model``)."""
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("MegatronStrategy.build_model() runs after setup_environment() (in configure_model()).")
+        module = self.model_provider(
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+        return module.to(self.root_device)
+
+    def setup(self, trainer: Trainer) -> None:
+        """Move the module to the device and, when fitting, wrap its Megatron modules and set up optimizers."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.wrap_megatron_modules()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def wrap_megatron_modules(self) -> dict[str, DistributedDataParallel]:
+        """Wrap every outermost Megatron module of the LightningModule in Megatron's DDP, in place."""
+        module = self.lightning_module
+        assert module is not None
+        found = [(p, m) for p, m in _outermost_megatron_modules(module) if not isinstance(m, DistributedDataParallel)]
+        if not found and not self._wrapped:
+            raise RuntimeError(
+                f"MegatronStrategy found no Megatron module in {type(module).__name__}: build it in "
+                "configure_model(), e.g. `self.model = self.trainer.strategy.build_model()`."
+            )
+        for path, inner in found:
+            wrapped = DistributedDataParallel(
+                config=inner.config, ddp_config=DistributedDataParallelConfig(**self.ddp_config), module=inner
+            )
+            wrapped.config.finalize_model_grads_func = finalize_model_grads
+            wrapped.config.no_sync_func = wrapped.no_sync
+            _set_submodule(module, path, wrapped)
+            self._wrapped[path] = wrapped
+        return dict(self._wrapped)
+
+    @property
+    def megatron_modules(self) -> dict[str, MegatronModule]:
+        """The Megatron modules (unwrapped), by their path in the LightningModule."""
+        return {path: w.module for path, w in self._wrapped.items()}
+
+    def teardown(self) -> None:
+        """Unwrap the Megatron modules (``parallel_state`` stays initialized), then Lightning's teardown."""
+        module = self.lightning_module
+        if module is not None:
+            for path, wrapped in self._wrapped.items():
+                _set_submodule(module, path, wrapped.module)
+        self._wrapped.clear()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers no string aliases (``DDPStrategy``'s names stay Lightning's)."""
+
+    # ------------------------------------------------------------------------------- training
+    def forward_backward(
+        self,
+        microbatches: Sequence[Any],
+        forward_step: ForwardStep,
+        loss_reduction: LossReduction,
+        forward_only: bool = False,
+        module: str | None = None,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> Tensor:
+        """Run ``microbatches`` through a Megatron module with Megatron's schedule (CPU: a plain loop).
+
+        Backward passes and the gradient reduction happen here, so Lightning's own backward is skipped
+        for this step. Returns the detached reported loss, the same on every rank. ``module``: the
+        path of the Megatron module (default: the only one).
+        """
+        model = self._module(module)
+        loss = forward_backward(
+            model, microbatches, forward_step, loss_reduction, forward_only, seq_length, micro_batch_size
+        )
+        if not forward_only:
+            self._backward_done = True
+            self._grads_finalized = True
+        return loss
+
+    def _module(self, path: str | None) -> DistributedDataParallel:
+        if path is not None:
+            return self._wrapped[path]
+        if len(self._wrapped) != 1:
+            raise ValueError(f"Name the Megatron module: this LightningModule has {sorted(self._wrapped)}.")
+        return next(iter(self._wrapped.values()))
+
+    def token_logprobs(self, logits: Tensor, labels: Tensor, module: str | None = None) -> Tensor:
+        """:func:`~screl.strategies.schedule.token_logprobs` with the module's vocabulary layout."""
+        inner = self._module(module).module
+        return token_logprobs(
+            logits,
+            labels,
+            vocab_size=getattr(inner, UNPADDED_VOCAB_ATTR, None),
+            vocab_parallel=bool(getattr(inner, "parallel_output", True)),
+        )
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, unless :meth:`forward_backward` already ran this step's backward passes."""
+        if self._backward_done:
+            self._backward_done = False
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def finalize_gradients(self) -> None:
+        """Reduce gradients across data parallel (once per step) and expose ``main_grad`` as ``.grad``."""
+        if not self._grads_finalized:
+            finalize_model_grads(list(self._wrapped.values()))
+            self._grads_finalized = True
+        for wrapped in self._wrapped.values():
+            for p in wrapped.module.parameters():
+                if p.requires_grad and getattr(p, "main_grad", None) is not None:
+                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+
+    def zero_grad_buffers(self) -> None:
+        """Zero Megatron's gradient buffers and drop the ``.grad`` aliases."""
+        for wrapped in self._wrapped.values():
+            wrapped.zero_grad_buffer()
+            for p in wrapped.module.parameters():
+                p.grad = None
+        self._grads_finalized = False
+        self._backward_done = False
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer | LightningOptimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure, finalize the gradients, step, then zero Megatron's gradient buffers."""
+
+        def closure_then_finalize() -> Any:
+            result = closure()
+            self.finalize_gradients()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)  # type: ignore[arg-type]
+        self.zero_grad_buffers()
+        return output
+
+    # ------------------------------------------------------------------------------- weights
+    def iter_export_weights(self, module: str | None = None, naming: weights.Naming = "hf") -> Iterator[dict[str, Tensor]]:
+        """Full weights in Hugging Face naming, bucket by bucket, on every rank (all ranks must consume all)."""
+        return weights.iter_export_buckets(self._module(module).module, self.export_bucket_bytes, naming)
+
+    def export_weights(self, module: str | None = None, naming: weights.Naming = "hf") -> dict[str, Tensor]:
+        """All full weights in one dict, on every rank (a collective: call it on every rank)."""
+        out: dict[str, Tensor] = {}
+        for bucket in self.iter_export_weights(module, naming):
+            out.update(bucket)
+        return out
+
+    # ---------------------------------------------------------------------------- checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load after ``setup()``: the sharded template needs the model and optimizers."""
+        return True
+
+    def _module_sharded_state(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        state: dict[str, Any] = {}
+        for path, wrapped in self._wrapped.items():
+            state.update(wrapped.module.sharded_state_dict(prefix=f"{path}."))
+        for key, value in module.state_dict().items():
+            if not any(key.startswith(path + ".") for path in self._wrapped):
+                state[key] = value
+        return state
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's state: Megatron modules as ``ShardedTensor`` s, the rest as plain values."""
+        if not self._wrapped:
+            return super().lightning_module_state_dict()
+        return self._module_sharded_state()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state with parameter-shaped entries sharded like their parameters."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        index = self._optimizer_index(optimizer)
+        return ckpt.optimizer_sharded_state(optimizer, self._module_sharded_state(), prefix=f"optimizer.{index}")
+
+    def _optimizer_index(self, optimizer: Optimizer) -> int:
+        for i, opt in enumerate(self.optimizers):
+            if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
+                return i
+        raise ValueError("optimizer_state(): the optimizer is not one of this strategy's optimizers.")
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save with ``dist_checkpointing`` from every rank (``filepath`` becomes a directory)."""
+        if storage_options is not None:
+            raise TypeError("MegatronStrategy.save_checkpoint() takes no storage_options.")
+        ckpt.save_checkpoint(
+            checkpoint, str(filepath), self.staging_dir, node_leader=self.local_rank == 0, barrier=self._barrier
+        )
+
+    def _barrier(self) -> None:
+        self.barrier("MegatronStrategy.checkpoint")
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint at this rank's sharding (any tensor-parallel size it was saved at)."""
+
+        def template(common: Mapping[str, Any]) -> dict[str, Any]:
+            model_state = self._module_sharded_state()
+            out: dict[str, Any] = {"state_dict": model_state}
+            saved_opts = common.get("optimizer_states") or []
+            if saved_opts and self.optimizers:
+                out["optimizer_states"] = [
+                    ckpt.optimizer_template(
+                        opt._optimizer if isinstance(opt, LightningOptimizer) else opt,
+                        model_state,
+                        saved,
+                        prefix=f"optimizer.{i}",
+                    )
+                    for i, (opt, saved) in enumerate(zip(self.optimizers, saved_opts, strict=False))
+                ]
+            return out
+
+        return ckpt.load_checkpoint(
+            template, str(checkpoint_path), self.staging_dir, node_leader=self.local_rank == 0, barrier=self._barrier
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy loaded weights into the (wrapped) LightningModule."""
+        module = self.lightning_module
+        assert module is not None
+        state = {}
+        for key, value in checkpoint["state_dict"].items():
+            path = next((p for p in self._wrapped if key.startswith(p + ".")), None)
+            state[key if path is None else f"{path}.module.{key[len(path) + 1:]}"] = value
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load each optimizer's merged (common + sharded) state."""
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer.load_state_dict(ckpt.optimizer_state_for_torch(saved))
+            _optimizers_to_device([optimizer], self.root_device)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint directory (rank 0), local or remote."""
+        if self.is_global_zero:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(str(filepath))
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
