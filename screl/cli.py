@@ -140,6 +140,12 @@ class ScrelCLI(LightningCLI):
         super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        if trainer_cfg.get("logger") in (None, True) and "logger" not in kwargs:
+            from lightning.pytorch.loggers import CSVLogger
+
+            root = trainer_cfg.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = CSVLogger(save_dir=root, name="lightning_logs")
         trainer = super().instantiate_trainer(**kwargs)
         from screl.callbacks import WeightSync
 

@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch import LightningDataModule
 
 from screl.config import GenerationConfig, RunConfig
-from screl.controller.controller import ROW_FIELDS
 from screl.envs import Task
 
 log = logging.getLogger(__name__)
@@ -120,10 +119,7 @@ class RolloutDataModule(LightningDataModule):
         self.step_timeout_s = step_timeout_s
         self.run_dir = run_dir
         self.seed = seed
-        self.controller: Any = None
-        self.workers: list[Any] = []
-        self.dataplane: Any = None
-        self._ray_started = False
+        self.runtime: Any = None
         self._pad_id = 0
         self.events_path: str | None = None
 
@@ -134,7 +130,7 @@ class RolloutDataModule(LightningDataModule):
                 f"RolloutDataModule supports only `fit` (got {stage!r}): validation is not supported on the "
                 "single controller"
             )
-        if self.controller is not None:
+        if self.runtime is not None:
             return
         from screl.callbacks import WeightSync
 
@@ -154,66 +150,22 @@ class RolloutDataModule(LightningDataModule):
         self._start(module.policy_spec, run_dir, module.export_weights())
 
     def _start(self, policy: Any, run_dir: str, initial_weights: dict[str, torch.Tensor]) -> None:
-        import ray
+        from screl.controller import RolloutRuntime
 
-        from screl.controller import spawn_controller
-        from screl.dataplane import DataPlane, start_local_ray
-        from screl.rollout.worker import spawn_workers
-
-        rc = self.run.ray
-        self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
-        try:
-            self.dataplane = DataPlane.start(
-                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
-            )
-            g = self.generation
-            self.workers = spawn_workers(
-                g.num_workers, policy, device=g.device, num_threads=g.num_threads, max_batch_size=g.max_batch_size,
-                recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
-                injected_latency_s=g.injected_latency_s, seed=self.seed, backend=g.backend,
-            )
-            self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
-            weights = [ray.put(initial_weights)]
-            ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.step_timeout_s)
-            self.controller = spawn_controller(
-                self.run, self.task, policy, g, self.workers, self.dataplane, run_dir, self.seed
-            )
-            info = ray.get(self.controller.start.remote(weights), timeout=self.step_timeout_s)
-            self.events_path = info["events_path"]
-            log.info("screl: controller started; events -> %s", self.events_path)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
+        runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
+        runtime.start(self.task, policy, run_dir, initial_weights, self.seed)
+        self.runtime = runtime
+        self.events_path = runtime.events_path
 
     def teardown(self, stage: str) -> None:
         self.shutdown()
 
     def shutdown(self) -> None:
         """Stop the controller, workers and data plane (and Ray, if this module started it). Idempotent."""
-        if self.controller is None and not self.workers and self.dataplane is None and not self._ray_started:
-            return
-        import ray
-
-        from screl.dataplane import stop_ray_if_started
-
-        if self.controller is not None:
-            try:
-                ray.get(self.controller.shutdown.remote(), timeout=30)
-            except Exception as err:  # noqa: BLE001 - keep tearing down
-                log.warning("screl: controller shutdown failed: %r", err)
-            ray.kill(self.controller, no_restart=True)
-            self.controller = None
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers = []
-        if self.dataplane is not None:
-            try:
-                self.dataplane.shutdown()
-            except Exception as err:  # noqa: BLE001
-                log.warning("screl: data plane shutdown failed: %r", err)
-            self.dataplane = None
-        stop_ray_if_started(self._ray_started)
-        self._ray_started = False
+        if self.runtime is not None:
+            self.runtime.shutdown()
+            self.runtime = None
 
     # -- the train pump's side ---------------------------------------------------------------------------
     def train_dataloader(self) -> _StepStream:
@@ -231,26 +183,14 @@ class RolloutDataModule(LightningDataModule):
 
     def next_batch(self) -> dict[str, Any] | None:
         """Block for the next chunk (metadata from the controller, tensors from the data plane)."""
-        import ray
-
         t0 = time.perf_counter()
-        meta = ray.get(self.controller.next_chunk.remote(self.step_timeout_s), timeout=self.step_timeout_s + 60)
+        meta = self.runtime.next_chunk()
         if meta is None:
             return None
-        data = self.dataplane.get(meta["keys"], list(ROW_FIELDS)) if meta["keys"] else {}
-        batch = collate_chunk(meta, data, self._pad_id)
+        batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id)
         batch["wait_s"] = time.perf_counter() - t0
         return batch
 
     def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Retire the finished step and refit the workers with ``weights`` (called by WeightSync)."""
-        import ray
-
-        ref = [ray.put(weights)]
-        return ray.get(self.controller.complete_step.remote(ref), timeout=self.step_timeout_s)  # type: ignore[no-any-return]
-
-    def controller_stats(self) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]
-
+        return self.runtime.complete_step(weights)  # type: ignore[no-any-return]

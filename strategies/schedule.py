@@ -46,8 +46,12 @@ class LossReduction(Protocol):
         """``(loss, values)`` or ``(loss_sum, num_tokens, values)``; ``values``: detached tensors to report."""
         ...
 
-    def reduce(self, values: list[dict[str, Tensor]]) -> Tensor:
-        """This rank's reported loss from every microbatch's ``values`` (last pipeline stage only)."""
+    def reduce(self, values: list[dict[str, Tensor]]) -> Tensor | tuple[Tensor, Tensor]:
+        """This rank's reported loss from every microbatch's ``values`` (last pipeline stage only).
+
+        A tensor is averaged over data-parallel ranks; a ``(numerator, denominator)`` pair is summed
+        over them and divided (a token-weighted mean over the global batch).
+        """
         ...
 
 
@@ -140,18 +144,24 @@ def forward_backward(
     return reduce_reported_loss(local, device)
 
 
-def reduce_reported_loss(local: Tensor | None, device: torch.device) -> Tensor:
-    """Broadcast the last pipeline stage's value to every stage, then average over data parallel."""
-    value = torch.zeros([], dtype=torch.float32, device=device) if local is None else local.detach().float().to(device)
+def reduce_reported_loss(local: Tensor | tuple[Tensor, Tensor] | None, device: torch.device) -> Tensor:
+    """Broadcast the last pipeline stage's value to every stage, then reduce it over data parallel.
+
+    ``local``: a value (averaged over data-parallel ranks) or a ``(numerator, denominator)`` pair
+    (both summed, then divided); ``None`` on stages other than the last.
+    """
+    pair = torch.zeros(2, dtype=torch.float32, device=device)
+    if isinstance(local, tuple):
+        pair = torch.stack([t.detach().float().reshape(()) for t in local]).to(device)
+    elif local is not None:
+        pair = torch.stack([local.detach().float().reshape(()).to(device), torch.ones((), device=device)])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         group = parallel_state.get_pipeline_model_parallel_group()
-        last = dist.get_process_group_ranks(group)[-1]
-        dist.broadcast(value, src=last, group=group)
+        dist.broadcast(pair, src=dist.get_process_group_ranks(group)[-1], group=group)
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(value, group=dp_group)
-        value = value / dist.get_world_size(dp_group)
-    return value
+        dist.all_reduce(pair, group=dp_group)
+    return pair[0] / pair[1]
 
 
 def token_logprobs(

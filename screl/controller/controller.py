@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import os
 import random
@@ -35,6 +34,20 @@ import torch
 
 from screl.config import GenerationConfig, RunConfig
 from screl.data import ReplayBuffer, RolloutLedger, create_sampler
+from screl.data.events import (
+    AbortEvent,
+    AdmitEvent,
+    CommitEvent,
+    DropEvent,
+    Event,
+    EventLogWriter,
+    EvictEvent,
+    FailEvent,
+    RefitEvent,
+    ReserveEvent,
+    SelectEvent,
+    TrainStepEvent,
+)
 from screl.data.ledger import RecoveryPolicy
 from screl.data.samplers import call_admit
 from screl.envs import PromptRecord, Task, decode_completion
@@ -146,14 +159,12 @@ class RolloutController:
         self._events: TextIO | None = (
             open(self.events_path, "a", encoding="utf-8") if run.async_rl.event_log else None  # noqa: SIM115
         )
+        self._writer = EventLogWriter(self._events, clock=time.time) if self._events is not None else None
 
     # ------------------------------------------------------------------ events
-    def _emit(self, event: str, **fields: Any) -> None:
-        if self._events is None:
-            return
-        record = {"event": event, "time": time.time(), **fields}
-        self._events.write(json.dumps(record, sort_keys=True) + "\n")
-        self._events.flush()
+    def _emit(self, event: Event) -> None:
+        if self._writer is not None:
+            self._writer.write(event)
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -174,8 +185,6 @@ class RolloutController:
         self._changed = asyncio.Event()
         self._permitted = asyncio.Event()
         self._permitted.set()
-        self._emit("start", trainer_version=self.trainer_version, sampler=self.sampler.name,
-                   config={"P": self.P, "G": self.G, "window": getattr(self.sampler, "peak_window", None)})
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_pump_done)
         return {"max_steps": self.max_steps, "events_path": self.events_path}
@@ -240,9 +249,11 @@ class RolloutController:
                 self.batch_index += 1
                 self.admitted_batches += 1
                 self.pending_admitted += len(batch)
-                self._emit("admit", trainer_version=self.trainer_version, target_step=adm.target_step,
-                           step=self.admitted_batches - 1, epoch=self.epoch,
-                           prompt_ids=[p.prompt_id for p in batch])
+                self._emit(AdmitEvent(
+                    trainer_version=self.trainer_version, step=self.sampler.dispatch_index,
+                    target_step=adm.target_step,
+                    extra={"epoch": self.epoch, "prompt_ids": [p.prompt_id for p in batch]},
+                ))
                 for prompt in batch:
                     while not self.buffer.can_reserve():
                         await self._wait_changed(0.5)
@@ -253,7 +264,6 @@ class RolloutController:
         while self.runs:
             await self._wait_changed(0.5)
         self.exhausted = True
-        self._emit("exhausted", trainer_version=self.trainer_version)
         self._notify()
 
     def _reserve_and_launch(self, prompt: PromptRecord, target_step: int | None) -> None:
@@ -261,8 +271,8 @@ class RolloutController:
         group_id = self.buffer.reserve(prompt.prompt_id, sw, target_step)
         self.pending_admitted -= 1
         self.ledger.reserve(group_id, prompt.prompt_id, self.G, start_weight=sw, target_step=target_step)
-        self._emit("reserve", group_id=group_id, prompt_id=prompt.prompt_id, start_weight=sw,
-                   target_step=target_step, trainer_version=self.trainer_version)
+        self._emit(ReserveEvent(group_id=group_id, prompt_id=prompt.prompt_id, start_weight=sw,
+                                target_step=target_step, trainer_version=self.trainer_version))
         gr = _GroupRun(group_id, prompt, sw, target_step, self.epoch)
         self.runs[group_id] = gr
         gr.task = asyncio.get_running_loop().create_task(self._run_group(gr))
@@ -312,8 +322,10 @@ class RolloutController:
                         infra_failures += 1
                         for s in pending:
                             self.ledger.fail(gr.group_id, s, gr.attempts[s])
-                        self._emit("fail", group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, reason="infra",
-                                   detail=type(err).__name__, siblings=pending, attempt=infra_failures)
+                        for s in pending:
+                            self._emit(FailEvent(group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, sibling=s,
+                                                 reason="infra", extra={"detail": type(err).__name__,
+                                                                        "attempt": infra_failures}))
                         if infra_failures >= self.failure.max_infra_attempts:
                             self._drop_or_raise(gr, "infra_attempts_exhausted", err)
                             return
@@ -329,8 +341,10 @@ class RolloutController:
                     rewards = self._rewards(gr)
                 except Exception as err:  # noqa: BLE001 - a reward function failed: a data failure
                     data_failures += 1
-                    self._emit("fail", group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, reason="data",
-                               detail=repr(err)[:200], attempt=data_failures)
+                    for s in range(self.G):
+                        self._emit(FailEvent(group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, sibling=s,
+                                             reason="data", extra={"detail": repr(err)[:200],
+                                                                   "attempt": data_failures}))
                     if data_failures >= self.failure.max_data_attempts:
                         self._drop_or_raise(gr, "data_attempts_exhausted", err)
                         return
@@ -348,8 +362,8 @@ class RolloutController:
                 self.buffer.fail(gr.group_id)
             if gr.group_id in self.ledger:
                 self.ledger.drop(gr.group_id, "aborted_stale")
-            self._emit("abort", group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, start_weight=gr.start_weight,
-                       trainer_version=self.trainer_version, reason="stale")
+            self._emit(AbortEvent(group_id=gr.group_id, trainer_version=self.trainer_version,
+                                  start_weight=gr.start_weight, reason="stale"))
             self.metrics["aborted"] += 1
         finally:
             self.runs.pop(gr.group_id, None)
@@ -366,8 +380,7 @@ class RolloutController:
         )
         self.buffer.fail(gr.group_id)
         self.ledger.drop(gr.group_id, reason)
-        self._emit("drop", group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, reason=reason,
-                   target_step=gr.target_step, trainer_version=self.trainer_version)
+        self._emit(DropEvent(reason=reason, group_id=gr.group_id, prompt_id=gr.prompt.prompt_id))
         self.metrics["dropped"] += 1
         if gr.target_step is not None:
             self.shortfall[gr.target_step] = self.shortfall.get(gr.target_step, 0) + 1
@@ -410,9 +423,11 @@ class RolloutController:
         self.ledger.finalize(gr.group_id)
         gen_s = time.perf_counter() - gr.started
         self.metrics["generation_s"] = gen_s
-        self._emit("commit", group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, start_weight=gr.start_weight,
-                   end_weight=end_weight, target_step=gr.target_step, trainer_version=self.trainer_version,
-                   reward_mean=sum(rewards) / len(rewards), generation_s=round(gen_s, 4))
+        self._emit(CommitEvent(
+            group_id=gr.group_id, end_weight=end_weight, start_weight=gr.start_weight, prompt_id=gr.prompt.prompt_id,
+            target_step=gr.target_step,
+            extra={"reward_mean": sum(rewards) / len(rewards), "generation_s": round(gen_s, 4)},
+        ))
 
     # ------------------------------------------------------------------ train pump side
     def _step_target(self) -> int:
@@ -463,8 +478,8 @@ class RolloutController:
         keys = [f"{g}_g{s}" for g in group_ids for s in range(self.G)]
         await self.dp.aclear(keys)
         for slot in slots:
-            self._emit("evict", group_id=slot.group_id, prompt_id=slot.prompt_id, start_weight=slot.start_weight,
-                       target_step=slot.target_step, trainer_version=self.trainer_version, reason="out_of_window")
+            self._emit(EvictEvent(group_id=slot.group_id, trainer_version=self.trainer_version,
+                                  start_weight=slot.start_weight, target_step=slot.target_step, reason="out_of_window"))
         self.metrics["evicted"] += len(slots)
         self._notify()
 
@@ -473,8 +488,7 @@ class RolloutController:
         self.ledger.claim(ids)
         self.step_claims.extend(ids)
         self.step_dispatched += len(ids)
-        self._emit("select", group_ids=list(ids), trainer_version=self.trainer_version,
-                   start_weights=[s.start_weight for s in slots], target_steps=[s.target_step for s in slots])
+        self._emit(SelectEvent(trainer_version=self.trainer_version, group_ids=tuple(ids)))
         return {
             "group_ids": list(ids),
             "keys": [f"{g}_g{s}" for g in ids for s in range(self.G)],
@@ -497,7 +511,7 @@ class RolloutController:
         self.ledger.apply(ids)
         self.ledger.retire(ids)
         await self.dp.aclear([f"{g}_g{s}" for g in ids for s in range(self.G)])
-        self._emit("train_step", step=step, group_ids=ids, trainer_version=step)
+        self._emit(TrainStepEvent(step=step, group_ids=tuple(ids), trainer_version=step))
         self.step_claims = []
         self.step_dispatched = 0
         self.shortfall = {k: v for k, v in self.shortfall.items() if k > step}
@@ -517,8 +531,8 @@ class RolloutController:
             self.latest_weights = weights
             await asyncio.gather(*(w.update_weights.remote(weights, self.trainer_version) for w in self.workers))
         self.gen_version = self.trainer_version
-        self._emit("refit", trainer_version=self.trainer_version, aborted=aborted,
-                   refit_s=round(time.perf_counter() - t0, 4))
+        self._emit(RefitEvent(trainer_version=self.trainer_version,
+                              extra={"aborted": aborted, "refit_s": round(time.perf_counter() - t0, 4)}))
         self._permitted.set()
         self._notify()
         return {"trainer_version": self.trainer_version, "aborted": aborted}

@@ -55,18 +55,27 @@ class Event:
 
     name: ClassVar[str] = ""
     time: float | None = None
+    extra: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+    """Diagnostics beyond the contract (e.g. ``reward_mean``); written inline, ignored by the checker."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_field(self.name, f.name, getattr(self, f.name))
+            if f.name != "extra":
+                _check_field(self.name, f.name, getattr(self, f.name))
+        clash = sorted(set(self.extra or {}) & ({f.name for f in dataclasses.fields(self)} | {"event"}))
+        if clash:
+            raise ValueError(f"{self.name} event: extra fields {clash} shadow contract fields")
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"event": name, ...fields}``, omitting fields that are None."""
+        """``{"event": name, ...fields, ...extra}``, omitting fields that are None."""
         out: dict[str, Any] = {"event": self.name}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "extra":
+                continue
             if value is not None:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
+        out.update(self.extra or {})
         return out
 
     def to_json(self) -> str:
@@ -246,17 +255,15 @@ def parse_event(line: str | Mapping[str, Any]) -> Event:
     cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown event {name!r}; expected one of {sorted(EVENT_TYPES)}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"{name} event: unknown fields {unknown} (its fields: {sorted(known)})")
+    known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    extra = {k: fields.pop(k) for k in sorted(set(fields) - known)}
     required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
     missing = sorted(required - set(fields))
     if missing:
         raise ValueError(f"{name} event: missing fields {missing}")
     if isinstance(fields.get("group_ids"), list):
         fields["group_ids"] = tuple(fields["group_ids"])
-    return cls(**fields)
+    return cls(**fields, extra=extra or None)
 
 
 def read_events(source: str | os.PathLike[str] | Iterable[str]) -> Iterator[tuple[int, str]]:

@@ -1,0 +1,122 @@
+"""``RolloutRuntime``: the trainer-side handle on everything the rollout side runs.
+
+It starts (or joins) Ray on loopback, the TransferQueue data plane, the generation workers and the
+``RolloutController`` actor, and gives the DataModule plain-Python calls with timeouts. It is the one
+place outside the actors that talks to Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+
+from screl.config import GenerationConfig, RunConfig
+from screl.controller.controller import ROW_FIELDS, RolloutController
+from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
+from screl.envs import Task
+from screl.models import PolicySpec
+from screl.rollout.worker import spawn_workers
+
+log = logging.getLogger(__name__)
+
+
+def spawn_controller(
+    run: RunConfig,
+    task: Task,
+    policy: PolicySpec,
+    generation: GenerationConfig,
+    workers: list[Any],
+    dataplane: Any,
+    run_dir: str,
+    seed: int = 0,
+) -> Any:
+    """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle."""
+    actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
+        num_cpus=0, max_concurrency=1000
+    )
+    return actor.remote(run, task, policy, generation, workers, dataplane, run_dir, seed)
+
+
+class RolloutRuntime:
+    """Owns the rollout side of one run; every call waits at most ``timeout_s``."""
+
+    def __init__(self, run: RunConfig, generation: GenerationConfig, timeout_s: float) -> None:
+        self.run = run
+        self.generation = generation
+        self.timeout_s = timeout_s
+        self.controller: Any = None
+        self.workers: list[Any] = []
+        self.dataplane: DataPlane | None = None
+        self._ray_started = False
+        self.events_path: str | None = None
+
+    def start(
+        self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int
+    ) -> None:
+        rc = self.run.ray
+        self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
+        try:
+            self.dataplane = DataPlane.start(
+                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
+            )
+            g = self.generation
+            self.workers = spawn_workers(
+                g.num_workers, policy, device=g.device, num_threads=g.num_threads, max_batch_size=g.max_batch_size,
+                recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
+                injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
+            )
+            weights = [ray.put(initial_weights)]
+            ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.timeout_s)
+            self.controller = spawn_controller(self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed)
+            info = ray.get(self.controller.start.remote(weights), timeout=self.timeout_s)
+            self.events_path = info["events_path"]
+            log.info("screl: controller started; events -> %s", self.events_path)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def next_chunk(self) -> dict[str, Any] | None:
+        """Metadata of the next training chunk, or None when the run is done."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.next_chunk.remote(self.timeout_s), timeout=self.timeout_s + 60
+        )
+
+    def fetch(self, keys: list[str]) -> dict[str, list[torch.Tensor]]:
+        """The rollout rows of ``keys`` from the data plane."""
+        assert self.dataplane is not None
+        return self.dataplane.get(keys, list(ROW_FIELDS)) if keys else {}
+
+    def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Retire the open step and refit the workers with ``weights``."""
+        ref = [ray.put(weights)]
+        return ray.get(self.controller.complete_step.remote(ref), timeout=self.timeout_s)  # type: ignore[no-any-return]
+
+    def stats(self) -> dict[str, Any]:
+        return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]
+
+    def worker_pids(self) -> list[int]:
+        return [int(p) for p in ray.get([w.pid.remote() for w in self.workers], timeout=60)]
+
+    def shutdown(self) -> None:
+        """Stop the controller, workers and data plane (and Ray, if started here). Idempotent."""
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=30)
+            except Exception as err:  # noqa: BLE001 - keep tearing down
+                log.warning("screl: controller shutdown failed: %r", err)
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.dataplane is not None:
+            try:
+                self.dataplane.shutdown()
+            except Exception as err:  # noqa: BLE001
+                log.warning("screl: data plane shutdown failed: %r", err)
+            self.dataplane = None
+        stop_ray_if_started(self._ray_started)
+        self._ray_started = False
