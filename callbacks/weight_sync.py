@@ -23,7 +23,7 @@ class WeightSync(Callback):
     ) -> None:
         if not (isinstance(batch, dict) and batch.get("last_chunk")):
             return
-        dm = trainer.datamodule
+        dm = trainer.datamodule  # type: ignore[attr-defined]
         export = getattr(pl_module, "export_weights", None)
         if export is None:
             raise TypeError(f"{type(pl_module).__name__} has no export_weights(): WeightSync cannot refit")

@@ -149,8 +149,9 @@ class ScrelCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         from screl.callbacks import WeightSync
 
-        if not any(isinstance(cb, WeightSync) for cb in trainer.callbacks):
-            trainer.callbacks.append(WeightSync())
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, WeightSync) for cb in callbacks):
+            callbacks.append(WeightSync())
         return trainer
 
 

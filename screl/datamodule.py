@@ -34,7 +34,7 @@ def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad
     """
     rows = len(meta["keys"])
     version = int(meta["trainer_version"])
-    base = {k: meta[k] for k in ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight",
+    base: dict[str, Any] = {k: meta[k] for k in ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight",
                                  "generation_s") if k in meta}
     if rows == 0:
         empty = torch.zeros((0, 1))
@@ -134,7 +134,7 @@ class RolloutDataModule(LightningDataModule):
             return
         from screl.callbacks import WeightSync
 
-        trainer = self.trainer
+        trainer: Any = self.trainer
         if trainer is None or not any(isinstance(cb, WeightSync) for cb in trainer.callbacks):
             raise RuntimeError(
                 "RolloutDataModule needs the WeightSync callback (it refits the generation workers after each "
@@ -145,7 +145,7 @@ class RolloutDataModule(LightningDataModule):
                 "multi-rank training with the RolloutDataModule is not supported yet: run one training process"
             )
         torch.set_num_threads(max(1, self.generation.num_threads))
-        module = trainer.lightning_module
+        module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
         self._start(module.policy_spec, run_dir, module.export_weights())
 

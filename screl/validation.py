@@ -402,10 +402,10 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
     if rc.get("max_consecutive_failures", 3) < 1:
         bad("rollout_checkpointing.max_consecutive_failures", rc.get("max_consecutive_failures"), "must be >= 1",
             "set it >= 1")
-    for i, path in enumerate(rc.get("extra_fingerprint_excluded_paths") or []):
-        msg = _fingerprint_path_problem(path)
-        if msg:
-            bad(f"rollout_checkpointing.extra_fingerprint_excluded_paths.{i}", path, msg,
+    for i, fp_path in enumerate(rc.get("extra_fingerprint_excluded_paths") or []):
+        why = _fingerprint_path_problem(fp_path)
+        if why:
+            bad(f"rollout_checkpointing.extra_fingerprint_excluded_paths.{i}", fp_path, why,
                 "write a dotpath such as `custom_algo.observability` or `env.workers.*.log_dir`")
 
     # --- rollout recovery -------------------------------------------------------------------------

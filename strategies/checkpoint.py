@@ -209,9 +209,13 @@ def optimizer_template(
     state: dict[int, dict[str, Any]] = {}
     for pid, keys in saved.get(SHARDED_KEYS, {}).items():
         if pid not in by_id:
-            raise KeyError(f"Optimizer state for parameter {pid} was saved sharded but the model has no such shard.")
+            raise KeyError(
+                f"Optimizer state for parameter {pid} was saved sharded but the model has no such shard."
+            )
         state[pid] = {
-            key: make_sharded_optimizer_tensor(by_id[pid], torch.zeros_like(params[pid]), prefix=f"{prefix}.state.{key}")
+            key: make_sharded_optimizer_tensor(
+                by_id[pid], torch.zeros_like(params[pid]), prefix=f"{prefix}.state.{key}"
+            )
             for key in keys
         }
     return {"state": state}
@@ -220,4 +224,3 @@ def optimizer_template(
 def optimizer_state_for_torch(saved: Mapping[str, Any]) -> dict[str, Any]:
     """A loaded optimizer state (common part merged with shards) as ``Optimizer.load_state_dict`` wants it."""
     return {"state": dict(saved["state"]), "param_groups": saved["param_groups"]}
-

@@ -112,7 +112,11 @@ def _patches() -> dict[str, tuple[Any, str, Callable[..., Any]]]:
         "causal_mask": (_fused_softmax, "get_default_causal_mask", _cpu_causal_mask),
         "causal_mask_utils": (_transformer_utils, "get_default_causal_mask", _cpu_causal_mask),
         "window_mask": (_fused_softmax, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask),
-        "window_mask_utils": (_transformer_utils, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask),
+        "window_mask_utils": (
+            _transformer_utils,
+            "get_sliding_window_causal_mask",
+            _cpu_sliding_window_causal_mask,
+        ),
     }
 
 
@@ -134,7 +138,10 @@ def apply() -> None:
     for key, (owner, attr, replacement) in _patches().items():
         _originals[key] = getattr(owner, attr)
         setattr(owner, attr, replacement)
-    _originals["tracker"] = (_mp_random._CUDA_RNG_STATE_TRACKER, _mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    _originals["tracker"] = (
+        _mp_random._CUDA_RNG_STATE_TRACKER,
+        _mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
     _mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     _mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
@@ -156,7 +163,9 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, et
     model-parallel stream with ``seed + 2718 + tp_rank``. Requires :func:`apply`.
     """
     if not is_applied():
-        raise RuntimeError("model_parallel_cpu_manual_seed() needs the CPU shim: call cpu_shim.apply() first.")
+        raise RuntimeError(
+            "model_parallel_cpu_manual_seed() needs the CPU shim: call cpu_shim.apply() first."
+        )
     tracker = _mp_random._CUDA_RNG_STATE_TRACKER
     tracker.reset()
     torch.manual_seed(seed)

@@ -56,7 +56,11 @@ __all__ = ["MegatronStrategy"]
 def _outermost_megatron_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
-        if name and isinstance(module, MegatronModule) and not any(name.startswith(p + ".") for p, _ in found):
+        if (
+            name
+            and isinstance(module, MegatronModule)
+            and not any(name.startswith(p + ".") for p, _ in found)
+        ):
             found.append((name, module))
     return found
 
@@ -150,13 +154,17 @@ class MegatronStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over data-parallel replicas only: tensor/pipeline peers see the same batch."""
-        return {"num_replicas": parallel_state.get_data_parallel_world_size(),
-                "rank": parallel_state.get_data_parallel_rank()}
+        return {
+            "num_replicas": parallel_state.get_data_parallel_world_size(),
+            "rank": parallel_state.get_data_parallel_rank(),
+        }
 
     def build_model(self) -> MegatronModule:
         """This rank's model shard from the model provider, on this rank's device (call in ``configure_model``)."""
         if not parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("MegatronStrategy.build_model() runs after setup_environment() (in configure_model()).")
+            raise RuntimeError(
+                "MegatronStrategy.build_model() runs after setup_environment() (in configure_model())."
+            )
         module = self.model_provider(
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
@@ -180,7 +188,11 @@ class MegatronStrategy(DDPStrategy):
         """Wrap every outermost Megatron module of the LightningModule in Megatron's DDP, in place."""
         module = self.lightning_module
         assert module is not None
-        found = [(p, m) for p, m in _outermost_megatron_modules(module) if not isinstance(m, DistributedDataParallel)]
+        found = [
+            (p, m)
+            for p, m in _outermost_megatron_modules(module)
+            if not isinstance(m, DistributedDataParallel)
+        ]
         if not found and not self._wrapped:
             raise RuntimeError(
                 f"MegatronStrategy found no Megatron module in {type(module).__name__}: build it in "
@@ -257,7 +269,9 @@ class MegatronStrategy(DDPStrategy):
             vocab_parallel=bool(getattr(inner, "parallel_output", True)),
         )
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """Lightning's backward, unless :meth:`forward_backward` already ran this step's backward passes."""
         if self._backward_done:
             self._backward_done = False
@@ -302,7 +316,9 @@ class MegatronStrategy(DDPStrategy):
         return output
 
     # ------------------------------------------------------------------------------- weights
-    def iter_export_weights(self, module: str | None = None, naming: weights.Naming = "hf") -> Iterator[dict[str, Tensor]]:
+    def iter_export_weights(
+        self, module: str | None = None, naming: weights.Naming = "hf"
+    ) -> Iterator[dict[str, Tensor]]:
         """Full weights in Hugging Face naming, bucket by bucket, on every rank (all ranks must consume all)."""
         return weights.iter_export_buckets(self._module(module).module, self.export_bucket_bytes, naming)
 
@@ -341,7 +357,9 @@ class MegatronStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         index = self._optimizer_index(optimizer)
-        return ckpt.optimizer_sharded_state(optimizer, self._module_sharded_state(), prefix=f"optimizer.{index}")
+        return ckpt.optimizer_sharded_state(
+            optimizer, self._module_sharded_state(), prefix=f"optimizer.{index}"
+        )
 
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         for i, opt in enumerate(self.optimizers):
@@ -349,12 +367,18 @@ class MegatronStrategy(DDPStrategy):
                 return i
         raise ValueError("optimizer_state(): the optimizer is not one of this strategy's optimizers.")
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
         """Save with ``dist_checkpointing`` from every rank (``filepath`` becomes a directory)."""
         if storage_options is not None:
             raise TypeError("MegatronStrategy.save_checkpoint() takes no storage_options.")
         ckpt.save_checkpoint(
-            checkpoint, str(filepath), self.staging_dir, node_leader=self.local_rank == 0, barrier=self._barrier
+            checkpoint,
+            str(filepath),
+            self.staging_dir,
+            node_leader=self.local_rank == 0,
+            barrier=self._barrier,
         )
 
     def _barrier(self) -> None:
@@ -380,7 +404,11 @@ class MegatronStrategy(DDPStrategy):
             return out
 
         return ckpt.load_checkpoint(
-            template, str(checkpoint_path), self.staging_dir, node_leader=self.local_rank == 0, barrier=self._barrier
+            template,
+            str(checkpoint_path),
+            self.staging_dir,
+            node_leader=self.local_rank == 0,
+            barrier=self._barrier,
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -390,7 +418,7 @@ class MegatronStrategy(DDPStrategy):
         state = {}
         for key, value in checkpoint["state_dict"].items():
             path = next((p for p in self._wrapped if key.startswith(p + ".")), None)
-            state[key if path is None else f"{path}.module.{key[len(path) + 1:]}"] = value
+            state[key if path is None else f"{path}.module.{key[len(path) + 1 :]}"] = value
         module.load_state_dict(state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -52,7 +52,9 @@ class ParallelismConfig:
     @property
     def model_parallel_size(self) -> int:
         """Ranks holding one replica of the model: tensor x pipeline x context parallel."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
 
     def validate(self, world_size: int) -> int:
         """Check the sizes against ``world_size`` and return the data-parallel size.
@@ -60,7 +62,11 @@ class ParallelismConfig:
         Raises:
             ValueError: naming every size and the world size when they do not fit.
         """
-        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
         product = f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp}"
         if self.data_parallel_size is not None:
             total = self.model_parallel_size * self.data_parallel_size

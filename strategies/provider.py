@@ -115,7 +115,9 @@ class GPTModelProvider:
         if self.activation not in ("silu", "gelu"):
             raise ValueError(f"GPTModelProvider(activation={self.activation!r}) must be 'silu' or 'gelu'.")
         if self.params_dtype not in _DTYPES:
-            raise ValueError(f"GPTModelProvider(params_dtype={self.params_dtype!r}) must be one of {sorted(_DTYPES)}.")
+            raise ValueError(
+                f"GPTModelProvider(params_dtype={self.params_dtype!r}) must be one of {sorted(_DTYPES)}."
+            )
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, **overrides: Any) -> GPTModelProvider:

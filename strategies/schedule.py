@@ -73,8 +73,16 @@ def _cpu_forward_backward(
     def one(i: int) -> None:
         nonlocal total_tokens
         output, num_tokens = forward_step(
-            forward_step_func, data_iterator, model, num_microbatches, None, store, config, cp_size,
-            is_first_microbatch=i == 0, current_microbatch=i,
+            forward_step_func,
+            data_iterator,
+            model,
+            num_microbatches,
+            None,
+            store,
+            config,
+            cp_size,
+            is_first_microbatch=i == 0,
+            current_microbatch=i,
         )
         total_tokens = total_tokens + num_tokens
         if not forward_only:
@@ -130,7 +138,9 @@ def forward_backward(
         store = _cpu_forward_backward(step_func, data, model, len(microbatches), forward_only)
     else:
         if pp > 1 and (seq_length is None or micro_batch_size is None):
-            raise ValueError("forward_backward() with pipeline parallelism needs seq_length and micro_batch_size.")
+            raise ValueError(
+                "forward_backward() with pipeline parallelism needs seq_length and micro_batch_size."
+            )
         store = get_forward_backward_func()(
             forward_step_func=step_func,
             data_iterator=data,

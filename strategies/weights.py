@@ -215,7 +215,12 @@ def _gather_bucket(
 
 
 def _broadcast_full(
-    metas: list[_ParamMeta], full: list[Tensor] | None, src: int, tp: int, device: torch.device, layout: _Layout
+    metas: list[_ParamMeta],
+    full: list[Tensor] | None,
+    src: int,
+    tp: int,
+    device: torch.device,
+    layout: _Layout,
 ) -> list[Tensor]:
     """Broadcast one bucket's full tensors from pipeline stage ``src`` (a global rank) to its stage peers."""
     shapes = [_full_shape(m, tp, layout) for m in metas]
@@ -349,7 +354,7 @@ def load_hf_weights(module: MegatronModule, state_dict: Mapping[str, Tensor], st
             parts = [state_dict[n].to(param.dtype) for n in names]
             short = _LAYER.sub(r"\2", meta.name)
             if short in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-                full = _merge_qkv(*parts, layout)
+                full = _merge_qkv(parts[0], parts[1], parts[2], layout)
             else:
                 full = torch.cat(parts, dim=0)
             local = _local_slice(meta, full, layout, tp, tp_rank)

@@ -332,7 +332,7 @@ class RolloutController:
                         self.metrics["retried"] += 1
                         await asyncio.sleep(self._backoff(infra_failures))
                         continue
-                    for s, res in zip(pending, results):
+                    for s, res in zip(pending, results, strict=True):
                         if res.finish_reason == "abort":
                             raise asyncio.CancelledError
                         gr.results[s] = res
@@ -468,7 +468,7 @@ class RolloutController:
                 raise TimeoutError(
                     f"no trainable chunk for step {T} within {timeout_s:.0f} s (buffer: "
                     f"{self.buffer.num_ready} ready, {self.buffer.num_inflight} in flight; sampler "
-                    f"{self.sampler.name}). Raise data.init_args.step_timeout_s if generation is just slow."
+                    f"{type(self.sampler).__name__}). Raise data.init_args.step_timeout_s if generation is just slow."
                 )
             await self._wait_changed(min(left, 0.5))
 

@@ -98,6 +98,7 @@ class GRPO(LightningModule):
         if self._step_started is None:
             self._step_started = t0
         opt = self.optimizers()
+        assert not isinstance(opt, list), "GRPO configures exactly one optimizer"
         rows = batch["input_ids"].shape[0]
         group_size = self.algo.num_generations_per_prompt
         step_groups = int(batch["step_groups"])

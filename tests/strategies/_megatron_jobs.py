@@ -31,8 +31,14 @@ def hf_model() -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=43, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=43,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -101,7 +107,6 @@ def make_strategy(tp: int, world: int, per_token: bool = False) -> Any:
     from lightning.pytorch import LightningModule
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
-
     from screl.strategies import GPTModelProvider, MegatronStrategy, ParallelismConfig, load_hf_weights
 
     hf = hf_model()
@@ -124,7 +129,7 @@ def make_strategy(tp: int, world: int, per_token: bool = False) -> Any:
     return strategy
 
 
-def model_of(strategy: Any) -> torch.nn.Module:
+def model_of(strategy: Any) -> Any:
     return strategy.lightning_module.model
 
 
@@ -160,7 +165,9 @@ def train_step(
 def probe_loss(strategy: Any) -> float:
     b = dp_shard(batch(99))
     return float(
-        strategy.forward_backward([b], lambda m, mb: logprobs(strategy, m, mb), TokenSumLoss(), forward_only=True)
+        strategy.forward_backward(
+            [b], lambda m, mb: logprobs(strategy, m, mb), TokenSumLoss(), forward_only=True
+        )
     )
 
 
@@ -211,8 +218,12 @@ def reference_job(rank: int, out: str) -> None:
         logits = model_of(s)(ids, torch.arange(SEQ).expand_as(ids), None)
         result["logit_diff"] = float((logits[..., :43] - hf(ids).logits).abs().max())
         result["logprob_diff"] = float(
-            (s.token_logprobs(logits[:, :-1], ids[:, 1:]) - torch.log_softmax(hf(ids).logits[:, :-1], -1)
-             .gather(-1, ids[:, 1:, None])[..., 0]).abs().max()
+            (
+                s.token_logprobs(logits[:, :-1], ids[:, 1:])
+                - torch.log_softmax(hf(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+            )
+            .abs()
+            .max()
         )
     result["export0"] = s.export_weights()
     result["mean"] = run_training(s, n_micro=2, loss=MeanLoss(), steps=STEPS)
@@ -266,7 +277,6 @@ def lightning_job(rank: int, out: str) -> None:
     """World size 2, TP=2, through ``lightning.Trainer``: fit, checkpoint, resume one more step."""
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-
     from screl.strategies import GPTModelProvider, MegatronStrategy, ParallelismConfig, load_hf_weights
 
     hf = hf_model()
@@ -282,18 +292,24 @@ def lightning_job(rank: int, out: str) -> None:
     class Module(LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model: torch.nn.Module | None = None
+            self.model: Any = None
             self.losses: list[float] = []
+
+        @property
+        def megatron(self) -> MegatronStrategy:
+            strategy = self.trainer.strategy
+            assert isinstance(strategy, MegatronStrategy)
+            return strategy
 
         def configure_model(self) -> None:
             if self.model is None:
-                self.model = self.trainer.strategy.build_model()
+                self.model = self.megatron.build_model()
                 load_hf_weights(self.model, hf.state_dict())
 
         def training_step(self, b: dict[str, Tensor], idx: int) -> Tensor:
             mbs = microbatches(b, 2)
-            loss = self.trainer.strategy.forward_backward(
-                mbs, lambda m, mb: logprobs(self.trainer.strategy, m, mb), MeanLoss()
+            loss = self.megatron.forward_backward(
+                mbs, lambda m, mb: logprobs(self.megatron, m, mb), MeanLoss()
             )
             self.losses.append(float(loss))
             return loss
@@ -307,30 +323,49 @@ def lightning_job(rank: int, out: str) -> None:
             model_provider=GPTModelProvider.from_hf_config(hf.config),
         )
         return Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
             callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpts", filename="last", every_n_train_steps=STEPS)],
         )
 
     first = Module()
-    trainer(STEPS).fit(first, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None))
+    trainer(STEPS).fit(
+        first, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None)
+    )
     resumed = Module()
     trainer(STEPS + 1).fit(
-        resumed, train_dataloaders=torch.utils.data.DataLoader(Batches(STEPS, STEPS + 1), batch_size=None),
+        resumed,
+        train_dataloaders=torch.utils.data.DataLoader(Batches(STEPS, STEPS + 1), batch_size=None),
         ckpt_path=f"{root}/ckpts/last.ckpt",
     )
+
     class PlainModule(Module):
         def training_step(self, b: dict[str, Tensor], idx: int) -> Tensor:
             """Automatic optimization without ``forward_backward``: Lightning backpropagates the loss."""
-            out = logprobs(self.trainer.strategy, self.model, b)
+            out = logprobs(self.megatron, self.model, b)
             loss = -(out * b["mask"]).sum() / b["mask"].sum()
             self.losses.append(float(loss.detach()))
             return loss
 
     plain = PlainModule()
-    trainer(STEPS).fit(plain, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None))
-    torch.save({"fit": first.losses, "resumed": resumed.losses, "plain": plain.losses,
-                "ckpt_is_dir": os.path.isdir(f"{root}/ckpts/last.ckpt")}, f"{out}.{rank}")
+    trainer(STEPS).fit(
+        plain, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None)
+    )
+    torch.save(
+        {
+            "fit": first.losses,
+            "resumed": resumed.losses,
+            "plain": plain.losses,
+            "ckpt_is_dir": os.path.isdir(f"{root}/ckpts/last.ckpt"),
+        },
+        f"{out}.{rank}",
+    )
 
 
 # ------------------------------------------------------------------------------------- launcher

@@ -7,7 +7,6 @@ import pytest
 import torch
 from megatron.core.fusions import fused_softmax
 from megatron.core.tensor_parallel import random as mp_random
-
 from screl.strategies import cpu_shim
 
 
@@ -54,13 +53,23 @@ def test_tracker_forks_named_cpu_streams_and_restores_the_caller(shim: object) -
 
 
 def test_remove_restores_megatron_and_torch_cuda() -> None:
-    before = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_default_causal_mask,
-              mp_random._get_cuda_rng_state, mp_random._CUDA_RNG_STATE_TRACKER)
+    before = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        fused_softmax.get_default_causal_mask,
+        mp_random._get_cuda_rng_state,
+        mp_random._CUDA_RNG_STATE_TRACKER,
+    )
     cpu_shim.apply()
     cpu_shim.apply()  # idempotent
     cpu_shim.remove()
-    after = (torch.cuda.current_device, torch.cuda.synchronize, fused_softmax.get_default_causal_mask,
-             mp_random._get_cuda_rng_state, mp_random._CUDA_RNG_STATE_TRACKER)
+    after = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        fused_softmax.get_default_causal_mask,
+        mp_random._get_cuda_rng_state,
+        mp_random._CUDA_RNG_STATE_TRACKER,
+    )
     assert after == before
     assert not cpu_shim.is_applied()
     with pytest.raises(RuntimeError, match=r"needs the CPU shim"):
