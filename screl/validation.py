@@ -94,6 +94,19 @@ def _import_target(target: str) -> type | None:
         return None
 
 
+def _construct_problem(class_path: str, init_args: Mapping[str, Any]) -> str | None:
+    """The ValueError message of building a small config object (a loss), or None when it builds."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        cls(**dict(init_args))
+    except (ValueError, TypeError) as err:
+        return str(err).replace("\n", "; ")
+    except (ImportError, AttributeError):
+        return None  # the parser reports unknown classes itself
+    return None
+
+
 def sampler_declares(cls: type, attribute: str) -> bool:
     """Whether ``cls`` itself (not a base class) sets ``attribute`` to True."""
     return vars(cls).get(attribute) is True
@@ -245,6 +258,14 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
             else:
                 bad("async_rl.sampler.warmup_lookahead_versions", warm,
                     "is a PPO critic-warmup knob and has no effect on GRPO", "remove it")
+
+    # --- the loss: its own constructor checks (cheap to build) -----------------------------------
+    loss_cfg = get(cfg, "model.init_args.loss_fn")
+    if isinstance(loss_cfg, Mapping) and isinstance(loss_cfg.get("class_path"), str):
+        loss_problem = _construct_problem(loss_cfg["class_path"], loss_cfg.get("init_args") or {})
+        if loss_problem:
+            bad("model.init_args.loss_fn", loss_cfg.get("init_args"), loss_problem,
+                "change the loss_fn init_args as the message says")
 
     # --- rollout failure budgets ---------------------------------------------------------------
     rf = async_rl.get("rollout_failure") or {}

@@ -20,6 +20,7 @@ Checkpoints are ``dist_checkpointing`` directories (see :mod:`screl.strategies.c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -41,7 +42,8 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import MegatronModule, param_is_not_shared
 from screl.strategies import checkpoint as ckpt
 from screl.strategies import weights
 from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
@@ -80,7 +82,7 @@ class MegatronStrategy(DDPStrategy):
             :class:`~screl.strategies.GPTModelProvider`).
         ddp_config: Keyword arguments of Megatron's ``DistributedDataParallelConfig``
             (``grad_reduce_in_fp32``, ``overlap_grad_reduce``, ``bucket_size``, ...).
-        seed: Seed of Megatron's data-parallel and tensor-parallel RNG streams.
+        seed: Seed of Megatron's RNG streams (default: Lightning's ``seed_everything`` seed, else 0).
         staging_dir: Local directory for staging checkpoints to and from non-local fsspec URLs
             (default: the system temp directory).
         export_bucket_bytes: Bucket size (local shard bytes) of :meth:`iter_export_weights`.
@@ -93,9 +95,9 @@ class MegatronStrategy(DDPStrategy):
     def __init__(
         self,
         parallelism: ParallelismConfig | None = None,
-        model_provider: ModelProvider | None = None,
+        model_provider: GPTModelProvider | Callable[..., MegatronModule] | None = None,
         ddp_config: dict[str, Any] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         staging_dir: str | None = None,
         export_bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
         process_group_backend: str | None = None,
@@ -120,7 +122,7 @@ class MegatronStrategy(DDPStrategy):
         self.parallelism = parallelism or ParallelismConfig()
         self.model_provider: ModelProvider = model_provider or GPTModelProvider()
         self.ddp_config = dict(ddp_config or {})
-        self.seed = seed
+        self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.staging_dir = staging_dir
         self.export_bucket_bytes = export_bucket_bytes
         self._wrapped: dict[str, DistributedDataParallel] = {}
@@ -137,14 +139,23 @@ class MegatronStrategy(DDPStrategy):
         """Check the sizes, start the process group (as DDP does), then Megatron's ``parallel_state``."""
         self.set_world_ranks()
         self.parallelism.validate(self.world_size)
-        if self.root_device.type == "cpu" and self.parallelism.pipeline_model_parallel_size > 1:
-            raise ValueError(
-                f"MegatronStrategy: pipeline_model_parallel_size={self.parallelism.pipeline_model_parallel_size} "
-                "is not supported on CPU (megatron-core's pipeline schedules allocate CUDA tensors). "
-                "Use pipeline_model_parallel_size=1 or a GPU."
-            )
+        if self.root_device.type == "cpu":
+            self._check_cpu_support()
         super().setup_environment()
         initialize_model_parallel(self.parallelism, self.seed, cpu=self.on_cpu)
+
+    def _check_cpu_support(self) -> None:
+        pp = self.parallelism.pipeline_model_parallel_size
+        if pp > 1:
+            raise ValueError(
+                f"MegatronStrategy: pipeline_model_parallel_size={pp} is not supported on CPU (megatron-core's "
+                "pipeline schedules allocate CUDA tensors). Use pipeline_model_parallel_size=1 or a GPU."
+            )
+        if self.parallelism.sequence_parallel:
+            raise ValueError(
+                "MegatronStrategy: sequence_parallel=True is not supported on CPU (megatron-core's torch norms "
+                "reject it; it needs Transformer Engine or Apex norms). Use sequence_parallel=False or a GPU."
+            )
 
     @property
     def data_parallel_size(self) -> int:
@@ -178,6 +189,12 @@ class MegatronStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
+            if trainer.gradient_clip_val:
+                raise ValueError(
+                    f"MegatronStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips by a norm that "
+                    "ignores tensor parallelism. Call trainer.strategy.clip_gradients(max_norm) instead (manual "
+                    "optimization: before opt.step(); automatic: in on_before_optimizer_step)."
+                )
             self.wrap_megatron_modules()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -210,8 +227,14 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def megatron_modules(self) -> dict[str, MegatronModule]:
-        """The Megatron modules (unwrapped), by their path in the LightningModule."""
-        return {path: w.module for path, w in self._wrapped.items()}
+        """The LightningModule's outermost Megatron modules (DDP wrappers removed), by path."""
+        module = self.lightning_module
+        if module is None:
+            return {}
+        return {
+            path: m.module if isinstance(m, DistributedDataParallel) else m
+            for path, m in _outermost_megatron_modules(module)
+        }
 
     def teardown(self) -> None:
         """Unwrap the Megatron modules (``parallel_state`` stays initialized), then Lightning's teardown."""
@@ -252,16 +275,22 @@ class MegatronStrategy(DDPStrategy):
             self._grads_finalized = True
         return loss
 
-    def _module(self, path: str | None) -> DistributedDataParallel:
-        if path is not None:
-            return self._wrapped[path]
-        if len(self._wrapped) != 1:
-            raise ValueError(f"Name the Megatron module: this LightningModule has {sorted(self._wrapped)}.")
-        return next(iter(self._wrapped.values()))
+    def _path(self, path: str | None) -> str:
+        paths = sorted(self.megatron_modules)
+        if path is None and len(paths) == 1:
+            return paths[0]
+        if path not in paths:
+            raise ValueError(f"Name one Megatron module of this LightningModule: {paths} (got {path!r}).")
+        return path
+
+    def _module(self, path: str | None) -> nn.Module:
+        """The module to run: the DDP wrapper when fitting, else the bare Megatron module."""
+        path = self._path(path)
+        return self._wrapped[path] if path in self._wrapped else self.megatron_modules[path]
 
     def token_logprobs(self, logits: Tensor, labels: Tensor, module: str | None = None) -> Tensor:
         """:func:`~screl.strategies.schedule.token_logprobs` with the module's vocabulary layout."""
-        inner = self._module(module).module
+        inner = self.megatron_modules[self._path(module)]
         return token_logprobs(
             logits,
             labels,
@@ -283,10 +312,45 @@ class MegatronStrategy(DDPStrategy):
         if not self._grads_finalized:
             finalize_model_grads(list(self._wrapped.values()))
             self._grads_finalized = True
+        self._expose_grads()
+
+    def _expose_grads(self) -> None:
+        for p, grad in self._main_grads():
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    def _main_grads(self) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        """Each trainable parameter with its Megatron gradient buffer (``main_grad``)."""
         for wrapped in self._wrapped.values():
             for p in wrapped.module.parameters():
-                if p.requires_grad and getattr(p, "main_grad", None) is not None:
-                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+                grad = getattr(p, "main_grad", None)
+                if p.requires_grad and grad is not None:
+                    yield p, grad
+
+    def grad_norm(self) -> Tensor:
+        """The global L2 norm of the finalized gradients (each shard counted once across TP and PP)."""
+        self.finalize_gradients()
+        squares = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for p, grad in self._main_grads():
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                squares = squares + grad.float().pow(2).sum()
+        group = parallel_state.get_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(squares, group=group)
+        return squares.sqrt()
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        """Scale the finalized gradients so their global norm is at most ``max_norm``; returns the norm before.
+
+        Use this rather than ``Trainer(gradient_clip_val=...)`` (whose norm ignores tensor parallelism):
+        in manual optimization before ``opt.step()``, else in ``on_before_optimizer_step``.
+        """
+        norm = self.grad_norm()
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for _, grad in self._main_grads():
+                grad.mul_(coef)
+            self._expose_grads()
+        return norm
 
     def zero_grad_buffers(self) -> None:
         """Zero Megatron's gradient buffers and drop the ``.grad`` aliases."""
@@ -320,7 +384,8 @@ class MegatronStrategy(DDPStrategy):
         self, module: str | None = None, naming: weights.Naming = "hf"
     ) -> Iterator[dict[str, Tensor]]:
         """Full weights in Hugging Face naming, bucket by bucket, on every rank (all ranks must consume all)."""
-        return weights.iter_export_buckets(self._module(module).module, self.export_bucket_bytes, naming)
+        inner = self.megatron_modules[self._path(module)]
+        return weights.iter_export_buckets(inner, self.export_bucket_bytes, naming)
 
     def export_weights(self, module: str | None = None, naming: weights.Naming = "hf") -> dict[str, Tensor]:
         """All full weights in one dict, on every rank (a collective: call it on every rank)."""
@@ -338,17 +403,18 @@ class MegatronStrategy(DDPStrategy):
     def _module_sharded_state(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
+        megatron = self.megatron_modules
         state: dict[str, Any] = {}
-        for path, wrapped in self._wrapped.items():
-            state.update(wrapped.module.sharded_state_dict(prefix=f"{path}."))
+        for path, inner in megatron.items():
+            state.update(inner.sharded_state_dict(prefix=f"{path}."))
         for key, value in module.state_dict().items():
-            if not any(key.startswith(path + ".") for path in self._wrapped):
+            if not any(key.startswith(path + ".") for path in megatron):
                 state[key] = value
         return state
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state: Megatron modules as ``ShardedTensor`` s, the rest as plain values."""
-        if not self._wrapped:
+        if not self.megatron_modules:
             return super().lightning_module_state_dict()
         return self._module_sharded_state()
 

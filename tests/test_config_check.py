@@ -188,6 +188,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "async_rl.rollout_failure.max_backoff_s", "below backoff_base_s"),
     ("temperature_positive", "grpo_tiny.yaml", {"data.init_args.generation.temperature": 0.0},
      "data.init_args.generation.temperature", "must be > 0"),
+    ("loss_fn_own_checks", "grpo_tiny.yaml", {IS_KEY: False, "async_rl.sampler.max_lookahead_versions": 0},
+     "model.init_args.loss_fn", "truncation needs IS correction"),
     ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},
      "grpo.num_generations_per_prompt", "at least two rollouts"),
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import os
 import random
@@ -53,6 +54,8 @@ from screl.data.samplers import call_admit
 from screl.envs import PromptRecord, Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
 
 #: Fields of every rollout row in the data plane.
 ROW_FIELDS = ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward")
@@ -276,6 +279,7 @@ class RolloutController:
         gr = _GroupRun(group_id, prompt, sw, target_step, self.epoch)
         self.runs[group_id] = gr
         gr.task = asyncio.get_running_loop().create_task(self._run_group(gr))
+        gr.task.add_done_callback(self._on_pump_done)
 
     def _pick_worker(self) -> Any:
         w = self.workers[self._next_worker % len(self.workers)]
@@ -447,6 +451,8 @@ class RolloutController:
                 await self._evict(evicted)
             target = self._step_target()
             remaining = target - self.step_dispatched
+            if remaining <= 0 and not self.step_claims:
+                raise RuntimeError(f"step {T} lost all {self.P} of its prompt groups to drops: nothing to train")
             if remaining <= 0 and self.step_claims:
                 # drops shrank the step below what is already claimed: close it with an empty chunk
                 return {"group_ids": [], "keys": [], "start_weight": [], "end_weight": [], "trainer_version": T,
@@ -502,6 +508,21 @@ class RolloutController:
             "generation_s": self.metrics.get("generation_s", 0.0),
         }
 
+    async def _refit_workers(self, weights: list[Any]) -> None:
+        """Push ``weights`` to every live worker; a dead or restarting one is refreshed before its next request."""
+        import ray
+
+        results = await asyncio.gather(
+            *(w.update_weights.remote(weights, self.trainer_version) for w in self.workers), return_exceptions=True
+        )
+        for worker_index, res in enumerate(results):
+            if isinstance(res, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+                self.metrics["refit_skipped"] = self.metrics.get("refit_skipped", 0) + 1
+                log.warning("screl: worker %d missed the refit to version %d (%s); it is refreshed before its "
+                            "next request", worker_index, self.trainer_version, type(res).__name__)
+            elif isinstance(res, BaseException):
+                raise res
+
     async def complete_step(self, weights: list[Any] | None) -> dict[str, Any]:
         """The open step's optimizer update is done: retire it, bump the version, refit the workers."""
         assert self._permitted is not None
@@ -529,7 +550,7 @@ class RolloutController:
         t0 = time.perf_counter()
         if weights is not None:
             self.latest_weights = weights
-            await asyncio.gather(*(w.update_weights.remote(weights, self.trainer_version) for w in self.workers))
+            await self._refit_workers(weights)
         self.gen_version = self.trainer_version
         self._emit(RefitEvent(trainer_version=self.trainer_version,
                               extra={"aborted": aborted, "refit_s": round(time.perf_counter() - t0, 4)}))

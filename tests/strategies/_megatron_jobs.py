@@ -20,6 +20,7 @@ GLOBAL_BATCH = 4
 SEQ = 12
 STEPS = 3
 LR = 1e-2
+MAX_GRAD_NORM = 0.5
 ADAM_EPS = 1e-3
 """Adam divides each gradient by its own running magnitude, which turns float-rounding differences in
 near-zero gradients into O(lr) weight differences; a large eps keeps the update linear there, so layouts
@@ -154,9 +155,10 @@ def train_step(
     """One optimizer step on this rank's share of ``b`` split into ``n_micro`` microbatches."""
     mbs = microbatches(dp_shard(b), n_micro)
     value = strategy.forward_backward(mbs, lambda m, mb: logprobs(strategy, m, mb), loss)
-    strategy.finalize_gradients()
+    norm = strategy.clip_gradients(MAX_GRAD_NORM)
     if record is not None:
         record["grads"].append(full_grads(strategy))
+        record["grad_norm"].append(float(norm))
     strategy.optimizers[0].step()
     strategy.zero_grad_buffers()
     return float(value)
@@ -188,7 +190,7 @@ def load(strategy: Any, path: str) -> dict[str, Any]:
 
 
 def run_training(strategy: Any, n_micro: int, loss: Any, steps: int) -> dict[str, list[Any]]:
-    record: dict[str, list[Any]] = {"loss": [], "grads": []}
+    record: dict[str, list[Any]] = {"loss": [], "grads": [], "grad_norm": []}
     for step in range(steps):
         record["loss"].append(train_step(strategy, batch(step), n_micro, loss, record))
     return record
@@ -270,7 +272,39 @@ def parallel_job(rank: int, out: str) -> None:
     s = make_strategy(tp=1, world=2, per_token=True)
     result["dp2"] = run_training(s, n_micro=1, loss=TokenSumLoss(), steps=STEPS)
     result["dp2"]["export"] = s.export_weights()
+    destroy_model_parallel(remove_shim=False)
+
+    result["pp2_export"] = pipeline_export()
     torch.save(result, f"{out}.{rank}")
+
+
+def pipeline_export() -> dict[str, Any]:
+    """PP=2 export on CPU (model building and collectives only: the strategy rejects PP training on CPU).
+
+    Untied embeddings: with tied ones and PP>1 megatron-core moves the shared weight with ``.cuda()``.
+    """
+    from megatron.core import parallel_state
+    from screl.strategies import GPTModelProvider, ParallelismConfig, export_weights, load_hf_weights
+    from screl.strategies.parallel import initialize_model_parallel
+    from transformers import Qwen2ForCausalLM
+
+    initialize_model_parallel(ParallelismConfig(pipeline_model_parallel_size=2), seed=0, cpu=True)
+    config = hf_model().config
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        hf = Qwen2ForCausalLM(config)
+    stage = GPTModelProvider.from_hf_config(config)(
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    load_hf_weights(stage, hf.state_dict(), strict=False)
+    exported = export_weights(stage, bucket_bytes=4096)
+    return {
+        "exported": exported,
+        "expected": hf.state_dict(),
+        "local": [n for n, _ in stage.named_parameters()],
+    }
 
 
 def lightning_job(rank: int, out: str) -> None:
@@ -314,10 +348,13 @@ def lightning_job(rank: int, out: str) -> None:
             self.losses.append(float(loss))
             return loss
 
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            self.megatron.clip_gradients(MAX_GRAD_NORM)
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=LR, eps=ADAM_EPS)
 
-    def trainer(max_steps: int) -> Trainer:
+    def trainer(max_steps: int, **kwargs: Any) -> Trainer:
         strategy = MegatronStrategy(
             parallelism=ParallelismConfig(tensor_model_parallel_size=2),
             model_provider=GPTModelProvider.from_hf_config(hf.config),
@@ -332,6 +369,7 @@ def lightning_job(rank: int, out: str) -> None:
             enable_model_summary=False,
             default_root_dir=root,
             callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpts", filename="last", every_n_train_steps=STEPS)],
+            **kwargs,
         )
 
     first = Module()
@@ -357,8 +395,16 @@ def lightning_job(rank: int, out: str) -> None:
     trainer(STEPS).fit(
         plain, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None)
     )
+    try:
+        trainer(1, gradient_clip_val=1.0).fit(
+            Module(), train_dataloaders=torch.utils.data.DataLoader(Batches(0, 1), batch_size=None)
+        )
+        clip_error = ""
+    except ValueError as err:
+        clip_error = str(err)
     torch.save(
         {
+            "clip_error": clip_error,
             "fit": first.losses,
             "resumed": resumed.losses,
             "plain": plain.losses,

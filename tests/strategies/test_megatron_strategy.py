@@ -67,7 +67,7 @@ def test_strategy_rejects_bad_sizes_and_pipeline_on_cpu_before_connecting() -> N
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    def strategy(**sizes: int) -> MegatronStrategy:
+    def strategy(**sizes: Any) -> MegatronStrategy:
         return MegatronStrategy(
             parallelism=ParallelismConfig(**sizes),
             accelerator=CPUAccelerator(),
@@ -79,6 +79,8 @@ def test_strategy_rejects_bad_sizes_and_pipeline_on_cpu_before_connecting() -> N
         strategy(tensor_model_parallel_size=4).setup_environment()
     with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 is not supported on CPU"):
         strategy(pipeline_model_parallel_size=2).setup_environment()
+    with pytest.raises(ValueError, match=r"sequence_parallel=True is not supported on CPU"):
+        strategy(tensor_model_parallel_size=2, sequence_parallel=True).setup_environment()
 
 
 @pytest.mark.slow
@@ -99,6 +101,8 @@ def test_tp2_matches_tp1_losses_and_reduced_gradients(
     for rank_result in parallel:
         got = rank_result["tp2"]
         assert got["loss"] == pytest.approx(expected["loss"], abs=LOSS_ATOL)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=LOSS_ATOL)
+        assert max(expected["grad_norm"]) > jobs.MAX_GRAD_NORM  # clipping took effect
         assert len(got["grads"]) == jobs.STEPS
         for grads, ref_grads in zip(got["grads"], expected["grads"], strict=True):
             assert_state_close(grads, ref_grads)
@@ -114,6 +118,7 @@ def test_dp2_matches_dp1_with_the_same_global_batch(
     for rank_result in parallel:
         got = rank_result["dp2"]
         assert got["loss"] == pytest.approx(expected["loss"], abs=LOSS_ATOL)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=LOSS_ATOL)
         for grads, ref_grads in zip(got["grads"], expected["grads"], strict=True):
             assert_state_close(grads, ref_grads)
         assert_state_close(got["export"], expected["export"])
@@ -141,6 +146,16 @@ def test_export_weights_at_tp2_equals_tp1(reference: dict[str, Any], parallel: l
 
 
 @pytest.mark.slow
+def test_export_weights_gathers_across_pipeline_stages(parallel: list[dict[str, Any]]) -> None:
+    """Each PP stage holds one layer; every rank gets all of them, under global layer indices."""
+    for rank, rank_result in enumerate(parallel):
+        pp = rank_result["pp2_export"]
+        assert ("embedding.word_embeddings.weight" in pp["local"]) == (rank == 0)
+        assert ("output_layer.weight" in pp["local"]) == (rank == 1)
+        assert_state_close(pp["exported"], pp["expected"], atol=0.0)
+
+
+@pytest.mark.slow
 def test_lightning_trainer_fits_and_resumes_at_tp2(
     reference: dict[str, Any], lightning_run: list[dict[str, Any]]
 ) -> None:
@@ -150,6 +165,10 @@ def test_lightning_trainer_fits_and_resumes_at_tp2(
         assert rank_result["ckpt_is_dir"]
         assert rank_result["resumed"] == pytest.approx([reference["mean"]["next_loss"]], abs=LOSS_ATOL)
         assert rank_result["plain"] == pytest.approx(reference["plain"]["loss"], abs=LOSS_ATOL)
+        assert (
+            "gradient_clip_val=1.0) clips by a norm that ignores tensor parallelism"
+            in rank_result["clip_error"]
+        )
 
 
 def test_parallelism_config_is_a_plain_dataclass() -> None:
@@ -158,3 +177,31 @@ def test_parallelism_config_is_a_plain_dataclass() -> None:
     assert cfg.validate(4) == 2
     with pytest.raises(ValueError, match=r"sequence_parallel=True needs tensor_model_parallel_size > 1"):
         ParallelismConfig(sequence_parallel=True).validate(2)
+
+
+def test_strategy_is_configured_from_yaml() -> None:
+    """The ``trainer.strategy`` block of a screl config, as LightningCLI (jsonargparse) parses it."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+    from screl.strategies import GPTModelProvider
+
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=Strategy | str)
+    cfg = parser.parse_string(
+        """
+        strategy:
+          class_path: screl.strategies.MegatronStrategy
+          init_args:
+            parallelism: {tensor_model_parallel_size: 2}
+            model_provider:
+              class_path: screl.strategies.GPTModelProvider
+              init_args: {hidden_size: 32, num_layers: 2}
+            ddp_config: {grad_reduce_in_fp32: true}
+        """
+    )
+    strategy = parser.instantiate(cfg).strategy
+    assert isinstance(strategy, MegatronStrategy)
+    assert strategy.parallelism.tensor_model_parallel_size == 2
+    assert isinstance(strategy.model_provider, GPTModelProvider)
+    assert strategy.model_provider.hidden_size == 32
+    assert strategy.ddp_config == {"grad_reduce_in_fp32": True}
