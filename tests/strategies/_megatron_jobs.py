@@ -391,6 +391,32 @@ def lightning_job(rank: int, out: str) -> None:
             self.losses.append(float(loss.detach()))
             return loss
 
+    class ManualModule(Module):
+        """Manual optimization, as screl's GRPO does: ``manual_backward``, clip, ``opt.step()``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, b: dict[str, Tensor], idx: int) -> Tensor:
+            opt = self.optimizers()
+            assert not isinstance(opt, list)
+            loss = torch.zeros(())
+            for mb in microbatches(b, 2):  # accumulate two half-batches: the same full-batch gradient
+                out = logprobs(self.megatron, self.model, mb)
+                part = -(out * mb["mask"]).sum() / b["mask"].sum()
+                self.manual_backward(part)
+                loss = loss + part.detach()
+            self.megatron.clip_gradients(MAX_GRAD_NORM)
+            opt.step()
+            opt.zero_grad()
+            self.losses.append(float(loss))
+            return loss
+
+    manual = ManualModule()
+    trainer(STEPS).fit(
+        manual, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None)
+    )
     plain = PlainModule()
     trainer(STEPS).fit(
         plain, train_dataloaders=torch.utils.data.DataLoader(Batches(0, STEPS), batch_size=None)
@@ -408,6 +434,7 @@ def lightning_job(rank: int, out: str) -> None:
             "fit": first.losses,
             "resumed": resumed.losses,
             "plain": plain.losses,
+            "manual": manual.losses,
             "ckpt_is_dir": os.path.isdir(f"{root}/ckpts/last.ckpt"),
         },
         f"{out}.{rank}",

@@ -159,12 +159,14 @@ def test_export_weights_gathers_across_pipeline_stages(parallel: list[dict[str, 
 def test_lightning_trainer_fits_and_resumes_at_tp2(
     reference: dict[str, Any], lightning_run: list[dict[str, Any]]
 ) -> None:
-    """``Trainer(strategy=MegatronStrategy(TP=2), accelerator="cpu", devices=2)`` on spawned ranks."""
+    """``Trainer(strategy=MegatronStrategy(TP=2), accelerator="cpu", devices=2)`` on spawned ranks: the
+    microbatched path, a resume from its checkpoint, plain automatic and manual optimization."""
     for rank_result in lightning_run:
         assert rank_result["fit"] == pytest.approx(reference["mean"]["loss"], abs=LOSS_ATOL)
         assert rank_result["ckpt_is_dir"]
         assert rank_result["resumed"] == pytest.approx([reference["mean"]["next_loss"]], abs=LOSS_ATOL)
         assert rank_result["plain"] == pytest.approx(reference["plain"]["loss"], abs=LOSS_ATOL)
+        assert rank_result["manual"] == pytest.approx(reference["plain"]["loss"], abs=LOSS_ATOL)
         assert (
             "gradient_clip_val=1.0) clips by a norm that ignores tensor parallelism"
             in rank_result["clip_error"]
