@@ -70,8 +70,9 @@ def test_sampler_mode_end_to_end(mode: str, tmp_path: Path) -> None:
 
 def test_tiny_default_config_reward_rises(tmp_path: Path) -> None:
     """The README's main job, shortened: the mean reward of the last 10 steps beats the first 10."""
-    from .conftest import ROOT
     import yaml
+
+    from .conftest import ROOT
 
     cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
     cfg["trainer"].update(max_steps=40, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False)
