@@ -266,6 +266,12 @@ class MegatronStrategy(DDPStrategy):
         for this step. Returns the detached reported loss, the same on every rank. ``module``: the
         path of the Megatron module (default: the only one).
         """
+        if not forward_only and self._grads_finalized:
+            raise RuntimeError(
+                "MegatronStrategy.forward_backward() ran twice before an optimizer step: the second call would "
+                "reduce the gradients across data parallel again. Pass all of the step's microbatches to one "
+                "call (and keep Trainer(accumulate_grad_batches=1) with it)."
+            )
         model = self._module(module)
         loss = forward_backward(
             model, microbatches, forward_step, loss_reduction, forward_only, seq_length, micro_batch_size

@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from screl.strategies.parallel import current_parallelism
 
 __all__ = ["UNPADDED_VOCAB_ATTR", "GPTModelProvider", "ModelProvider", "padded_vocab_size"]
 
@@ -172,8 +173,6 @@ class GPTModelProvider:
 
     @staticmethod
     def _sequence_parallel() -> bool:
-        from screl.strategies.parallel import current_parallelism
-
         cfg = current_parallelism()
         return bool(cfg is not None and cfg.sequence_parallel)
 

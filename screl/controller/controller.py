@@ -1,88 +1,65 @@
 """The ``RolloutController``: the single controller, a CPU Ray actor on asyncio.
 
-It owns the prompt source (stateful cursor), the ``ReplayBuffer``, the staleness sampler and the
+It owns the prompt source (a stateful cursor), the ``ReplayBuffer``, the staleness sampler and the
 ``RolloutLedger`` (pure values from ``screl.data``), drives the generation workers, writes rollout
 rows to the data plane and appends every decision to ``events.jsonl``. The trainer talks to it with
 metadata only: ``next_chunk`` hands out the group ids and data-plane keys of the next training
-chunk; ``complete_step`` retires a finished step, bumps the trainer version and refits the workers.
+chunk; ``complete_step`` retires a finished step, bumps the trainer version and refits the workers;
+``capture`` / ``restore`` move its state in and out of checkpoints.
 
 Rollout pump, per dataloader batch of ``num_prompts_per_step`` prompts::
 
-    sampler.admit(T) -> per prompt: capacity + in-flight permit -> wait for rollout permission
-      -> buffer.reserve -> ledger.reserve -> generate (one request per sibling) -> rewards
-      -> data plane put -> buffer.commit (completion order)
+    sampler.admit(T) -> queue the batch -> per prompt: capacity + in-flight permit
+      -> wait for rollout permission -> buffer.reserve -> ledger.reserve -> GroupRunner.run
 
-Failures: a worker that dies (infra) or a reward function that raises (data) retries only the
-unfinished siblings within ``async_rl.rollout_failure`` budgets, with exponential backoff; a group
-that exhausts them is dropped (if a drop budget allows) or fails the run, and the error surfaces in
-the trainer at its next ``next_chunk``.
+Data-plane barrier: row writes, commits, clears and evictions hold ``barrier`` briefly; ``capture``
+holds it while TransferQueue saves, so the native snapshot and the replay index describe the same
+groups. Generation itself never waits on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import json
 import logging
-import math
 import os
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import torch
-
 from screl.config import GenerationConfig, RunConfig
+from screl.controller.groups import ROW_FIELDS, GroupRun, GroupRunner, RolloutFailure, row_key, seed_for
 from screl.data import ReplayBuffer, RolloutLedger, create_sampler
 from screl.data.events import (
-    AbortEvent,
     AdmitEvent,
-    CommitEvent,
-    DropEvent,
+    CheckpointEvent,
     Event,
     EventLogWriter,
     EvictEvent,
-    FailEvent,
     RefitEvent,
     ReserveEvent,
+    RestoreEvent,
     SelectEvent,
     TrainStepEvent,
 )
-from screl.data.ledger import RecoveryPolicy
+from screl.data.ledger import GroupState, RecoveryPolicy
 from screl.data.samplers import call_admit
-from screl.envs import PromptRecord, Task, decode_completion
+from screl.envs import PromptRecord, Task
 from screl.models import PolicySpec
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
-#: Fields of every rollout row in the data plane.
-ROW_FIELDS = ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward")
+STATE_SCHEMA = 1
+
+__all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "replay_digest"]
 
 
-class RolloutFailure(RuntimeError):
-    """A prompt group failed beyond its retry budget and the drop budget is spent."""
-
-
-@dataclass
-class _GroupRun:
-    """Controller-side bookkeeping of one prompt group in flight."""
-
-    group_id: str
-    prompt: PromptRecord
-    start_weight: int
-    target_step: int | None
-    epoch: int
-    results: dict[int, GenerationResult] = field(default_factory=dict)
-    attempts: dict[int, str] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    task: asyncio.Task[None] | None = None
-
-
-def _seed_for(*parts: Any) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+def replay_digest(groups: list[dict[str, Any]]) -> str:
+    """SHA-256 over the canonical JSON of the replay index's groups."""
+    return hashlib.sha256(json.dumps(groups, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class RolloutController:
@@ -108,6 +85,7 @@ class RolloutController:
         self.seed = seed
         self.tokenizer = policy.build_tokenizer()
         self.prompts = task.prompts()
+        self.prompt_by_id = {p.prompt_id: p for p in self.prompts}
         self.prompt_tokens = {
             p.prompt_id: list(self.tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in self.prompts
         }
@@ -118,13 +96,12 @@ class RolloutController:
             run.max_buffered_rollouts, run.max_inflight_prompts, id_prefix=f"{uuid.uuid4().hex[:8]}-"
         )
         rr = run.rollout_recovery
-        self.ledger = RolloutLedger(
-            RecoveryPolicy(
-                default_granularity=rr.default_granularity,  # type: ignore[arg-type]
-                task_source_granularity_overrides=dict(rr.task_source_granularity_overrides),  # type: ignore[arg-type]
-                agent_granularity_overrides=dict(rr.agent_granularity_overrides),  # type: ignore[arg-type]
-            )
+        self.recovery_policy = RecoveryPolicy(
+            default_granularity=rr.default_granularity,  # type: ignore[arg-type]
+            task_source_granularity_overrides=dict(rr.task_source_granularity_overrides),  # type: ignore[arg-type]
+            agent_granularity_overrides=dict(rr.agent_granularity_overrides),  # type: ignore[arg-type]
         )
+        self.ledger = RolloutLedger(self.recovery_policy)
         self.failure = run.async_rl.rollout_failure
         self.batches_per_epoch = len(self.prompts) // self.P
         if self.batches_per_epoch == 0:
@@ -134,29 +111,33 @@ class RolloutController:
             )
         limit = self.algo.max_num_epochs * self.batches_per_epoch
         self.max_steps = min(limit, self.algo.max_num_steps) if self.algo.max_num_steps else limit
-        # versions and counters
+        # versions, cursor and counters (all in the checkpoint state)
         self.trainer_version = 0
         self.gen_version = 0
         self.train_steps = 0
         self.epoch = 0
         self.batch_index = 0
-        self.admitted_batches = 0
+        self.admitted: collections.deque[tuple[int, int | None, int]] = collections.deque()  # prompt, stamp, epoch
         self.skipped_prompts = 0
         self.consecutive_drops = 0
+        self.shortfall: dict[int, int] = {}
+        self.mutation_version = 0
+        # the open step and the groups in flight (not persisted: a checkpoint is taken between steps)
         self.step_claims: list[str] = []
         self.step_dispatched = 0
-        self.shortfall: dict[int, int] = {}
+        self.runs: dict[str, GroupRun] = {}
         self.latest_weights: list[Any] | None = None
-        self.runs: dict[str, _GroupRun] = {}
-        self.pending_admitted = 0  # admitted prompts not yet reserved
         self.exhausted = False
         self.pump_error: BaseException | None = None
         self.metrics: dict[str, float] = {"evicted": 0, "aborted": 0, "dropped": 0, "retried": 0}
+        self.shutting_down = False
+        self.runner = GroupRunner(self)
+        self._restored: list[GroupRun] = []
         self._next_worker = 0
         self._changed: asyncio.Event | None = None
         self._permitted: asyncio.Event | None = None
+        self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None
-        self._shutting_down = False
         os.makedirs(run_dir, exist_ok=True)
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self._events: TextIO | None = (
@@ -164,12 +145,18 @@ class RolloutController:
         )
         self._writer = EventLogWriter(self._events, clock=time.time) if self._events is not None else None
 
-    # ------------------------------------------------------------------ events
-    def _emit(self, event: Event) -> None:
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def barrier(self) -> asyncio.Lock:
+        if self._barrier is None:
+            self._barrier = asyncio.Lock()
+        return self._barrier
+
+    def emit(self, event: Event) -> None:
         if self._writer is not None:
             self._writer.write(event)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
 
@@ -181,126 +168,12 @@ class RolloutController:
         except asyncio.TimeoutError:
             pass
 
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self, weights: list[Any] | None = None) -> dict[str, Any]:
-        """Start the rollout pump (``weights``: the workers' current weights, to re-push after a restart)."""
-        self.latest_weights = weights
-        self._changed = asyncio.Event()
-        self._permitted = asyncio.Event()
-        self._permitted.set()
-        self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
-        self._pump.add_done_callback(self._on_pump_done)
-        return {"max_steps": self.max_steps, "events_path": self.events_path}
-
-    def _on_pump_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        err = task.exception()
-        if err is not None:
-            self.pump_error = err
-        self._notify()
-
-    async def shutdown(self) -> None:
-        """Cancel the pump and every rollout in flight (they stay "in flight" in the log); close the log."""
-        self._shutting_down = True
-        for gr in list(self.runs.values()):
-            if gr.task is not None:
-                gr.task.cancel()
-        if self._pump is not None:
-            self._pump.cancel()
-            try:
-                await self._pump
-            except BaseException:  # noqa: BLE001 - already recorded or cancelled
-                pass
-        if self._events is not None:
-            self._events.close()
-            self._events = None
-
-    async def stats(self) -> dict[str, Any]:
-        return {
-            "trainer_version": self.trainer_version,
-            "gen_version": self.gen_version,
-            "train_steps": self.train_steps,
-            "buffered": self.buffer.num_buffered,
-            "ready": self.buffer.num_ready,
-            "inflight": self.buffer.num_inflight,
-            "ledger": vars(self.ledger.accounting()) if hasattr(self.ledger.accounting(), "__dict__") else {},
-            "exhausted": self.exhausted,
-            **self.metrics,
-        }
-
-    # ------------------------------------------------------------------ rollout pump
-    def _epoch_order(self, epoch: int) -> list[PromptRecord]:
-        order = list(self.prompts)
-        random.Random(_seed_for(self.seed, "epoch", epoch)).shuffle(order)
-        return order
-
-    def _outstanding(self) -> int:
-        return self.buffer.num_live + self.pending_admitted
-
-    async def _rollout_pump(self) -> None:
-        assert self._permitted is not None
-        while self.epoch < self.algo.max_num_epochs:
-            order = self._epoch_order(self.epoch)
-            while self.batch_index < self.batches_per_epoch:
-                while True:
-                    adm = call_admit(self.sampler, self.trainer_version, outstanding_groups=self._outstanding())
-                    if adm.allowed:
-                        break
-                    await self._wait_changed(0.5)
-                batch = order[self.batch_index * self.P:(self.batch_index + 1) * self.P]
-                self.batch_index += 1
-                self.admitted_batches += 1
-                self.pending_admitted += len(batch)
-                self._emit(AdmitEvent(
-                    trainer_version=self.trainer_version, step=self.sampler.dispatch_index,
-                    target_step=adm.target_step,
-                    extra={"epoch": self.epoch, "prompt_ids": [p.prompt_id for p in batch]},
-                ))
-                for prompt in batch:
-                    while not self.buffer.can_reserve():
-                        await self._wait_changed(0.5)
-                    await self._permitted.wait()
-                    self._reserve_and_launch(prompt, adm.target_step)
-            self.epoch += 1
-            self.batch_index = 0
-        while self.runs:
-            await self._wait_changed(0.5)
-        self.exhausted = True
-        self._notify()
-
-    def _reserve_and_launch(self, prompt: PromptRecord, target_step: int | None) -> None:
-        sw = self.gen_version
-        group_id = self.buffer.reserve(prompt.prompt_id, sw, target_step)
-        self.pending_admitted -= 1
-        self.ledger.reserve(group_id, prompt.prompt_id, self.G, start_weight=sw, target_step=target_step)
-        self._emit(ReserveEvent(group_id=group_id, prompt_id=prompt.prompt_id, start_weight=sw,
-                                target_step=target_step, trainer_version=self.trainer_version))
-        gr = _GroupRun(group_id, prompt, sw, target_step, self.epoch)
-        self.runs[group_id] = gr
-        gr.task = asyncio.get_running_loop().create_task(self._run_group(gr))
-        gr.task.add_done_callback(self._on_pump_done)
-
-    def _pick_worker(self) -> Any:
+    def pick_worker(self) -> Any:
         w = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
         return w
 
-    def _requests(self, gr: _GroupRun, siblings: list[int]) -> list[GenerationRequest]:
-        g = self.generation
-        reqs = []
-        for s in siblings:
-            attempt = self.ledger.dispatch(gr.group_id, s)
-            gr.attempts[s] = attempt
-            params = SamplingParams(
-                max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens, temperature=g.temperature,
-                top_p=g.top_p, top_k=g.top_k,
-                seed=_seed_for(self.seed, gr.prompt.prompt_id, gr.epoch, s, attempt),
-            )
-            reqs.append(GenerationRequest(attempt, self.prompt_tokens[gr.prompt.prompt_id], params))
-        return reqs
-
-    async def _ensure_fresh(self, worker: Any) -> None:
+    async def ensure_fresh(self, worker: Any) -> None:
         """A restarted worker comes back with its initial weights: push the latest ones first."""
         if self.latest_weights is None:
             return
@@ -308,130 +181,108 @@ class RolloutController:
         if version != self.gen_version:
             await worker.update_weights.remote(self.latest_weights, self.gen_version)
 
-    async def _run_group(self, gr: _GroupRun) -> None:
-        import ray
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, weights: list[Any] | None = None) -> dict[str, Any]:
+        """Start the rollout pump (``weights``: the workers' current weights, re-pushed after a worker restart)."""
+        self.latest_weights = weights
+        self._changed = asyncio.Event()
+        self._permitted = asyncio.Event()
+        self._permitted.set()
+        for gr in self._restored:  # groups a restart found unfinished: keep sealed siblings, redo the rest
+            self._launch(gr)
+        self._restored = []
+        self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
+        self._pump.add_done_callback(self._on_task_done)
+        return {"max_steps": self.max_steps, "events_path": self.events_path, "train_steps": self.train_steps}
 
-        infra_failures = 0
-        data_failures = 0
-        try:
-            while True:
-                pending = self.ledger.pending_siblings(gr.group_id)
-                if pending:
-                    worker = self._pick_worker()
-                    reqs = self._requests(gr, pending)
-                    try:
-                        await self._ensure_fresh(worker)
-                        results = await worker.generate.remote(reqs)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
-                        infra_failures += 1
-                        for s in pending:
-                            self.ledger.fail(gr.group_id, s, gr.attempts[s])
-                        for s in pending:
-                            self._emit(FailEvent(group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, sibling=s,
-                                                 reason="infra", extra={"detail": type(err).__name__,
-                                                                        "attempt": infra_failures}))
-                        if infra_failures >= self.failure.max_infra_attempts:
-                            self._drop_or_raise(gr, "infra_attempts_exhausted", err)
-                            return
-                        self.metrics["retried"] += 1
-                        await asyncio.sleep(self._backoff(infra_failures))
-                        continue
-                    for s, res in zip(pending, results, strict=True):
-                        if res.finish_reason == "abort":
-                            raise asyncio.CancelledError
-                        gr.results[s] = res
-                        self.ledger.seal(gr.group_id, s, gr.attempts[s])
-                try:
-                    rewards = self._rewards(gr)
-                except Exception as err:  # noqa: BLE001 - a reward function failed: a data failure
-                    data_failures += 1
-                    for s in range(self.G):
-                        self._emit(FailEvent(group_id=gr.group_id, prompt_id=gr.prompt.prompt_id, sibling=s,
-                                             reason="data", extra={"detail": repr(err)[:200],
-                                                                   "attempt": data_failures}))
-                    if data_failures >= self.failure.max_data_attempts:
-                        self._drop_or_raise(gr, "data_attempts_exhausted", err)
-                        return
-                    for s in list(gr.results):
-                        self.ledger.abandon(gr.group_id, s)
-                    gr.results.clear()
-                    continue
-                await self._commit(gr, rewards)
-                self.consecutive_drops = 0
-                return
-        except asyncio.CancelledError:
-            if self._shutting_down:
-                raise
-            if gr.group_id in self.buffer and not self.buffer.get(gr.group_id).ready:
-                self.buffer.fail(gr.group_id)
-            if gr.group_id in self.ledger:
-                self.ledger.drop(gr.group_id, "aborted_stale")
-            self._emit(AbortEvent(group_id=gr.group_id, trainer_version=self.trainer_version,
-                                  start_weight=gr.start_weight, reason="stale"))
-            self.metrics["aborted"] += 1
-        finally:
-            self.runs.pop(gr.group_id, None)
-            self._notify()
-
-    def _backoff(self, k: int) -> float:
-        return float(min(self.failure.backoff_base_s * 2 ** (k - 1), self.failure.max_backoff_s))
-
-    def _drop_or_raise(self, gr: _GroupRun, reason: str, err: BaseException) -> None:
-        self.consecutive_drops += 1
-        budget_ok = (
-            (reason.startswith("data") and self.skipped_prompts < self.failure.max_skipped_prompts)
-            or (reason.startswith("infra") and self.consecutive_drops <= self.failure.max_consecutive_dropped_prompts)
-        )
-        self.buffer.fail(gr.group_id)
-        self.ledger.drop(gr.group_id, reason)
-        self._emit(DropEvent(reason=reason, group_id=gr.group_id, prompt_id=gr.prompt.prompt_id))
-        self.metrics["dropped"] += 1
-        if gr.target_step is not None:
-            self.shortfall[gr.target_step] = self.shortfall.get(gr.target_step, 0) + 1
-        if not budget_ok:
-            raise RolloutFailure(
-                f"prompt {gr.prompt.prompt_id} (group {gr.group_id}) failed: {reason} ({err!r}); the drop budget "
-                "async_rl.rollout_failure.max_skipped_prompts / max_consecutive_dropped_prompts is spent"
-            ) from err
-        if reason.startswith("data"):
-            self.skipped_prompts += 1
-        floor = math.ceil(self.P * self.failure.min_step_batch_fraction)
-        if gr.target_step is not None and self.P - self.shortfall[gr.target_step] < floor:
-            raise RolloutFailure(
-                f"step {gr.target_step} lost {self.shortfall[gr.target_step]} of {self.P} groups to drops, "
-                f"below async_rl.rollout_failure.min_step_batch_fraction={self.failure.min_step_batch_fraction}"
-            )
-
-    def _rewards(self, gr: _GroupRun) -> list[float]:
-        texts = [decode_completion(self.tokenizer, gr.results[s].token_ids) for s in range(self.G)]
-        return [float(r) for r in self.task.rewards([gr.prompt] * self.G, texts)]
-
-    async def _commit(self, gr: _GroupRun, rewards: list[float]) -> None:
-        keys = [f"{gr.group_id}_g{s}" for s in range(self.G)]
-        rows: dict[str, list[torch.Tensor]] = {f: [] for f in ROW_FIELDS}
-        end_weight = gr.start_weight
-        for s in range(self.G):
-            res = gr.results[s]
-            prompt = list(res.prompt_token_ids)
-            rows["input_ids"].append(torch.tensor(prompt + list(res.token_ids), dtype=torch.int64))
-            rows["prompt_len"].append(torch.tensor([len(prompt)], dtype=torch.int64))
-            rows["generation_logprobs"].append(torch.tensor(res.logprobs, dtype=torch.float32))
-            rows["token_versions"].append(torch.tensor(res.weight_versions, dtype=torch.int64))
-            rows["reward"].append(torch.tensor([rewards[s]], dtype=torch.float32))
-            end_weight = max(end_weight, res.end_version)
-        await self.dp.aput(keys, rows)
-        if gr.group_id not in self.buffer:  # cancelled while writing: leave nothing behind
-            await self.dp.aclear(keys)
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
             return
-        self.buffer.commit(gr.group_id, end_weight)
-        self.ledger.finalize(gr.group_id)
-        gen_s = time.perf_counter() - gr.started
-        self.metrics["generation_s"] = gen_s
-        self._emit(CommitEvent(
-            group_id=gr.group_id, end_weight=end_weight, start_weight=gr.start_weight, prompt_id=gr.prompt.prompt_id,
-            target_step=gr.target_step,
-            extra={"reward_mean": sum(rewards) / len(rewards), "generation_s": round(gen_s, 4)},
-        ))
+        err = task.exception()
+        if err is not None and self.pump_error is None:
+            self.pump_error = err
+        self.notify()
+
+    async def shutdown(self) -> None:
+        """Cancel the pump and every rollout in flight (they stay "in flight" in the log); close the log."""
+        self.shutting_down = True
+        tasks = [gr.task for gr in self.runs.values() if gr.task is not None]
+        if self._pump is not None:
+            tasks.append(self._pump)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+            self._writer = None
+
+    async def stats(self) -> dict[str, Any]:
+        acc = self.ledger.accounting()
+        return {
+            "trainer_version": self.trainer_version,
+            "gen_version": self.gen_version,
+            "train_steps": self.train_steps,
+            "buffered": self.buffer.num_buffered,
+            "ready": self.buffer.num_ready,
+            "inflight": self.buffer.num_inflight,
+            "ledger_balanced": acc.balanced,
+            "exhausted": self.exhausted,
+            **self.metrics,
+        }
+
+    # ------------------------------------------------------------------ rollout pump
+    def _epoch_order(self, epoch: int) -> list[PromptRecord]:
+        order = list(self.prompts)
+        random.Random(seed_for(self.seed, "epoch", epoch)).shuffle(order)
+        return order
+
+    def _outstanding(self) -> int:
+        return self.buffer.num_live + len(self.admitted)
+
+    async def _rollout_pump(self) -> None:
+        assert self._permitted is not None
+        while True:
+            while self.admitted:
+                while not self.buffer.can_reserve():
+                    await self._wait_changed(0.5)
+                await self._permitted.wait()
+                prompt_id, stamp, epoch = self.admitted.popleft()
+                self._reserve_and_launch(self.prompt_by_id[prompt_id], stamp, epoch)
+            if self.batch_index >= self.batches_per_epoch:
+                self.epoch += 1
+                self.batch_index = 0
+            if self.epoch >= self.algo.max_num_epochs:
+                break
+            adm = call_admit(self.sampler, self.trainer_version, outstanding_groups=self._outstanding())
+            if not adm.allowed:
+                await self._wait_changed(0.5)
+                continue
+            order = self._epoch_order(self.epoch)
+            batch = order[self.batch_index * self.P:(self.batch_index + 1) * self.P]
+            self.batch_index += 1
+            self.admitted.extend((p.prompt_id, adm.target_step, self.epoch) for p in batch)
+            self.emit(AdmitEvent(
+                trainer_version=self.trainer_version, step=self.sampler.dispatch_index, target_step=adm.target_step,
+                extra={"epoch": self.epoch, "prompt_ids": [p.prompt_id for p in batch]},
+            ))
+        while self.runs:
+            await self._wait_changed(0.5)
+        self.exhausted = True
+        self.notify()
+
+    def _reserve_and_launch(self, prompt: PromptRecord, target_step: int | None, epoch: int) -> None:
+        sw = self.gen_version
+        group_id = self.buffer.reserve(prompt.prompt_id, sw, target_step)
+        self.ledger.reserve(group_id, prompt.prompt_id, self.G, start_weight=sw, target_step=target_step)
+        self.emit(ReserveEvent(group_id=group_id, prompt_id=prompt.prompt_id, start_weight=sw,
+                               target_step=target_step, trainer_version=self.trainer_version))
+        self._launch(GroupRun(group_id, prompt, sw, target_step, epoch))
+
+    def _launch(self, gr: GroupRun) -> None:
+        self.runs[gr.group_id] = gr
+        gr.task = asyncio.get_running_loop().create_task(self.runner.run(gr))
+        gr.task.add_done_callback(self._on_task_done)
 
     # ------------------------------------------------------------------ train pump side
     def _step_target(self) -> int:
@@ -453,15 +304,16 @@ class RolloutController:
             remaining = target - self.step_dispatched
             if remaining <= 0 and not self.step_claims:
                 raise RuntimeError(f"step {T} lost all {self.P} of its prompt groups to drops: nothing to train")
-            if remaining <= 0 and self.step_claims:
-                # drops shrank the step below what is already claimed: close it with an empty chunk
-                return {"group_ids": [], "keys": [], "start_weight": [], "end_weight": [], "trainer_version": T,
-                        "step_groups": target, "last_chunk": True, "buffer_fill": self.buffer.num_buffered,
-                        "inflight": self.buffer.num_inflight, "generation_s": 0.0}
-            min_groups = min(self.run.min_groups, remaining)
-            ids = self.sampler.select(self.buffer.live_slots(), T, min_groups, remaining)
+            if remaining <= 0:  # drops shrank the step below what is already claimed: close it empty
+                return self._chunk_meta([], [], target)
+            ids = self.sampler.select(self.buffer.live_slots(), T, min(self.run.min_groups, remaining), remaining)
             if ids:
-                return self._claim_chunk(ids, target)
+                slots = self.buffer.claim_for_training(ids)
+                self.ledger.claim(ids)
+                self.step_claims.extend(ids)
+                self.step_dispatched += len(ids)
+                self.emit(SelectEvent(trainer_version=T, group_ids=tuple(ids)))
+                return self._chunk_meta(ids, slots, target)
             if self.exhausted and not self.runs:
                 if self.step_dispatched == 0:
                     return None
@@ -472,32 +324,16 @@ class RolloutController:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
-                    f"no trainable chunk for step {T} within {timeout_s:.0f} s (buffer: "
-                    f"{self.buffer.num_ready} ready, {self.buffer.num_inflight} in flight; sampler "
-                    f"{type(self.sampler).__name__}). Raise data.init_args.step_timeout_s if generation is just slow."
+                    f"no trainable chunk for step {T} within {timeout_s:.0f} s (buffer: {self.buffer.num_ready} "
+                    f"ready, {self.buffer.num_inflight} in flight; sampler {type(self.sampler).__name__}). Raise "
+                    "data.init_args.step_timeout_s if generation is just slow."
                 )
             await self._wait_changed(min(left, 0.5))
 
-    async def _evict(self, group_ids: list[str]) -> None:
-        slots = self.buffer.remove(group_ids)
-        self.ledger.evict(group_ids)
-        keys = [f"{g}_g{s}" for g in group_ids for s in range(self.G)]
-        await self.dp.aclear(keys)
-        for slot in slots:
-            self._emit(EvictEvent(group_id=slot.group_id, trainer_version=self.trainer_version,
-                                  start_weight=slot.start_weight, target_step=slot.target_step, reason="out_of_window"))
-        self.metrics["evicted"] += len(slots)
-        self._notify()
-
-    def _claim_chunk(self, ids: list[str], target: int) -> dict[str, Any]:
-        slots = self.buffer.claim_for_training(ids)
-        self.ledger.claim(ids)
-        self.step_claims.extend(ids)
-        self.step_dispatched += len(ids)
-        self._emit(SelectEvent(trainer_version=self.trainer_version, group_ids=tuple(ids)))
+    def _chunk_meta(self, ids: list[str], slots: list[Any], target: int) -> dict[str, Any]:
         return {
             "group_ids": list(ids),
-            "keys": [f"{g}_g{s}" for g in ids for s in range(self.G)],
+            "keys": [row_key(g, s) for g in ids for s in range(self.G)],
             "start_weight": [s.start_weight for s in slots for _ in range(self.G)],
             "end_weight": [s.end_weight for s in slots for _ in range(self.G)],
             "trainer_version": self.trainer_version,
@@ -507,6 +343,18 @@ class RolloutController:
             "inflight": self.buffer.num_inflight,
             "generation_s": self.metrics.get("generation_s", 0.0),
         }
+
+    async def _evict(self, group_ids: list[str]) -> None:
+        async with self.barrier:
+            slots = self.buffer.remove(group_ids)
+            self.ledger.evict(group_ids)
+            await self.dp.aclear([row_key(g, s) for g in group_ids for s in range(self.G)])
+            self.mutation_version += 1
+        for slot in slots:
+            self.emit(EvictEvent(group_id=slot.group_id, trainer_version=self.trainer_version,
+                                 start_weight=slot.start_weight, target_step=slot.target_step, reason="out_of_window"))
+        self.metrics["evicted"] += len(slots)
+        self.notify()
 
     async def _refit_workers(self, weights: list[Any]) -> None:
         """Push ``weights`` to every live worker; a dead or restarting one is refreshed before its next request."""
@@ -528,11 +376,13 @@ class RolloutController:
         assert self._permitted is not None
         ids = list(self.step_claims)
         step = self.trainer_version
-        self.buffer.release_training_claims(ids)
-        self.ledger.apply(ids)
-        self.ledger.retire(ids)
-        await self.dp.aclear([f"{g}_g{s}" for g in ids for s in range(self.G)])
-        self._emit(TrainStepEvent(step=step, group_ids=tuple(ids), trainer_version=step))
+        async with self.barrier:
+            self.buffer.release_training_claims(ids)
+            self.ledger.apply(ids)
+            self.ledger.retire(ids)
+            await self.dp.aclear([row_key(g, s) for g in ids for s in range(self.G)])
+            self.mutation_version += 1
+        self.emit(TrainStepEvent(step=step, group_ids=tuple(ids), trainer_version=step))
         self.step_claims = []
         self.step_dispatched = 0
         self.shortfall = {k: v for k, v in self.shortfall.items() if k > step}
@@ -552,8 +402,108 @@ class RolloutController:
             self.latest_weights = weights
             await self._refit_workers(weights)
         self.gen_version = self.trainer_version
-        self._emit(RefitEvent(trainer_version=self.trainer_version,
-                              extra={"aborted": aborted, "refit_s": round(time.perf_counter() - t0, 4)}))
+        self.emit(RefitEvent(trainer_version=self.trainer_version,
+                             extra={"aborted": aborted, "refit_s": round(time.perf_counter() - t0, 4)}))
         self._permitted.set()
-        self._notify()
+        self.notify()
         return {"trainer_version": self.trainer_version, "aborted": aborted}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _replay_index(self) -> list[dict[str, Any]]:
+        return [
+            {"group_id": s.group_id, "prompt_id": s.prompt_id, "start_weight": s.start_weight,
+             "end_weight": s.end_weight, "target_step": s.target_step}
+            for s in self.buffer.live_slots() if s.ready
+        ]
+
+    async def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
+        """Everything needed to resume, captured under the data-plane barrier at a step boundary.
+
+        With ``data_plane_dir`` the native TransferQueue snapshot is written there (local path) while
+        commits and clears wait; generation keeps running. Returns the replay index (with its digest),
+        the ownership ledger, the sampler's dispatch position, the prompt cursor and the counters.
+        """
+        if self.step_claims:
+            raise RuntimeError("capture() runs between steps: the open step still holds claims")
+        async with self.barrier:
+            if data_plane_dir is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self.dp.save, data_plane_dir)
+            replay = self._replay_index()
+            in_flight = {g: gr.info() for g, gr in self.runs.items()}
+            state = {
+                "schema_version": STATE_SCHEMA,
+                "train_steps": self.train_steps,
+                "trainer_version": self.trainer_version,
+                "epoch": self.epoch,
+                "batch_index": self.batch_index,
+                "admitted": [list(a) for a in self.admitted],
+                "sampler_name": type(self.sampler).__name__,
+                "sampler": self.sampler.state_dict(),
+                "dispatch_index": self.sampler.dispatch_index,
+                "buffer": self.buffer.state_dict(),
+                "replay_index": {"groups": replay, "digest": replay_digest(replay), "group_size": self.G},
+                "ledger": self.ledger.to_dict(open_step="reject"),
+                "in_flight": in_flight,
+                "shortfall": {str(k): v for k, v in self.shortfall.items()},
+                "skipped_prompts": self.skipped_prompts,
+                "mutation_version": self.mutation_version,
+                "replacement_reserve": [],
+            }
+            self.emit(CheckpointEvent(step=self.train_steps, extra={"groups": len(replay),
+                                                                   "in_flight": len(in_flight)}))
+        return state
+
+    async def restore(self, state: dict[str, Any], data_plane_dir: str | None) -> dict[str, Any]:
+        """Load a captured state before ``start``: re-offer completed groups, plan the unfinished ones."""
+        if self._pump is not None:
+            raise RuntimeError("restore() must run before start()")
+        if state.get("schema_version") != STATE_SCHEMA:
+            raise ValueError(f"controller state schema {state.get('schema_version')!r} is not {STATE_SCHEMA}")
+        replay = state["replay_index"]
+        if replay_digest(replay["groups"]) != replay["digest"]:
+            raise ValueError("the replay index does not match its digest: the checkpoint is corrupt")
+        if replay["group_size"] != self.G:
+            raise ValueError(f"the checkpoint has groups of {replay['group_size']} rows, the config {self.G}: "
+                             "num_generations_per_prompt cannot change on resume")
+        if data_plane_dir is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.dp.load, data_plane_dir)
+        # the data plane must hold every row of every completed group and of every sealed sibling
+        expected = {row_key(g["group_id"], s) for g in replay["groups"] for s in range(self.G)}
+        expected |= {row_key(g, s) for g, info in state["in_flight"].items() for s in info["sealed"]}
+        present = set(await self.dp.alist_keys()) if data_plane_dir is not None else set()
+        missing = sorted(expected - present)
+        if missing:
+            raise ValueError(f"the TransferQueue snapshot lacks {len(missing)} rows the trainer checkpoint expects "
+                             f"(e.g. {missing[:3]}): refusing to resume from an inconsistent bundle")
+        self.buffer.load_state_dict(state["buffer"])
+        self.buffer.rollback_training_claims()
+        self.ledger = RolloutLedger.from_dict(state["ledger"], self.recovery_policy)
+        plan = self.ledger.recover()  # abandons attempts that were in flight: {group: siblings to redo}
+        if state["sampler_name"] == type(self.sampler).__name__:
+            self.sampler.load_state_dict(state["sampler"])
+        else:
+            self.sampler.set_dispatch_index(state["train_steps"])
+        self.train_steps = self.trainer_version = self.gen_version = int(state["train_steps"])
+        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+        self.admitted = collections.deque((int(p), s, int(e)) for p, s, e in state["admitted"])
+        self.shortfall = {int(k): v for k, v in state["shortfall"].items()}
+        self.skipped_prompts = int(state["skipped_prompts"])
+        self.mutation_version = int(state["mutation_version"])
+        ready = [g["group_id"] for g in replay["groups"]]
+        self.emit(RestoreEvent(step=self.train_steps, group_ids=tuple(ready)))
+        for gid in self.ledger.group_ids(GroupState.GENERATING):
+            rec = self.ledger.group(gid)
+            info = state["in_flight"].get(gid, {"epoch": self.epoch, "end_weight": rec.start_weight,
+                                                "resamples": {}, "sealed": []})
+            gr = GroupRun(gid, self.prompt_by_id[rec.prompt_id], rec.start_weight, rec.target_step,
+                          int(info["epoch"]), end_weight=int(info["end_weight"]),
+                          sealed={s for s in info["sealed"] if s not in plan.get(gid, [])},
+                          resamples={int(k): int(v) for k, v in info["resamples"].items()})
+            self.buffer.reserve(rec.prompt_id, rec.start_weight, rec.target_step, group_id=gid)
+            self.emit(ReserveEvent(group_id=gid, prompt_id=rec.prompt_id, start_weight=rec.start_weight,
+                                   target_step=rec.target_step, trainer_version=self.trainer_version))
+            self._restored.append(gr)
+        return {"ready_groups": len(ready), "redispatched_groups": len(self._restored),
+                "redispatched_siblings": sum(len(v) for v in plan.values())}

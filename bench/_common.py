@@ -1,0 +1,390 @@
+"""Shared helpers of the screl benchmarks.
+
+* :func:`screl_config` builds a run config (a plain dict, the YAML's shape) from ``configs/grpo_tiny.yaml``
+  with the scale, task, batch, completion length and sampler of a benchmark;
+* :func:`run_screl` runs ``screl fit`` in-process (``ScrelCLI(run=False)`` then ``trainer.fit``) with a
+  :class:`StepTimer` callback and reads the run's ``metrics.csv`` and ``events.jsonl`` into a
+  :class:`ScrelRun`;
+* :func:`start_bench_ray` starts one loopback Ray cluster for the whole benchmark, so that Ray's start
+  (seconds) is paid once and never inside a timed window (each run still starts its own TransferQueue,
+  generation workers and controller, also outside the timed window);
+* :func:`summary`, :func:`write_result`, :func:`machine_info`, :func:`print_table`.
+
+Timing (one clock, ``time.time()``, shared with the controller's event log):
+
+* ``steady_step_s``: (end of the last step - end of the first step) / (steps - 1). A step ends when
+  ``WeightSync`` has refit the generation workers (the StepTimer runs after it). Start-up and the first
+  generation are outside this window: it is the steady-state cost of one RL step.
+* ``window_s``: from the first ``reserve`` event (the first generation starts; TransferQueue, workers and
+  the controller are already up) or ``on_train_start``, whichever is earlier, to the end of the last step:
+  every generation and every training step of the run, and nothing of the start-up. This matches the TRL
+  peer's ``wall(trainer.train())``; ``samples_per_s = steps * P * G / window_s``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+TINY_CONFIG = REPO / "configs" / "grpo_tiny.yaml"
+
+TASKS: dict[str, dict[str, Any]] = {
+    "count_a": {"class_path": "screl.envs.CountLetter", "init_args": {"letter": "a"}},
+    "add": {"class_path": "screl.envs.Addition", "init_args": {}},
+}
+NUM_PROMPTS = 100  # the arithmetic prompt set of both tasks (and of the TRL peer)
+
+
+def quiet() -> None:
+    """Keep the benchmark's output to its own tables (Lightning/Ray/TQ info lines off)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "ray",
+                 "transfer_queue", "screl"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def start_bench_ray(num_cpus: int = 6) -> bool:
+    """Start the loopback Ray cluster every run of this process joins (``screl`` then leaves it running)."""
+    from screl.dataplane import start_local_ray
+
+    return start_local_ray(num_cpus=num_cpus, namespace="screl-bench")
+
+
+def stop_bench_ray(started: bool) -> None:
+    from screl.dataplane import stop_ray_if_started
+
+    stop_ray_if_started(started)
+
+
+# ------------------------------------------------------------------------------------------ config
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "sync": {"name": "in_order", "max_lookahead_versions": 0},
+    "async_w1": {"name": "in_order", "max_lookahead_versions": 1},
+    "async_w2": {"name": "in_order", "max_lookahead_versions": 2},
+    "windowed": {"name": "windowed", "max_staleness_versions": 1, "sample_freshest_first": True,
+                 "over_sampling_ratio": 2.0},
+}
+
+
+def screl_config(
+    *,
+    run_dir: Path,
+    steps: int,
+    sampler: dict[str, Any],
+    scale: str = "tiny",
+    task: str = "count_a",
+    prompts_per_step: int = 8,
+    group: int = 4,
+    completion_len: int = 16,
+    min_groups: int | None = None,
+    threads: int = 1,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A run config (the YAML as a dict): ``configs/grpo_tiny.yaml`` with the benchmark's settings.
+
+    Completions have a fixed length (``min_new_tokens = max_new_tokens = completion_len``). The buffer
+    and in-flight bounds are left to screl's defaults for the sampler (``P x (window + 1)``).
+    """
+    import yaml
+
+    cfg: dict[str, Any] = yaml.safe_load(TINY_CONFIG.read_text())
+    window = int(sampler.get("max_lookahead_versions", sampler.get("max_staleness_versions", 0)))
+    batches_per_epoch = NUM_PROMPTS // prompts_per_step
+    epochs = math.ceil((steps + window + 2) / batches_per_epoch) + 1
+    cfg["seed_everything"] = seed
+    cfg["trainer"].update(
+        max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1, enable_checkpointing=False,
+    )
+    model = cfg["model"]["init_args"]
+    model["policy"] = {"class_path": "screl.models.TinyCausalLM", "init_args": {"scale": scale}}
+    model["learning_rate"] = learning_rate
+    data = cfg["data"]["init_args"]
+    data["task"] = deepcopy(TASKS[task])
+    data["generation"].update(max_new_tokens=completion_len, min_new_tokens=completion_len, num_threads=threads,
+                              num_workers=1, max_batch_size=max(64, prompts_per_step * group))
+    data["step_timeout_s"] = 300
+    data["seed"] = seed
+    cfg["grpo"].update(num_prompts_per_step=prompts_per_step, num_generations_per_prompt=group,
+                       max_num_epochs=epochs, max_num_steps=steps)
+    cfg["async_rl"] = {
+        "sampler": deepcopy(sampler),
+        "min_groups_for_streaming_train": min_groups if min_groups is not None else prompts_per_step,
+    }
+    cfg["data_plane"] = {"enabled": True, "backend": "simple"}
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ running
+def _timer_callback() -> Any:
+    from lightning.pytorch import Callback
+
+    class StepTimer(Callback):
+        """Wall-clock (``time.time()``) of ``on_train_start`` and of the end of every RL step (after refit)."""
+
+        def __init__(self) -> None:
+            self.train_start: float | None = None
+            self.step_ends: list[float] = []
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.train_start = time.time()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if isinstance(batch, dict) and batch.get("last_chunk"):
+                self.step_ends.append(time.time())
+
+    return StepTimer()
+
+
+@dataclass
+class ScrelRun:
+    """What one screl run measured (times in seconds; per-step lists indexed by step)."""
+
+    name: str
+    steps: int
+    rows_per_step: int
+    completion_len: int
+    steady_step_s: float
+    window_s: float
+    step_ends: list[float]
+    window_start: float
+    train_step_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    gen_span_s: list[float] = field(default_factory=list)
+    group_generation_s: list[float] = field(default_factory=list)
+    refit_s: list[float] = field(default_factory=list)
+    reward: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    evicted: int = 0
+    aborted: int = 0
+    run_dir: str = ""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.steps * self.rows_per_step / self.window_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.completion_len
+
+    @property
+    def steady_samples_per_s(self) -> float:
+        return self.rows_per_step / self.steady_step_s
+
+    def reward_by_time(self) -> list[float]:
+        """Seconds since the window start at which each step ended."""
+        return [t - self.window_start for t in self.step_ends]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    rows = []
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return rows
+    with path.open() as fh:
+        for row in csv.DictReader(fh):
+            rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return rows
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    with (run_dir / "events.jsonl").open() as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
+    """Run ``screl fit`` in-process on ``cfg`` and read back what it measured."""
+    import yaml
+
+    from screl.cli import ScrelCLI
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = ScrelCLI(args=["--config", str(path)], run=False)
+    timer = _timer_callback()
+    cli.trainer.callbacks.append(timer)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    run_dir = Path(cli.trainer.log_dir)
+    steps = int(cfg["grpo"]["max_num_steps"])
+    if len(timer.step_ends) != steps:
+        raise RuntimeError(f"{name}: expected {steps} steps, the trainer ran {len(timer.step_ends)} ({run_dir})")
+    return _summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
+
+
+def _summarise(
+    name: str, cfg: dict[str, Any], run_dir: Path, train_start: float | None, step_ends: list[float]
+) -> ScrelRun:
+    events = read_events(run_dir)
+    reserve: dict[str, dict[str, Any]] = {}
+    commit: dict[str, dict[str, Any]] = {}
+    steps_ev: list[dict[str, Any]] = []
+    refit_s: list[float] = []
+    evicted = aborted = 0
+    for e in events:
+        kind = e["event"]
+        if kind == "reserve":
+            reserve[e["group_id"]] = e
+        elif kind == "commit":
+            commit[e["group_id"]] = e
+        elif kind == "train_step":
+            steps_ev.append(e)
+        elif kind == "refit" and "refit_s" in e:
+            refit_s.append(float(e["refit_s"]))
+        elif kind == "evict":
+            evicted += 1
+        elif kind == "abort":
+            aborted += 1
+    first_reserve = min((float(e["time"]) for e in reserve.values()), default=float("inf"))
+    window_start = min(first_reserve, train_start if train_start is not None else float("inf"))
+    gen_span, reward, staleness = [], [], []
+    for e in sorted(steps_ev, key=lambda x: x["step"]):
+        gids = e["group_ids"]
+        starts = [float(reserve[g]["time"]) for g in gids if g in reserve]
+        ends = [float(commit[g]["time"]) for g in gids if g in commit]
+        if starts and ends:
+            gen_span.append(max(ends) - min(starts))
+        rs = [float(commit[g]["reward_mean"]) for g in gids if g in commit and "reward_mean" in commit[g]]
+        reward.append(sum(rs) / len(rs) if rs else float("nan"))
+        staleness.extend(int(e["step"]) - int(reserve[g]["start_weight"]) for g in gids if g in reserve)
+    metrics = read_metrics(run_dir)
+    train_step_s = [r["time/train_step_s"] for r in metrics if "time/train_step_s" in r]
+    wait_by_step: dict[int, float] = {}
+    for r in metrics:
+        if "rollout/wait_s" in r:
+            # a chunk's row carries the global step *after* its own optimizer step (if any): group by
+            # the order of step-closing rows instead of trusting that column.
+            k = len([x for x in wait_by_step]) if "time/train_step_s" in r else len(wait_by_step)
+            wait_by_step[k] = wait_by_step.get(k, 0.0) + r["rollout/wait_s"]
+    steps = len(step_ends)
+    rows = int(cfg["grpo"]["num_prompts_per_step"]) * int(cfg["grpo"]["num_generations_per_prompt"])
+    steady = (step_ends[-1] - step_ends[0]) / (steps - 1) if steps > 1 else step_ends[-1] - window_start
+    return ScrelRun(
+        name=name,
+        steps=steps,
+        rows_per_step=rows,
+        completion_len=int(cfg["data"]["init_args"]["generation"]["max_new_tokens"]),
+        steady_step_s=steady,
+        window_s=step_ends[-1] - window_start,
+        step_ends=step_ends,
+        window_start=window_start,
+        train_step_s=train_step_s,
+        wait_s=[wait_by_step[k] for k in sorted(wait_by_step)],
+        gen_span_s=gen_span,
+        group_generation_s=[float(c["generation_s"]) for c in commit.values() if "generation_s" in c],
+        refit_s=refit_s,
+        reward=reward,
+        staleness=staleness,
+        evicted=evicted,
+        aborted=aborted,
+        run_dir=str(run_dir),
+    )
+
+
+# ------------------------------------------------------------------------------------------ stats / output
+def median(xs: Iterable[float]) -> float:
+    vals = [float(x) for x in xs if x is not None and not math.isnan(float(x))]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def skip_first(xs: Sequence[float], n: int = 1) -> list[float]:
+    """Drop the first ``n`` values (start-up/first-generation effects) when enough remain."""
+    return list(xs[n:]) if len(xs) > n + 1 else list(xs)
+
+
+def summary(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and the relative spread ``(max - min) / median`` of repetitions."""
+    vals = [float(x) for x in xs if not math.isnan(float(x))]
+    if not vals:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "spread": float("nan"), "n": 0}
+    med = statistics.median(vals)
+    return {"median": med, "min": min(vals), "max": max(vals),
+            "spread": (max(vals) - min(vals)) / med if med else float("nan"), "n": len(vals)}
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for mod in ("lightning", "ray", "transformers", "trl"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional packages
+            pass
+    return info
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def write_result(script: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Write ``bench/results/<script>.json`` (NaN/inf become null)."""
+    out = (out_dir or RESULTS) / f"{script}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_plain(data), indent=1) + "\n")
+    return out
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
