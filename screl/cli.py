@@ -147,12 +147,41 @@ class ScrelCLI(LightningCLI):
             root = trainer_cfg.get("default_root_dir") or os.getcwd()
             kwargs["logger"] = CSVLogger(save_dir=root, name="lightning_logs")
         trainer = super().instantiate_trainer(**kwargs)
-        from screl.callbacks import WeightSync
+        from screl.callbacks import DataPlaneCheckpoint, WeightSync
 
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, WeightSync) for cb in callbacks):
             callbacks.append(WeightSync())
+        run = getattr(self.datamodule, "run", None)
+        if isinstance(run, RunConfig) and run.checkpointing.enabled:
+            if not any(isinstance(cb, DataPlaneCheckpoint) for cb in callbacks):
+                callbacks.append(DataPlaneCheckpoint(run.checkpointing))
         return trainer
+
+    def before_fit(self) -> None:
+        """With ``checkpointing.enabled`` and a bundle in ``checkpoint_dir``: resume from it."""
+        run = getattr(self.datamodule, "run", None)
+        if not (isinstance(run, RunConfig) and run.checkpointing.enabled):
+            return
+        from screl.checkpoint.resume import fetch_resume
+
+        fit_cfg = self.config_init[self.subcommand]
+        if fit_cfg.get("ckpt_path"):
+            raise ValueError(
+                "ckpt_path restores the model only: with checkpointing.enabled, screl resumes the whole run "
+                "(model, optimizer, data plane, controller) from checkpointing.checkpoint_dir. Drop --ckpt_path."
+            )
+        ck, rc = run.checkpointing, run.rollout_checkpointing
+        local_root = os.path.join(self.trainer.default_root_dir, ".screl_restore")
+        resume = fetch_resume(
+            str(ck.checkpoint_dir), local_root, restore_mode=rc.restore_mode,
+            snapshots_enabled=rc.snapshot_attempt_interval_s is not None, config=self.config_dict(),
+            extra_excluded_paths=list(rc.extra_fingerprint_excluded_paths), storage_options=ck.storage_options,
+        )
+        if resume is not None:
+            self.datamodule.resume = resume
+            fit_cfg["ckpt_path"] = resume.ckpt_path
+            print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 
 def capacity_plan(cfg: dict[str, Any]) -> str:

@@ -297,6 +297,8 @@ class CheckpointingConfig:
     """Include optimizer state."""
     metric_name: str | None = None
     """Metric to rank bundles by: null or ``train:<metric>`` (there is no validation loop)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for ``checkpoint_dir`` (e.g. ``{client_kwargs: {endpoint_url: http://...}}`` for S3)."""
 
 
 @dataclass

@@ -120,6 +120,7 @@ class RolloutDataModule(LightningDataModule):
         self.run_dir = run_dir
         self.seed = seed
         self.runtime: Any = None
+        self.resume: Any = None  # a screl.checkpoint.resume.Resume set by the CLI when a bundle exists
         self._pad_id = 0
         self.events_path: str | None = None
 
@@ -145,6 +146,13 @@ class RolloutDataModule(LightningDataModule):
                 "multi-rank training with the RolloutDataModule is not supported yet: run one training process"
             )
         torch.set_num_threads(max(1, self.generation.num_threads))
+
+    def _ensure_started(self) -> None:
+        """Start the rollout side at the first batch: after Lightning restored the model from a checkpoint,
+        so the workers get the restored weights and the controller its restored state before its pump runs."""
+        if self.runtime is not None:
+            return
+        trainer: Any = self.trainer
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
         self._start(module.policy_spec, run_dir, module.export_weights())
@@ -154,8 +162,11 @@ class RolloutDataModule(LightningDataModule):
 
         self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
-        runtime.start(self.task, policy, run_dir, initial_weights, self.seed)
+        restore = None
+        if self.resume is not None:
+            restore = (self.resume.controller_state, self.resume.data_plane_dir)
         self.runtime = runtime
+        runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore)
         self.events_path = runtime.events_path
 
     def teardown(self, stage: str) -> None:
@@ -164,8 +175,16 @@ class RolloutDataModule(LightningDataModule):
     def shutdown(self) -> None:
         """Stop the controller, workers and data plane (and Ray, if this module started it). Idempotent."""
         if self.runtime is not None:
-            self.runtime.shutdown()
-            self.runtime = None
+            runtime, self.runtime = self.runtime, None
+            runtime.shutdown()
+
+    def state_dict(self) -> dict[str, Any]:
+        # the rollout side's state lives in the checkpoint bundle (captured under the data-plane barrier)
+        return {"screl_bundle_format": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("screl_bundle_format") != 1:
+            raise ValueError(f"unknown RolloutDataModule state {state_dict!r}: resume from a screl bundle")
 
     # -- the train pump's side ---------------------------------------------------------------------------
     def train_dataloader(self) -> _StepStream:
@@ -184,6 +203,7 @@ class RolloutDataModule(LightningDataModule):
     def next_batch(self) -> dict[str, Any] | None:
         """Block for the next chunk (metadata from the controller, tensors from the data plane)."""
         t0 = time.perf_counter()
+        self._ensure_started()
         meta = self.runtime.next_chunk()
         if meta is None:
             return None

@@ -285,12 +285,13 @@ def begin_snapshot(store: CheckpointStore, anchor: str, sweep: bool = True) -> S
     """Start ``tmp_snapshot_<seq>`` under ``anchor`` (MissingAnchorError when the anchor is not durable).
 
     ``sweep`` first deletes leftovers of interrupted snapshots under this anchor (see
-    :func:`sweep_snapshot_leftovers`); the sequence number is one more than any in use.
+    :func:`sweep_snapshot_leftovers`); the sequence number is one more than any seen (published, temporary
+    or trash), so a number is never reused.
     """
     _check_anchor(store, anchor)
+    seqs = [s for s in (_seq_of(n) for n in store.children(_snapshots_rel(anchor))) if s is not None]
     if sweep:
         sweep_snapshot_leftovers(store, anchor)
-    seqs = [s for s in (_seq_of(n) for n in store.children(_snapshots_rel(anchor))) if s is not None]
     return SnapshotWriter(store, anchor, max(seqs, default=0) + 1)
 
 
@@ -438,4 +439,6 @@ def prune_bootstrap_snapshots(store: CheckpointStore) -> list[str]:
     for name in other:
         store.remove_tree(f"{base}/{name}")
         removed.append(name)
+    if not store.children(base):
+        store.remove_tree(base)
     return removed

@@ -449,6 +449,8 @@ class RolloutController:
                 "skipped_prompts": self.skipped_prompts,
                 "mutation_version": self.mutation_version,
                 "replacement_reserve": [],
+                "mode": "authoritative" if getattr(self.sampler, "supports_buffer_checkpoint", False) is True
+                else "shadow",
             }
             self.emit(CheckpointEvent(step=self.train_steps, extra={"groups": len(replay),
                                                                    "in_flight": len(in_flight)}))
@@ -466,6 +468,13 @@ class RolloutController:
         if replay["group_size"] != self.G:
             raise ValueError(f"the checkpoint has groups of {replay['group_size']} rows, the config {self.G}: "
                              "num_generations_per_prompt cannot change on resume")
+        if state.get("mode") == "shadow":
+            log.warning("screl: the checkpoint's sampler does not support buffer checkpoints "
+                        "(supports_buffer_checkpoint): completed buffered groups are not restored")
+            state = {**state, "replay_index": {"groups": [], "digest": replay_digest([]), "group_size": self.G},
+                     "in_flight": {}, "ledger": RolloutLedger(self.recovery_policy).to_dict(),
+                     "buffer": ReplayBuffer().state_dict()}
+            data_plane_dir = None
         if data_plane_dir is not None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.dp.load, data_plane_dir)

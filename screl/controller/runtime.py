@@ -54,8 +54,11 @@ class RolloutRuntime:
         self.events_path: str | None = None
 
     def start(
-        self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int
+        self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
+        restore: tuple[dict[str, Any], str | None] | None = None,
     ) -> None:
+        """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir), the
+        controller resumes from it before its pump starts."""
         rc = self.run.ray
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
         try:
@@ -71,6 +74,9 @@ class RolloutRuntime:
             weights = [ray.put(initial_weights)]
             ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.timeout_s)
             self.controller = spawn_controller(self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed)
+            if restore is not None:
+                summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
+                log.warning("screl: resumed the rollout side: %s", summary)
             info = ray.get(self.controller.start.remote(weights), timeout=self.timeout_s)
             self.events_path = info["events_path"]
             log.info("screl: controller started; events -> %s", self.events_path)
@@ -93,6 +99,10 @@ class RolloutRuntime:
         """Retire the open step and refit the workers with ``weights``."""
         ref = [ray.put(weights)]
         return ray.get(self.controller.complete_step.remote(ref), timeout=self.timeout_s)  # type: ignore[no-any-return]
+
+    def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
+        """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``)."""
+        return ray.get(self.controller.capture.remote(data_plane_dir), timeout=self.timeout_s)  # type: ignore[no-any-return]
 
     def stats(self) -> dict[str, Any]:
         return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]

@@ -1,0 +1,84 @@
+"""``DataPlaneCheckpoint``: trainer checkpoint bundles that carry the data plane, published atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE, LIGHTNING_CKPT
+from screl.checkpoint.store import CheckpointStore
+from screl.config import CheckpointingConfig
+
+log = logging.getLogger(__name__)
+
+
+class DataPlaneCheckpoint(Callback):
+    """Every ``save_period`` steps (and at the end), after ``WeightSync`` closed the step, write the bundle
+    ``<checkpoint_dir>/step_<n>/``: the Lightning checkpoint (model, optimizer, loops), the native
+    TransferQueue snapshot and the controller state (replay index with its digest, the ownership ledger
+    of unfinished groups, the prompt cursor, the sampler's dispatch position) captured under one
+    data-plane barrier, ``rollout_recovery.pt`` and ``replacement_reserve.pt``. The bundle becomes the
+    latest resumable one only once every part is durable; a failed save raises and leaves the previous
+    bundle the latest. ``screl fit`` adds it when ``checkpointing.enabled``.
+    """
+
+    def __init__(self, config: CheckpointingConfig) -> None:
+        if not config.checkpoint_dir:
+            raise ValueError("DataPlaneCheckpoint needs checkpointing.checkpoint_dir")
+        self.config = config
+        self.store = CheckpointStore(config.checkpoint_dir, config.storage_options or None)
+        self.last_saved: int | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from screl.callbacks.weight_sync import WeightSync
+
+        callbacks = list(trainer.callbacks)  # type: ignore[attr-defined]
+        syncs = [i for i, cb in enumerate(callbacks) if isinstance(cb, WeightSync)]
+        if not syncs or syncs[0] > callbacks.index(self):
+            raise RuntimeError("DataPlaneCheckpoint must come after WeightSync in trainer.callbacks: a bundle is "
+                               "written once the step is closed and the workers refit")
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not (isinstance(batch, dict) and batch.get("last_chunk")):
+            return
+        step = trainer.global_step
+        if step % self.config.save_period == 0 or step >= trainer.max_steps > 0:
+            self.save(trainer, step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step = trainer.global_step
+        if step > 0 and self.last_saved != step:
+            self.save(trainer, step)
+
+    def save(self, trainer: Trainer, step: int) -> None:
+        dm: Any = trainer.datamodule  # type: ignore[attr-defined]
+        if dm is None or dm.runtime is None:
+            return
+        with tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
+            ckpt = os.path.join(tmp, LIGHTNING_CKPT)
+            trainer.save_checkpoint(ckpt)
+            dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
+            state = dm.runtime.capture(dp_dir)
+            with self.store.begin(step) as writer:
+                writer.write_file(LIGHTNING_CKPT, ckpt)
+                if dp_dir is not None:
+                    writer.write_dir(DATA_PLANE, dp_dir)
+                writer.write_torch(CONTROLLER_STATE, state)
+                writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
+                writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
+                                                           "admitted": state["admitted"]})
+                writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+                writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
+                               "mode": "authoritative" if dp_dir is not None else "shadow",
+                               "replay_digest": state["replay_index"]["digest"],
+                               "groups": len(state["replay_index"]["groups"])})
+        self.last_saved = step
+        if self.config.keep_top_k is not None:
+            self.store.retain(self.config.keep_top_k)
+        log.info("screl: checkpoint step_%d published to %s", step, self.store.url(f"step_{step}"))
