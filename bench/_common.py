@@ -15,8 +15,8 @@ Timing (one clock, ``time.time()``, shared with the controller's event log):
 * ``steady_step_s``: (end of the last step - end of the first step) / (steps - 1). A step ends when
   ``WeightSync`` has refit the generation workers (the StepTimer runs after it). Start-up and the first
   generation are outside this window: it is the steady-state cost of one RL step.
-* ``window_s``: from the first ``reserve`` event (the first generation starts; TransferQueue, workers and
-  the controller are already up) or ``on_train_start``, whichever is earlier, to the end of the last step:
+* ``window_s``: from the first ``admit`` event (the first generation starts; TransferQueue, the workers
+  and the controller are already up: screl starts them at the first batch) to the end of the last step:
   every generation and every training step of the run, and nothing of the start-up. This matches the TRL
   peer's ``wall(trainer.train())``; ``samples_per_s = steps * P * G / window_s``.
 """
@@ -55,6 +55,8 @@ def quiet() -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")
+    import lightning.pytorch  # noqa: F401 - sets its loggers' levels at import: override them after
+
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "ray",
                  "transfer_queue", "screl"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -101,7 +103,7 @@ def screl_config(
     """A run config (the YAML as a dict): ``configs/grpo_tiny.yaml`` with the benchmark's settings.
 
     Completions have a fixed length (``min_new_tokens = max_new_tokens = completion_len``). The buffer
-    and in-flight bounds are left to screl's defaults for the sampler (``P x (window + 1)``).
+    and in-flight bounds are ``P x (window + 1)`` groups, as in ``configs/samplers/*.yaml``.
     """
     import yaml
 
@@ -125,16 +127,50 @@ def screl_config(
     data["seed"] = seed
     cfg["grpo"].update(num_prompts_per_step=prompts_per_step, num_generations_per_prompt=group,
                        max_num_epochs=epochs, max_num_steps=steps)
+    bound = prompts_per_step * (window + 1)
     cfg["async_rl"] = {
         "sampler": deepcopy(sampler),
         "min_groups_for_streaming_train": min_groups if min_groups is not None else prompts_per_step,
+        "max_inflight_prompts": bound,
+        "max_buffered_rollouts": bound,
     }
     cfg["data_plane"] = {"enabled": True, "backend": "simple"}
     return cfg
 
 
 # ------------------------------------------------------------------------------------------ running
-def _timer_callback() -> Any:
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its descendants, by role.
+
+    Roles: ``trainer`` (this process: the train pump), one per Ray actor class (``GenerationWorker``,
+    ``RolloutController``, ``TransferQueueController``, ``SimpleStorageUnit``, ...; from the ``ray::Class``
+    process title), and ``ray_system`` (raylet, GCS, Ray's helpers).
+    """
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            cmd = " ".join(proc.cmdline()[:1])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if proc.pid == me.pid:
+            role = "trainer"
+        elif cmd.startswith("ray::"):
+            role = cmd[5:].split(".")[0].split()[0] or "ray_worker"
+        else:
+            role = "ray_system"
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}
+
+
+def _timer_callback(steps: int) -> Any:
     from lightning.pytorch import Callback
 
     class StepTimer(Callback):
@@ -143,6 +179,8 @@ def _timer_callback() -> Any:
         def __init__(self) -> None:
             self.train_start: float | None = None
             self.step_ends: list[float] = []
+            self.cpu_first: dict[str, float] = {}
+            self.cpu_last: dict[str, float] = {}
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.train_start = time.time()
@@ -150,6 +188,10 @@ def _timer_callback() -> Any:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if isinstance(batch, dict) and batch.get("last_chunk"):
                 self.step_ends.append(time.time())
+                if len(self.step_ends) == 1:
+                    self.cpu_first = cpu_snapshot()
+                elif len(self.step_ends) == steps:
+                    self.cpu_last = cpu_snapshot()
 
     return StepTimer()
 
@@ -176,6 +218,8 @@ class ScrelRun:
     evicted: int = 0
     aborted: int = 0
     run_dir: str = ""
+    cpu_s_per_step: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per steady-state step of each process role (see :func:`cpu_snapshot`)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -225,14 +269,17 @@ def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
     path = work_dir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cli = ScrelCLI(args=["--config", str(path)], run=False)
-    timer = _timer_callback()
+    steps = int(cfg["grpo"]["max_num_steps"])
+    timer = _timer_callback(steps)
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     run_dir = Path(cli.trainer.log_dir)
-    steps = int(cfg["grpo"]["max_num_steps"])
     if len(timer.step_ends) != steps:
         raise RuntimeError(f"{name}: expected {steps} steps, the trainer ran {len(timer.step_ends)} ({run_dir})")
-    return _summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
+    run = _summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
+    if steps > 1:
+        run.cpu_s_per_step = {k: v / (steps - 1) for k, v in cpu_delta(timer.cpu_first, timer.cpu_last).items()}
+    return run
 
 
 def _summarise(
@@ -258,8 +305,10 @@ def _summarise(
             evicted += 1
         elif kind == "abort":
             aborted += 1
-    first_reserve = min((float(e["time"]) for e in reserve.values()), default=float("inf"))
-    window_start = min(first_reserve, train_start if train_start is not None else float("inf"))
+    # The rollout side starts at the first batch (after on_train_start): the window opens with the first
+    # admit, when TransferQueue, the workers and the controller are up and the first generation begins.
+    first = min((float(e["time"]) for e in events if e["event"] in ("admit", "reserve")), default=float("nan"))
+    window_start = first if not math.isnan(first) else float(train_start or step_ends[0])
     gen_span, reward, staleness = [], [], []
     for e in sorted(steps_ev, key=lambda x: x["step"]):
         gids = e["group_ids"]
@@ -272,13 +321,13 @@ def _summarise(
         staleness.extend(int(e["step"]) - int(reserve[g]["start_weight"]) for g in gids if g in reserve)
     metrics = read_metrics(run_dir)
     train_step_s = [r["time/train_step_s"] for r in metrics if "time/train_step_s" in r]
-    wait_by_step: dict[int, float] = {}
-    for r in metrics:
-        if "rollout/wait_s" in r:
-            # a chunk's row carries the global step *after* its own optimizer step (if any): group by
-            # the order of step-closing rows instead of trusting that column.
-            k = len([x for x in wait_by_step]) if "time/train_step_s" in r else len(wait_by_step)
-            wait_by_step[k] = wait_by_step.get(k, 0.0) + r["rollout/wait_s"]
+    wait_s: list[float] = []
+    acc = 0.0
+    for r in metrics:  # rows are chunks in order; the step-closing chunk carries time/train_step_s
+        acc += r.get("rollout/wait_s", 0.0)
+        if "time/train_step_s" in r:
+            wait_s.append(acc)
+            acc = 0.0
     steps = len(step_ends)
     rows = int(cfg["grpo"]["num_prompts_per_step"]) * int(cfg["grpo"]["num_generations_per_prompt"])
     steady = (step_ends[-1] - step_ends[0]) / (steps - 1) if steps > 1 else step_ends[-1] - window_start
@@ -292,7 +341,7 @@ def _summarise(
         step_ends=step_ends,
         window_start=window_start,
         train_step_s=train_step_s,
-        wait_s=[wait_by_step[k] for k in sorted(wait_by_step)],
+        wait_s=wait_s,
         gen_span_s=gen_span,
         group_generation_s=[float(c["generation_s"]) for c in commit.values() if "generation_s" in c],
         refit_s=refit_s,
@@ -374,10 +423,10 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     if title:
         print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
 def pyplot() -> Any:

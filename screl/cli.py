@@ -171,6 +171,7 @@ class ScrelCLI(LightningCLI):
                 "ckpt_path restores the model only: with checkpointing.enabled, screl resumes the whole run "
                 "(model, optimizer, data plane, controller) from checkpointing.checkpoint_dir. Drop --ckpt_path."
             )
+        self.datamodule.config_dict = self.config_dict()
         ck, rc = run.checkpointing, run.rollout_checkpointing
         local_root = os.path.join(self.trainer.default_root_dir, ".screl_restore")
         resume = fetch_resume(
@@ -180,7 +181,8 @@ class ScrelCLI(LightningCLI):
         )
         if resume is not None:
             self.datamodule.resume = resume
-            fit_cfg["ckpt_path"] = resume.ckpt_path
+            if resume.ckpt_path is not None:
+                fit_cfg["ckpt_path"] = resume.ckpt_path
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 

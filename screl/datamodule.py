@@ -121,6 +121,7 @@ class RolloutDataModule(LightningDataModule):
         self.seed = seed
         self.runtime: Any = None
         self.resume: Any = None  # a screl.checkpoint.resume.Resume set by the CLI when a bundle exists
+        self.config_dict: dict[str, Any] = {}  # the whole config (set by the CLI): the bootstrap fingerprint
         self._pad_id = 0
         self.events_path: str | None = None
 
@@ -166,7 +167,8 @@ class RolloutDataModule(LightningDataModule):
         if self.resume is not None:
             restore = (self.resume.controller_state, self.resume.data_plane_dir)
         self.runtime = runtime
-        runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore)
+        runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
+                      config_dict=self.config_dict)
         self.events_path = runtime.events_path
 
     def teardown(self, stage: str) -> None:

@@ -68,12 +68,37 @@ _RUN_BLOCK_OPERATIONAL = (
 )
 
 _CREDENTIAL_KEYS = (
-    "api_key", "apikey", "password", "passwd", "secret", "token", "credentials", "private_key",
-    "*_api_key", "*_apikey", "*_password", "*_secret", "*_private_key",
+    "api_key",
+    "apikey",
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "credentials",
+    "private_key",
+    "*_api_key",
+    "*_apikey",
+    "*_password",
+    "*_secret",
+    "*_private_key",
     # token-shaped credentials; a bare `*_token` would also hide `pad_token`/`eos_token`, which are semantic
-    "hf_token", "*_auth_token", "auth_token", "*_access_token", "access_token", "*_api_token", "api_token",
-    "*_session_token", "session_token", "*_refresh_token", "refresh_token", "*_bearer_token", "bearer_token",
-    "aws_access_key_id", "aws_secret_access_key", "secret_access_key", "storage_options",
+    "hf_token",
+    "*_auth_token",
+    "auth_token",
+    "*_access_token",
+    "access_token",
+    "*_api_token",
+    "api_token",
+    "*_session_token",
+    "session_token",
+    "*_refresh_token",
+    "refresh_token",
+    "*_bearer_token",
+    "bearer_token",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "secret_access_key",
+    "storage_options",
 )
 
 #: The built-in denylist for screl's configuration layout (LightningCLI ``trainer``/``model``/``data`` plus
@@ -93,6 +118,10 @@ DEFAULT_EXCLUDED_PATHS: tuple[str, ...] = (
     "trainer.profiler",
     "trainer.devices",
     "trainer.num_nodes",
+    "trainer.max_steps",
+    "**.max_num_steps",
+    "trainer.max_epochs",
+    "trainer.max_time",
     # optimizer settings act only from the first step
     "model.init_args.learning_rate",
     "model.init_args.weight_decay",
@@ -129,7 +158,9 @@ class FingerprintMismatchError(ValueError):
 def validate_excluded_paths(paths: Iterable[str]) -> tuple[str, ...]:
     """Check ``extra_fingerprint_excluded_paths``; ValueError lists every bad entry and why."""
     if isinstance(paths, str):
-        raise ValueError(f"extra_fingerprint_excluded_paths must be a list of dotpaths, got the string {paths!r}")
+        raise ValueError(
+            f"extra_fingerprint_excluded_paths must be a list of dotpaths, got the string {paths!r}"
+        )
     problems = []
     out = []
     for path in paths:
@@ -179,56 +210,55 @@ def path_matches(pattern: str, dotpath: str | Sequence[str]) -> bool:
 _DROP = object()
 
 
-def _plain(value: Any, path: tuple[str, ...]) -> Any:
-    """A JSON-serializable copy (Paths and enums as their values, non-finite floats as strings)."""
+def _identity(value: Any, path: tuple[str, ...], patterns: tuple[tuple[str, ...], ...]) -> Any:
+    """``value`` without excluded nodes, as plain JSON (Paths and enums as their values, non-finite floats
+    as strings); excluded nodes are dropped before they are converted."""
+    if path and any(_match(p, path) for p in patterns):
+        return _DROP
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, (*path, str(k))) for k, v in value.items()}
+        out = {}
+        for key, item in value.items():
+            kept = _identity(item, (*path, str(key)), patterns)
+            if kept is not _DROP:
+                out[str(key)] = kept
+        return out
     if isinstance(value, (list, tuple)):
-        return [_plain(v, (*path, str(i))) for i, v in enumerate(value)]
+        items = [_identity(item, (*path, str(i)), patterns) for i, item in enumerate(value)]
+        return [EXCLUDED_LIST_ELEMENT if item is _DROP else item for item in items]
     if isinstance(value, enum.Enum):
-        return _plain(value.value, path)
+        return _identity(value.value, path, patterns)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(dataclasses.asdict(value), path)
-    if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":  # jsonargparse Namespace
-        return _plain({k: v for k, v in vars(value).items() if k != "__path__"}, path)
+        return _identity({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, path, patterns)
+    if type(value).__name__ == "Namespace" and hasattr(value, "__dict__"):  # jsonargparse's Namespace
+        return _identity({k: v for k, v in vars(value).items() if k != "__path__"}, path, patterns)
     raise TypeError(
-        f"config value at {'.'.join(path) or '<root>'} is a {type(value).__name__}, which has no stable JSON form"
+        f"config value at {'.'.join(path) or '<root>'} is a {type(value).__name__},"
+        " which has no stable JSON form;"
+        " convert it to plain data or exclude its path"
     )
 
 
-def _strip(node: Any, path: tuple[str, ...], patterns: tuple[tuple[str, ...], ...]) -> Any:
-    if path and any(_match(p, path) for p in patterns):
-        return _DROP
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            kept = _strip(value, (*path, key), patterns)
-            if kept is not _DROP:
-                out[key] = kept
-        return out
-    if isinstance(node, list):
-        items = [_strip(value, (*path, str(i)), patterns) for i, value in enumerate(node)]
-        return [EXCLUDED_LIST_ELEMENT if item is _DROP else item for item in items]
-    return node
-
-
-def compatibility_identity(config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()) -> dict[str, Any]:
+def compatibility_identity(
+    config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
+) -> dict[str, Any]:
     """The configuration with every excluded path (built-in denylist and extras) removed."""
     patterns = tuple(tuple(p.split(".")) for p in excluded_paths(extra_excluded_paths))
-    identity = _strip(_plain(config, ()), (), patterns)
+    identity = _identity(config, (), patterns)
     if not isinstance(identity, dict):
         raise TypeError(f"config must be a mapping, got {type(config).__name__}")
     return identity
 
 
 def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
 def _digest(identity: Mapping[str, Any], paths: Sequence[str]) -> str:
@@ -263,15 +293,22 @@ class BootstrapAnchor:
         }
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()) -> BootstrapAnchor:
+    def from_config(
+        cls, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
+    ) -> BootstrapAnchor:
         extras = tuple(extra_excluded_paths)
         paths = excluded_paths(extras)
         identity = compatibility_identity(config, extras)
         return cls(_digest(identity, paths), identity, paths)
 
 
-def read_bootstrap_anchor(store: CheckpointStore) -> BootstrapAnchor | None:
+def _as_store(store: CheckpointStore | str) -> CheckpointStore:
+    return store if isinstance(store, CheckpointStore) else CheckpointStore(store)
+
+
+def read_bootstrap_anchor(store: CheckpointStore | str) -> BootstrapAnchor | None:
     """The stored anchor, None when there is none (ValueError when it is unreadable)."""
+    store = _as_store(store)
     try:
         data = store.read_json(BOOTSTRAP_MANIFEST)
     except FileNotFoundError:
@@ -280,7 +317,9 @@ def read_bootstrap_anchor(store: CheckpointStore) -> BootstrapAnchor | None:
     if not isinstance(data, dict):
         raise ValueError(f"{where} is not a JSON object")
     fingerprint, identity, paths = (
-        data.get("bootstrap_fingerprint"), data.get("bootstrap_identity"), data.get("excluded_paths")
+        data.get("bootstrap_fingerprint"),
+        data.get("bootstrap_identity"),
+        data.get("excluded_paths"),
     )
     schema = data.get("schema_version")
     if (
@@ -298,9 +337,13 @@ def read_bootstrap_anchor(store: CheckpointStore) -> BootstrapAnchor | None:
 
 
 def write_bootstrap_anchor(
-    store: CheckpointStore, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
+    store: CheckpointStore | str, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
 ) -> BootstrapAnchor:
-    """Create ``bootstrap/manifest.json`` atomically, or validate the existing one (never overwritten)."""
+    """Create ``bootstrap/manifest.json`` atomically, or validate the existing one (never overwritten).
+
+    ``store`` is a :class:`CheckpointStore` or a local checkpoint directory.
+    """
+    store = _as_store(store)
     existing = validate_bootstrap_anchor(store, config, extra_excluded_paths)
     if existing is not None:
         return existing
@@ -310,13 +353,14 @@ def write_bootstrap_anchor(
 
 
 def validate_bootstrap_anchor(
-    store: CheckpointStore, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
+    store: CheckpointStore | str, config: Mapping[str, Any], extra_excluded_paths: Iterable[str] = ()
 ) -> BootstrapAnchor | None:
     """Read-only check of the stored anchor against ``config``; None when there is no anchor.
 
     Raises:
         FingerprintMismatchError: listing up to 20 changed dotpaths as ``path: old -> new``.
     """
+    store = _as_store(store)
     stored = read_bootstrap_anchor(store)
     if stored is None:
         return None
@@ -360,7 +404,7 @@ def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[
 
 
 def _covered(dotpath: str, patterns: tuple[tuple[str, ...], ...]) -> bool:
-    """Whether a pattern matches ``dotpath`` or one of its ancestors (the node sits in an excluded subtree)."""
+    """Whether a pattern matches ``dotpath`` or an ancestor (the node sits in an excluded subtree)."""
     segments = tuple(dotpath.split("."))
     return any(_match(p, segments[:n]) for p in patterns for n in range(1, len(segments) + 1))
 
@@ -373,16 +417,16 @@ def _mismatch_message(store: CheckpointStore, stored: BootstrapAnchor, current: 
         f" (fingerprint {stored.fingerprint[:12]}… stored, {current.fingerprint[:12]}… now)."
     ]
     if stored.schema_version != current.schema_version:
-        lines.append(
-            f"The fingerprint schema changed ({stored.schema_version} -> {current.schema_version})."
-        )
+        lines.append(f"The fingerprint schema changed ({stored.schema_version} -> {current.schema_version}).")
     added = sorted(set(current.excluded_paths) - set(stored.excluded_paths))
     removed = sorted(set(stored.excluded_paths) - set(current.excluded_paths))
     if added or removed:
         lines.append(f"Excluded paths differ: added {added}, removed {removed}.")
     if changes:
         lines.append(f"Changed paths ({len(changes)}):")
-        lines += [f"  {path}: {_show(old)} -> {_show(new)}" for path, old, new in changes[:MAX_LISTED_CHANGES]]
+        lines += [
+            f"  {path}: {_show(old)} -> {_show(new)}" for path, old, new in changes[:MAX_LISTED_CHANGES]
+        ]
         if len(changes) > MAX_LISTED_CHANGES:
             lines.append(f"  and {len(changes) - MAX_LISTED_CHANGES} more")
     lines.append(

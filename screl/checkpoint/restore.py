@@ -70,7 +70,9 @@ def bundle_trainer_version(bundle: BundleInfo) -> int:
     """The trainer version recorded in the bundle's metadata (``trainer_version``), else its step."""
     version = bundle.metadata.get("trainer_version", bundle.step)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"{bundle.url}: metadata trainer_version must be a non-negative integer, got {version!r}")
+        raise ValueError(
+            f"{bundle.url}: metadata trainer_version must be a non-negative integer, got {version!r}"
+        )
     return version
 
 
@@ -96,18 +98,21 @@ def select_restore(
     bootstrap_exists = bool(store.children(BOOTSTRAP_ANCHOR))
     if not snapshots_enabled:
         if bootstrap_exists:
-            notes.append(f"ignored bootstrap state in {store.url(BOOTSTRAP_ANCHOR)}: rollout snapshots are disabled")
+            notes.append(
+                f"ignored bootstrap state in {store.url(BOOTSTRAP_ANCHOR)}: rollout snapshots are disabled"
+            )
         return RestorePlan("fresh", notes=tuple(notes))
     fingerprint = bootstrap_fingerprint(config, extras)
     if not bootstrap_exists:
         return RestorePlan("fresh", fingerprint=fingerprint, notes=tuple(notes))
     if restore_mode == "trainer_checkpoint":
         raise ValueError(
-            f"restore_mode='trainer_checkpoint' found bootstrap rollout state in {store.url(BOOTSTRAP_ANCHOR)}"
-            " but no trainer checkpoint: a bootstrap snapshot has no model or optimizer checkpoint, and screl"
-            " cannot start a fresh bootstrap lineage in an existing bootstrap namespace. Use"
-            " restore_mode='latest' to recover that state, or choose a new checkpointing.checkpoint_dir to start"
-            " from scratch. Existing state was not modified."
+            f"restore_mode='trainer_checkpoint' found bootstrap rollout state in"
+            f" {store.url(BOOTSTRAP_ANCHOR)} but no trainer checkpoint: a bootstrap snapshot has no model or"
+            " optimizer checkpoint, and"
+            " screl cannot start a fresh bootstrap lineage in an existing bootstrap namespace. Use"
+            " restore_mode='latest' to recover that state, or choose a new checkpointing.checkpoint_dir"
+            " to start from scratch. Existing state was not modified."
         )
     anchor = validate_bootstrap_anchor(store, config, extras)
     if anchor is None:
@@ -118,11 +123,17 @@ def select_restore(
         )
     snapshot = _resolve(store, BOOTSTRAP_ANCHOR, 0, 0, fingerprint, notes)
     source: RestoreSource = "bootstrap_snapshot" if snapshot is not None else "fresh"
-    return RestorePlan(source, snapshot=snapshot, bootstrap=anchor, fingerprint=fingerprint, notes=tuple(notes))
+    return RestorePlan(
+        source, snapshot=snapshot, bootstrap=anchor, fingerprint=fingerprint, notes=tuple(notes)
+    )
 
 
 def _from_bundle(
-    store: CheckpointStore, bundle: BundleInfo, restore_mode: RestoreMode, snapshots_enabled: bool, notes: list[str]
+    store: CheckpointStore,
+    bundle: BundleInfo,
+    restore_mode: RestoreMode,
+    snapshots_enabled: bool,
+    notes: list[str],
 ) -> RestorePlan:
     version = bundle_trainer_version(bundle)
     if restore_mode == "trainer_checkpoint" or not snapshots_enabled:
@@ -131,7 +142,9 @@ def _from_bundle(
     snapshot = _resolve(store, anchor, bundle.step, version, None, notes)
     if snapshot is None:
         return RestorePlan("trainer_checkpoint", bundle=bundle, trainer_version=version, notes=tuple(notes))
-    return RestorePlan("snapshot", bundle=bundle, snapshot=snapshot, trainer_version=version, notes=tuple(notes))
+    return RestorePlan(
+        "snapshot", bundle=bundle, snapshot=snapshot, trainer_version=version, notes=tuple(notes)
+    )
 
 
 def _resolve(

@@ -60,7 +60,7 @@ SUPPORTED_SNAPSHOT_SCHEMAS = frozenset({1})
 
 _SNAPSHOT_RE = re.compile(r"^snapshot_(\d{6,})$")
 _TMP_RE = re.compile(r"^tmp_snapshot_(\d{6,})$")
-_TRASH_RE = re.compile(r"^trash_snapshot_(\d{6,})$")
+_TRASH_RE = re.compile(r"^trash_snapshot_(\d{6,})(?:_[0-9a-f]+)?$")
 _ANCHOR_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -117,12 +117,14 @@ def _validate_header(data: Mapping[str, Any]) -> dict[str, Any]:
     schema = data.get("schema_version")
     if isinstance(schema, bool) or schema not in SUPPORTED_SNAPSHOT_SCHEMAS:
         raise ValueError(
-            f"snapshot schema_version {schema!r} is not supported (supported: {sorted(SUPPORTED_SNAPSHOT_SCHEMAS)})"
+            f"snapshot schema_version {schema!r} is not supported"
+            f" (supported: {sorted(SUPPORTED_SNAPSHOT_SCHEMAS)})"
         )
     fingerprint = data.get("bootstrap_fingerprint")
     if fingerprint is not None and not (isinstance(fingerprint, str) and fingerprint):
         raise ValueError(
-            f"snapshot manifest field 'bootstrap_fingerprint' must be a non-empty string or null, got {fingerprint!r}"
+            "snapshot manifest field 'bootstrap_fingerprint' must be a non-empty string or null,"
+            f" got {fingerprint!r}"
         )
     return {
         "base_train_step": _int_field(data, "base_train_step", 0),
@@ -253,13 +255,16 @@ class SnapshotWriter(StagedWriter):
                 )
             if header.bootstrap_fingerprint is None or header.bootstrap_fingerprint != expected:
                 raise ValueError(
-                    f"bootstrap snapshot fingerprint {header.bootstrap_fingerprint!r} does not match the anchor's"
+                    f"bootstrap snapshot fingerprint {header.bootstrap_fingerprint!r}"
+                    " does not match the anchor's"
                     f" {expected!r}"
                 )
             return
         step = int(self.anchor.split("_", 1)[1])
         if header.base_train_step != step:
-            raise ValueError(f"snapshot base_train_step {header.base_train_step} does not match anchor {self.anchor}")
+            raise ValueError(
+                f"snapshot base_train_step {header.base_train_step} does not match anchor {self.anchor}"
+            )
         if header.bootstrap_fingerprint is not None:
             raise ValueError("a snapshot under a trainer anchor must have bootstrap_fingerprint=None")
 
@@ -299,7 +304,9 @@ def _load_snapshot(store: CheckpointStore, anchor: str, name: str) -> SnapshotIn
     relpath = f"{_snapshots_rel(anchor)}/{name}"
     manifest, parts, empty_dirs = store.load_published(relpath)
     if manifest.get("kind") != SNAPSHOT_KIND:
-        raise IncompleteError(f"{store.url(relpath)}: manifest kind {manifest.get('kind')!r} is not a snapshot")
+        raise IncompleteError(
+            f"{store.url(relpath)}: manifest kind {manifest.get('kind')!r} is not a snapshot"
+        )
     try:
         header = SnapshotManifest.from_json(manifest)
     except ValueError as exc:
@@ -350,8 +357,11 @@ def scan_snapshots(
         except IncompleteError as exc:
             skipped.append((name, str(exc)))
             continue
-        reason = _lineage_problem(info.header, expect_step, expect_version, expect_fingerprint) if check_lineage \
+        reason = (
+            _lineage_problem(info.header, expect_step, expect_version, expect_fingerprint)
+            if check_lineage
             else None
+        )
         if reason is not None:
             skipped.append((name, f"{info.url}: {reason}"))
             continue
@@ -372,7 +382,8 @@ def _lineage_problem(
         )
     if header.bootstrap_fingerprint != fingerprint:
         return (
-            f"bootstrap fingerprint mismatch: snapshot has {header.bootstrap_fingerprint!r}, expected {fingerprint!r}"
+            f"bootstrap fingerprint mismatch: snapshot has {header.bootstrap_fingerprint!r},"
+            f" expected {fingerprint!r}"
         )
     return None
 

@@ -156,12 +156,7 @@ def parse_parts(manifest: Mapping[str, Any]) -> tuple[dict[str, PartInfo], tuple
 def check_part_name(name: str) -> None:
     """A part name is a relative POSIX path without empty, ``.`` or ``..`` segments."""
     segments = name.split("/")
-    if (
-        not name
-        or name.startswith("/")
-        or "\\" in name
-        or any(seg in ("", ".", "..") for seg in segments)
-    ):
+    if not name or name.startswith("/") or "\\" in name or any(seg in ("", ".", "..") for seg in segments):
         raise ValueError(f"invalid part name {name!r}: expected a relative path like 'policy/weights.pt'")
 
 
@@ -203,7 +198,10 @@ class CheckpointStore:
 
     def refresh(self, relpath: str = "") -> None:
         """Forget cached listings (object stores cache them; another process may have written)."""
-        self.fs.invalidate_cache(self.path(relpath))
+        if self.atomic_rename:
+            self.fs.invalidate_cache(self.path(relpath))
+        else:
+            self.fs.invalidate_cache()
 
     def children(self, relpath: str = "") -> list[str]:
         """Names of the entries directly under ``relpath`` (files and directories), sorted."""
@@ -233,7 +231,7 @@ class CheckpointStore:
         for name, info in found.items():
             name = str(name)
             if name.startswith(base) and info.get("type", "file") == "file":
-                out[name[len(base):]] = int(info.get("size") or 0)
+                out[name[len(base) :]] = int(info.get("size") or 0)
         return out
 
     def exists(self, relpath: str) -> bool:
@@ -302,7 +300,9 @@ class CheckpointStore:
         try:
             manifest = self.read_json(f"{relpath}/{MANIFEST_NAME}")
         except FileNotFoundError as exc:
-            raise IncompleteError(f"{self.url(relpath)}: no {MANIFEST_NAME} (unpublished or interrupted)") from exc
+            raise IncompleteError(
+                f"{self.url(relpath)}: no {MANIFEST_NAME} (unpublished or interrupted)"
+            ) from exc
         except ValueError as exc:
             raise IncompleteError(f"{self.url(relpath)}: unreadable {MANIFEST_NAME}: {exc}") from exc
         if not isinstance(manifest, dict):
@@ -361,10 +361,13 @@ class CheckpointStore:
         relpath = f"step_{step}"
         manifest, parts, empty_dirs = self.load_published(relpath)
         if manifest.get("kind") != BUNDLE_KIND:
-            raise IncompleteError(f"{self.url(relpath)}: manifest kind {manifest.get('kind')!r} is not a bundle")
+            raise IncompleteError(
+                f"{self.url(relpath)}: manifest kind {manifest.get('kind')!r} is not a bundle"
+            )
         if manifest.get("schema_version") != BUNDLE_SCHEMA_VERSION:
             raise IncompleteError(
-                f"{self.url(relpath)}: bundle schema_version {manifest.get('schema_version')!r} is not supported"
+                f"{self.url(relpath)}: bundle schema_version {manifest.get('schema_version')!r}"
+                " is not supported"
                 f" (expected {BUNDLE_SCHEMA_VERSION})"
             )
         if manifest.get("step") != step or isinstance(manifest.get("step"), bool):
@@ -410,7 +413,9 @@ class CheckpointStore:
 
         return torch.load(io.BytesIO(self.read_bytes(target, name)), weights_only=weights_only)
 
-    def download_file(self, target: int | PublishedDir, name: str, local_path: str | os.PathLike[str]) -> None:
+    def download_file(
+        self, target: int | PublishedDir, name: str, local_path: str | os.PathLike[str]
+    ) -> None:
         """Copy part ``name`` to ``local_path``, SHA-256 verified."""
         published = self._resolve(target)
         part = _lookup(published, name)
@@ -425,17 +430,18 @@ class CheckpointStore:
         published = self._resolve(target)
         prefix = name.rstrip("/") + "/"
         names = sorted(p for p in published.parts if p.startswith(prefix))
-        dirs = [d for d in published.empty_dirs if d.startswith(prefix)]
+        dirs = [d for d in published.empty_dirs if d == name.rstrip("/") or d.startswith(prefix)]
         if not names and not dirs:
             raise FileNotFoundError(f"{published.url} has no parts under {prefix!r}")
         os.makedirs(local_dir, exist_ok=True)
         for part_name in names:
-            dest = os.path.join(local_dir, *part_name[len(prefix):].split("/"))
+            dest = os.path.join(local_dir, *part_name[len(prefix) :].split("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             with open(dest, "wb") as out:
                 self._copy_out(published, published.parts[part_name], out)
         for d in dirs:
-            os.makedirs(os.path.join(local_dir, *d[len(prefix):].split("/")), exist_ok=True)
+            if d.startswith(prefix):
+                os.makedirs(os.path.join(local_dir, *d[len(prefix) :].split("/")), exist_ok=True)
         return names
 
     def _copy_out(self, published: PublishedDir, part: PartInfo, out: Any) -> None:
@@ -448,7 +454,8 @@ class CheckpointStore:
                 size += len(chunk)
         if size != part.size or digest.hexdigest() != part.sha256:
             raise ValueError(
-                f"{published.url}: part {part.name!r} is corrupt ({size} bytes, sha256 {digest.hexdigest()[:12]}…;"
+                f"{published.url}: part {part.name!r} is corrupt ({size} bytes,"
+                f" sha256 {digest.hexdigest()[:12]}…;"
                 f" the manifest says {part.size} bytes, sha256 {part.sha256[:12]}…)"
             )
 
@@ -549,7 +556,9 @@ class StagedWriter:
             raise ValueError(f"part {name!r} was already written")
         clash = [p for p in self.parts if p.startswith(name + "/") or name.startswith(p + "/")]
         if clash:
-            raise ValueError(f"part {name!r} clashes with part {clash[0]!r} (a file cannot also be a directory)")
+            raise ValueError(
+                f"part {name!r} clashes with part {clash[0]!r} (a file cannot also be a directory)"
+            )
 
     def _write_chunks(self, name: str, chunks: Iterable[bytes]) -> PartInfo:
         self._check_writable(name)
@@ -573,7 +582,9 @@ class StagedWriter:
     def write_bytes(self, name: str, data: bytes) -> PartInfo:
         """Write part ``name`` from memory."""
         view = memoryview(data)
-        return self._write_chunks(name, (bytes(view[i:i + _CHUNK]) for i in range(0, max(len(view), 1), _CHUNK)))
+        return self._write_chunks(
+            name, (bytes(view[i : i + _CHUNK]) for i in range(0, max(len(view), 1), _CHUNK))
+        )
 
     def write_file(self, name: str, local_path: str | os.PathLike[str]) -> PartInfo:
         """Upload the local file ``local_path`` as part ``name``."""
@@ -621,8 +632,8 @@ class StagedWriter:
     def _manifest_body(self) -> dict[str, Any]:
         return {
             "parts": [
-                {"name": p.name, "size": p.size, "sha256": p.sha256} for p in sorted(self.parts.values(),
-                                                                                  key=lambda p: p.name)
+                {"name": p.name, "size": p.size, "sha256": p.sha256}
+                for p in sorted(self.parts.values(), key=lambda p: p.name)
             ],
             "empty_dirs": sorted(self.empty_dirs),
             "created_unix": time.time(),
@@ -676,11 +687,15 @@ class StagedWriter:
     def _publish_copy(self, data: bytes) -> None:
         fs = self.store.fs
         for name in sorted(self.parts):
-            fs.copy(self.store.path(f"{self.tmp_relpath}/{name}"), self.store.path(f"{self.final_relpath}/{name}"))
+            fs.copy(
+                self.store.path(f"{self.tmp_relpath}/{name}"), self.store.path(f"{self.final_relpath}/{name}")
+            )
         present = self.store.files(self.final_relpath)
         for part in self.parts.values():
             if present.get(part.name) != part.size:
-                raise OSError(f"copy of part {part.name!r} to {self.store.url(self.final_relpath)} is incomplete")
+                raise OSError(
+                    f"copy of part {part.name!r} to {self.store.url(self.final_relpath)} is incomplete"
+                )
         try:
             self._write_manifest(self.final_relpath, data)
         except BaseException:
@@ -716,4 +731,3 @@ class BundleWriter(StagedWriter):
         }
         self._publish(manifest)
         return self.store.open(self.step)
-

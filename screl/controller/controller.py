@@ -75,8 +75,10 @@ class RolloutController:
         dataplane: Any,
         run_dir: str,
         seed: int = 0,
+        config_dict: dict[str, Any] | None = None,
     ) -> None:
         self.run = run
+        self.config_dict = config_dict or {}
         self.algo = run.algo
         self.task = task
         self.generation = generation
@@ -138,8 +140,12 @@ class RolloutController:
         self._permitted: asyncio.Event | None = None
         self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None
+        self.snapshots: Any = None
+        self._snapshot_task: asyncio.Task[None] | None = None
         os.makedirs(run_dir, exist_ok=True)
         self.events_path = os.path.join(run_dir, "events.jsonl")
+        self._log_had_history = os.path.exists(self.events_path) and os.path.getsize(self.events_path) > 0
+        self._restored_from: int | None = None
         self._events: TextIO | None = (
             open(self.events_path, "a", encoding="utf-8") if run.async_rl.event_log else None  # noqa: SIM115
         )
@@ -185,6 +191,9 @@ class RolloutController:
     async def start(self, weights: list[Any] | None = None) -> dict[str, Any]:
         """Start the rollout pump (``weights``: the workers' current weights, re-pushed after a worker restart)."""
         self.latest_weights = weights
+        if self._restored_from is None and self._log_had_history:
+            # a fresh start after an earlier incarnation (killed before any checkpoint): nothing carries over
+            self.emit(RestoreEvent(step=0, group_ids=(), extra={"fresh": True}))
         self._changed = asyncio.Event()
         self._permitted = asyncio.Event()
         self._permitted.set()
@@ -193,6 +202,13 @@ class RolloutController:
         self._restored = []
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
+        rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
+        if rc.snapshot_attempt_interval_s is not None and ck.enabled and ck.checkpoint_dir:
+            from screl.controller.snapshots import SnapshotPump
+
+            self.snapshots = SnapshotPump(self, ck, rc, self.config_dict)
+            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshots.run())
+            self._snapshot_task.add_done_callback(self._on_task_done)
         return {"max_steps": self.max_steps, "events_path": self.events_path, "train_steps": self.train_steps}
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -209,6 +225,8 @@ class RolloutController:
         tasks = [gr.task for gr in self.runs.values() if gr.task is not None]
         if self._pump is not None:
             tasks.append(self._pump)
+        if self._snapshot_task is not None:
+            tasks.append(self._snapshot_task)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -228,6 +246,7 @@ class RolloutController:
             "inflight": self.buffer.num_inflight,
             "ledger_balanced": acc.balanced,
             "exhausted": self.exhausted,
+            "snapshots": dict(self.snapshots.outcomes) if self.snapshots is not None else {},
             **self.metrics,
         }
 
@@ -382,11 +401,11 @@ class RolloutController:
             self.ledger.retire(ids)
             await self.dp.aclear([row_key(g, s) for g in ids for s in range(self.G)])
             self.mutation_version += 1
+            self.step_claims = []
+            self.step_dispatched = 0
+            self.train_steps += 1  # with the clear, under the barrier: a snapshot never sees one without the other
         self.emit(TrainStepEvent(step=step, group_ids=tuple(ids), trainer_version=step))
-        self.step_claims = []
-        self.step_dispatched = 0
         self.shortfall = {k: v for k, v in self.shortfall.items() if k > step}
-        self.train_steps += 1
         # refit: close the gate, bump the version, abort what the sampler says can never train
         self._permitted.clear()
         self.trainer_version = step + 1
@@ -408,6 +427,12 @@ class RolloutController:
         self.notify()
         return {"trainer_version": self.trainer_version, "aborted": aborted}
 
+    async def snapshot_now(self) -> str:
+        """One periodic-snapshot attempt now; ``completed`` or ``skipped:<reason>``."""
+        if self.snapshots is None:
+            raise RuntimeError("periodic rollout snapshots are off (rollout_checkpointing.snapshot_attempt_interval_s)")
+        return await self.snapshots.attempt()  # type: ignore[no-any-return]
+
     # ------------------------------------------------------------------ checkpoints
     def _replay_index(self) -> list[dict[str, Any]]:
         return [
@@ -416,15 +441,15 @@ class RolloutController:
             for s in self.buffer.live_slots() if s.ready
         ]
 
-    async def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
+    async def capture(self, data_plane_dir: str | None, open_step: str = "reject") -> dict[str, Any]:
         """Everything needed to resume, captured under the data-plane barrier at a step boundary.
 
         With ``data_plane_dir`` the native TransferQueue snapshot is written there (local path) while
         commits and clears wait; generation keeps running. Returns the replay index (with its digest),
         the ownership ledger, the sampler's dispatch position, the prompt cursor and the counters.
         """
-        if self.step_claims:
-            raise RuntimeError("capture() runs between steps: the open step still holds claims")
+        if self.step_claims and open_step != "rollback":
+            raise RuntimeError("a trainer checkpoint is captured between steps: the open step still holds claims")
         async with self.barrier:
             if data_plane_dir is not None:
                 loop = asyncio.get_running_loop()
@@ -443,7 +468,8 @@ class RolloutController:
                 "dispatch_index": self.sampler.dispatch_index,
                 "buffer": self.buffer.state_dict(),
                 "replay_index": {"groups": replay, "digest": replay_digest(replay), "group_size": self.G},
-                "ledger": self.ledger.to_dict(open_step="reject"),
+                "ledger": self.ledger.to_dict(open_step="rollback" if open_step == "rollback" else "reject"),
+                "rolled_back_groups": len(self.step_claims),
                 "in_flight": in_flight,
                 "shortfall": {str(k): v for k, v in self.shortfall.items()},
                 "skipped_prompts": self.skipped_prompts,
@@ -452,8 +478,9 @@ class RolloutController:
                 "mode": "authoritative" if getattr(self.sampler, "supports_buffer_checkpoint", False) is True
                 else "shadow",
             }
-            self.emit(CheckpointEvent(step=self.train_steps, extra={"groups": len(replay),
-                                                                   "in_flight": len(in_flight)}))
+            if open_step != "rollback":  # a snapshot logs its own event once it is published
+                self.emit(CheckpointEvent(step=self.train_steps, extra={"groups": len(replay),
+                                                                       "in_flight": len(in_flight)}))
         return state
 
     async def restore(self, state: dict[str, Any], data_plane_dir: str | None) -> dict[str, Any]:
@@ -501,6 +528,7 @@ class RolloutController:
         self.skipped_prompts = int(state["skipped_prompts"])
         self.mutation_version = int(state["mutation_version"])
         ready = [g["group_id"] for g in replay["groups"]]
+        self._restored_from = self.train_steps
         self.emit(RestoreEvent(step=self.train_steps, group_ids=tuple(ready)))
         for gid in self.ledger.group_ids(GroupState.GENERATING):
             rec = self.ledger.group(gid)

@@ -32,12 +32,13 @@ def spawn_controller(
     dataplane: Any,
     run_dir: str,
     seed: int = 0,
+    config_dict: dict[str, Any] | None = None,
 ) -> Any:
     """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle."""
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
         num_cpus=0, max_concurrency=1000
     )
-    return actor.remote(run, task, policy, generation, workers, dataplane, run_dir, seed)
+    return actor.remote(run, task, policy, generation, workers, dataplane, run_dir, seed, config_dict)
 
 
 class RolloutRuntime:
@@ -56,6 +57,7 @@ class RolloutRuntime:
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         restore: tuple[dict[str, Any], str | None] | None = None,
+        config_dict: dict[str, Any] | None = None,
     ) -> None:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir), the
         controller resumes from it before its pump starts."""
@@ -73,7 +75,9 @@ class RolloutRuntime:
             )
             weights = [ray.put(initial_weights)]
             ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.timeout_s)
-            self.controller = spawn_controller(self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed)
+            self.controller = spawn_controller(
+                self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed, config_dict
+            )
             if restore is not None:
                 summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
                 log.warning("screl: resumed the rollout side: %s", summary)
@@ -99,6 +103,10 @@ class RolloutRuntime:
         """Retire the open step and refit the workers with ``weights``."""
         ref = [ray.put(weights)]
         return ray.get(self.controller.complete_step.remote(ref), timeout=self.timeout_s)  # type: ignore[no-any-return]
+
+    def snapshot_now(self) -> str:
+        """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""
+        return ray.get(self.controller.snapshot_now.remote(), timeout=self.timeout_s)  # type: ignore[no-any-return]
 
     def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
         """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``)."""

@@ -49,7 +49,10 @@ def test_round_trip_every_part_kind(store: CheckpointStore, tmp_path: Path) -> N
     latest = store.latest()
     assert latest is not None and latest.step == 3
     assert set(latest.parts) == {
-        "lightning.ckpt", "data_plane/units/0/data.bin", "data_plane/controller.json", "rollout_recovery.pt",
+        "lightning.ckpt",
+        "data_plane/units/0/data.bin",
+        "data_plane/controller.json",
+        "rollout_recovery.pt",
         "empty.bin",
     }
     part = latest.parts["lightning.ckpt"]
@@ -84,7 +87,9 @@ def test_a_complete_bundle_is_never_overwritten(store: CheckpointStore) -> None:
         store.begin(1)
 
 
-@pytest.mark.parametrize("name", ["", "/abs", "a//b", "../up", "a/./b", "manifest.json", "rollout_snapshots/x"])
+@pytest.mark.parametrize(
+    "name", ["", "/abs", "a//b", "../up", "a/./b", "manifest.json", "rollout_snapshots/x"]
+)
 def test_part_names_are_checked(store: CheckpointStore, name: str) -> None:
     with store.begin(1) as w, pytest.raises(ValueError, match="part name"):
         w.write_bytes(name, b"x")
@@ -128,7 +133,9 @@ def test_a_broken_writer_refuses_to_commit_and_its_leftovers_are_never_selected(
     assert len(found.temporaries) == 1 and found.temporaries[0].startswith("tmp_step_2_")
 
 
-def test_a_failed_publish_never_becomes_latest(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_publish_never_becomes_latest(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _save(store, 1)
     monkeypatch.setattr(store.fs, "open", failing_open(store, "manifest.json", limit=5))
     with pytest.raises(OSError, match="injected failure"):
@@ -179,7 +186,9 @@ def test_retain_keeps_top_k_and_sweeps_old_leftovers(store: CheckpointStore) -> 
     newer_tmp.write_bytes("x", b"x")
 
     removed = store.retain(keep_top_k=2)
-    assert sorted(removed) == sorted(["step_1", "step_2", "step_0", "tmp_step_2_0123abcd", "trash_step_1_0123abcd"])
+    assert sorted(removed) == sorted(
+        ["step_1", "step_2", "step_0", "tmp_step_2_0123abcd", "trash_step_1_0123abcd"]
+    )
     found = store.scan()
     assert [b.step for b in found.complete] == [3, 4]
     assert found.temporaries == (newer_tmp.tmp_relpath,)
@@ -225,7 +234,10 @@ def test_kill_9_during_a_save_keeps_the_previous_bundle(
     _save(store, 1)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, url, json.dumps(options), kill_point], env=env, capture_output=True, timeout=60
+        [sys.executable, "-c", _CHILD, url, json.dumps(options), kill_point],
+        env=env,
+        capture_output=True,
+        timeout=60,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
@@ -238,3 +250,16 @@ def test_kill_9_during_a_save_keeps_the_previous_bundle(
     assert store.latest() is not None and store.latest().step == 2  # type: ignore[union-attr]
     store.retain(keep_top_k=2)
     assert store.scan().temporaries == () and store.scan().skipped == ()
+
+
+def test_file_urls_and_empty_directories(tmp_path: Path) -> None:
+    store = CheckpointStore(f"file://{tmp_path}/ck")
+    assert store.atomic_rename
+    (tmp_path / "empty_snapshot").mkdir()
+    with store.begin(0) as w:
+        w.write_dir("data_plane", tmp_path / "empty_snapshot")
+        w.commit()
+    assert store.latest() is not None and store.open(0).empty_dirs == ("data_plane",)
+    assert store.download_dir(0, "data_plane", tmp_path / "out") == []
+    assert (tmp_path / "out").is_dir()
+    assert (tmp_path / "ck" / "step_0" / "manifest.json").is_file()

@@ -24,7 +24,10 @@ from screl.checkpoint import (
     write_bootstrap_anchor,
 )
 
-CONFIG: dict[str, Any] = {"model": {"init_args": {"policy": "tiny"}}, "grpo": {"num_generations_per_prompt": 4}}
+CONFIG: dict[str, Any] = {
+    "model": {"init_args": {"policy": "tiny"}},
+    "grpo": {"num_generations_per_prompt": 4},
+}
 
 
 def _bundle(store: CheckpointStore, step: int) -> None:
@@ -39,8 +42,13 @@ def _header(step: int = 3, version: int = 3, **kw: Any) -> SnapshotManifest:
     )
 
 
-def _snapshot(store: CheckpointStore, anchor: str = "step_3", header: SnapshotManifest | None = None,
-              keep: int | None = None, payload: bytes = b"rows") -> SnapshotInfo:
+def _snapshot(
+    store: CheckpointStore,
+    anchor: str = "step_3",
+    header: SnapshotManifest | None = None,
+    keep: int | None = None,
+    payload: bytes = b"rows",
+) -> SnapshotInfo:
     with begin_snapshot(store, anchor) as w:
         w.write_bytes("data_plane/storage.bin", payload)
         w.write_bytes("replay_buffer_metadata.pt", b"index")
@@ -113,7 +121,12 @@ def test_header_must_match_its_anchor(store: CheckpointStore) -> None:
 def test_manifest_fields_are_validated(field: str, value: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SnapshotManifest.from_json({**_header().to_json(), field: value})
-    assert SnapshotManifest.from_json({**_header().to_json(), "sampler_dispatch_index": -1}).sampler_dispatch_index == -1
+    assert (
+        SnapshotManifest.from_json(
+            {**_header().to_json(), "sampler_dispatch_index": -1}
+        ).sampler_dispatch_index
+        == -1
+    )
 
 
 def test_resolver_picks_the_newest_and_falls_back_past_a_corrupt_one(store: CheckpointStore) -> None:
@@ -134,8 +147,11 @@ def test_resolver_picks_the_newest_and_falls_back_past_a_corrupt_one(store: Chec
 def test_resolver_errors_name_lineage_and_fingerprint(store: CheckpointStore) -> None:
     _bundle(store, 3)
     _snapshot(store, header=_header(3, 4))
-    with pytest.raises(ValueError, match=r"lineage mismatch.*trainer_version=4.*expected base_train_step=3, "
-                                         r"trainer_version=3(.|\n)*new checkpointing.checkpoint_dir"):
+    with pytest.raises(
+        ValueError,
+        match=r"lineage mismatch.*trainer_version=4.*expected base_train_step=3, "
+        r"trainer_version=3(.|\n)*new checkpointing.checkpoint_dir",
+    ):
         resolve_latest_snapshot(store, "step_3", 3, 3, None)
     anchor = write_bootstrap_anchor(store, CONFIG)
     _snapshot(store, BOOTSTRAP_ANCHOR, _header(0, 0, bootstrap_fingerprint=anchor.fingerprint))
@@ -166,7 +182,9 @@ def test_keep_latest_k_retention(store: CheckpointStore) -> None:
         retain_snapshots(store, "step_3", 0)
 
 
-def test_failed_snapshot_write_is_never_selected(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_snapshot_write_is_never_selected(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _bundle(store, 3)
     _snapshot(store)
     monkeypatch.setattr(store.fs, "open", failing_open(store, "storage.bin", limit=2))

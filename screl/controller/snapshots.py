@@ -1,0 +1,130 @@
+"""Periodic rollout snapshots: the controller's state between trainer checkpoints.
+
+Every ``rollout_checkpointing.snapshot_attempt_interval_s`` the controller attempts a snapshot:
+
+* before the first step it is anchored to ``<checkpoint_dir>/bootstrap/`` (created with the config's
+  fail-closed fingerprint, or validated against it);
+* after step N it is anchored to the trainer bundle ``step_N``, which must already be durable
+  (otherwise the attempt is skipped: ``missing_trainer_anchor``; ``save_period: 1`` gives full coverage);
+* an attempt with no data-plane mutation since the last snapshot is skipped.
+
+The state is captured under the data-plane barrier with the open step's claims rolled back in the
+persisted copy (a restart retrains them); the native TransferQueue snapshot is written locally and
+published with the sidecars as ``rollout_snapshots/snapshot_<seq>/``; ``keep_latest_k`` are kept.
+``max_consecutive_failures`` failed attempts in a row stop the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from screl.checkpoint import (
+    BOOTSTRAP_ANCHOR,
+    CheckpointStore,
+    MissingAnchorError,
+    SnapshotManifest,
+    begin_snapshot,
+    prune_bootstrap_snapshots,
+    trainer_anchor,
+    write_bootstrap_anchor,
+)
+from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE
+from screl.config import CheckpointingConfig, RolloutCheckpointingConfig
+from screl.data.events import SnapshotEvent
+
+if TYPE_CHECKING:
+    from screl.controller.controller import RolloutController
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotPump:
+    """Attempts rollout snapshots on a timer for one controller."""
+
+    def __init__(
+        self,
+        ctl: RolloutController,
+        checkpointing: CheckpointingConfig,
+        config: RolloutCheckpointingConfig,
+        config_dict: dict[str, Any],
+    ) -> None:
+        self.ctl = ctl
+        self.config = config
+        self.config_dict = config_dict
+        self.store = CheckpointStore(str(checkpointing.checkpoint_dir), checkpointing.storage_options or None)
+        self.last_mutation = -1
+        self.failures = 0
+        self.outcomes: dict[str, int] = {}
+
+    async def run(self) -> None:
+        assert self.config.snapshot_attempt_interval_s is not None
+        while True:
+            await asyncio.sleep(self.config.snapshot_attempt_interval_s)
+            try:
+                outcome = await self.attempt()
+                self.failures = 0
+            except (OSError, RuntimeError, ValueError) as err:
+                self.failures += 1
+                outcome = "failed:io_error"
+                log.warning("screl: rollout snapshot failed (%d in a row): %r", self.failures, err)
+                if self.failures >= self.config.max_consecutive_failures:
+                    raise RuntimeError(
+                        f"{self.failures} rollout snapshots failed in a row "
+                        f"(rollout_checkpointing.max_consecutive_failures={self.config.max_consecutive_failures}); "
+                        f"last error: {err!r}"
+                    ) from err
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    async def attempt(self) -> str:
+        """One attempt; returns ``completed`` or ``skipped:<reason>``."""
+        ctl = self.ctl
+        if ctl.mutation_version == self.last_mutation:
+            return "skipped:no_data_plane_mutations"
+        step = ctl.train_steps
+        loop = asyncio.get_running_loop()
+        fingerprint: str | None = None
+        if step == 0:
+            anchor = BOOTSTRAP_ANCHOR
+            made = await loop.run_in_executor(
+                None, write_bootstrap_anchor, self.store, self.config_dict, self.config.extra_fingerprint_excluded_paths
+            )
+            fingerprint = made.fingerprint
+        else:
+            anchor = trainer_anchor(step)
+        try:
+            writer = await loop.run_in_executor(None, begin_snapshot, self.store, anchor)
+        except MissingAnchorError:
+            return "skipped:missing_trainer_anchor"
+        with tempfile.TemporaryDirectory(prefix="screl-snapshot-") as tmp, writer:
+            dp_dir = os.path.join(tmp, DATA_PLANE)
+            state = await ctl.capture(dp_dir, open_step="rollback")
+            if state["train_steps"] != step:
+                writer.abort()
+                return "skipped:trainer_state_changed"
+
+            def publish() -> None:
+                writer.write_dir(DATA_PLANE, dp_dir)
+                writer.write_torch(CONTROLLER_STATE, state)
+                writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
+                writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
+                                                           "admitted": state["admitted"]})
+                writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+                header = SnapshotManifest(
+                    base_train_step=step, trainer_version=state["trainer_version"],
+                    sampler_dispatch_index=int(state["dispatch_index"]), mutation_version=state["mutation_version"],
+                    rolled_back_train_group_count=int(state["rolled_back_groups"]),
+                    current_epoch=int(state["epoch"]), bootstrap_fingerprint=fingerprint,
+                )
+                writer.commit(header, keep_latest_k=self.config.keep_latest_k)
+                if step > 0:
+                    prune_bootstrap_snapshots(self.store)
+
+            await loop.run_in_executor(None, publish)
+        self.last_mutation = state["mutation_version"]
+        ctl.emit(SnapshotEvent(step=step, extra={"anchor": anchor, "groups": len(state["replay_index"]["groups"]),
+                                                 "rolled_back": state["rolled_back_groups"]}))
+        return "completed"

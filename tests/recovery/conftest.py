@@ -1,0 +1,86 @@
+"""Fault-injection fixtures: `screl fit` as a real subprocess, killed with SIGKILL, resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def recovery_config(base: Path, checkpoint_dir: str, *, steps: int, sampler: dict[str, Any] | None = None,
+                    storage_options: dict[str, Any] | None = None) -> Path:
+    """A small checkpointed run: 4 prompts x 2 generations, a bundle every step, one shared events log."""
+    cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(base / "root"), enable_progress_bar=False,
+                          enable_model_summary=False)
+    cfg["data"]["init_args"]["generation"].update(max_new_tokens=8, min_new_tokens=8, injected_latency_s=0.2)
+    cfg["data"]["init_args"].update(step_timeout_s=120, run_dir=str(base / "run"))
+    cfg["grpo"].update(num_prompts_per_step=4, num_generations_per_prompt=2, max_num_steps=steps)
+    cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
+    if sampler is not None:
+        cfg["async_rl"]["sampler"] = sampler
+        if sampler.get("max_lookahead_versions", sampler.get("max_staleness_versions", 1)) == 0:
+            cfg["model"]["init_args"]["loss_fn"]["init_args"] = {"use_importance_sampling_correction": False}
+    cfg["checkpointing"] = {"enabled": True, "checkpoint_dir": checkpoint_dir, "save_period": 1, "keep_top_k": 3,
+                            "storage_options": storage_options or {}}
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_fit(config: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`screl fit` in its own session (so a kill takes its Ray processes with it, as a node loss would)."""
+    out = log.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "screl.cli", "fit", "--config", str(config)],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+    )
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the trainer and everything it started (Ray, TransferQueue, workers)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=60)
+    psutil.wait_procs(children, timeout=30)
+
+
+def count_events(run_dir: Path, name: str) -> int:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if f'"event":"{name}"' in line)
+
+
+def wait_for(pred: Any, timeout: float, proc: subprocess.Popen[bytes] | None = None, poll_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return bool(pred())
+        time.sleep(poll_s)
+    return False
+
+

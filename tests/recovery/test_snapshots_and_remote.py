@@ -1,0 +1,133 @@
+"""Periodic rollout snapshots, the bootstrap fingerprint and restore modes, and crash/resume on S3."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from screl.checkpoint.store import CheckpointStore
+from screl.data.event_check import check_events
+from screl.data.events import parse_event, read_events
+
+from .conftest import count_events, kill_tree, recovery_config, start_fit, wait_for
+
+pytestmark = pytest.mark.slow
+
+IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
+
+
+def _with_snapshots(config: Path, **changes: Any) -> Path:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rollout_checkpointing"] = {"snapshot_attempt_interval_s": 0.5, "keep_latest_k": 2, **changes}
+    cfg["token_capture"] = {"enabled": True}
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def _bootstrap_snapshots(ck_root: Path) -> list[Path]:
+    base = ck_root / "bootstrap" / "rollout_snapshots"
+    return sorted(base.glob("snapshot_*")) if base.is_dir() else []
+
+
+def _crash_before_first_step(tmp_path: Path) -> tuple[Path, Path]:
+    """A run that is killed after bootstrap snapshots were published and before its first trainer bundle."""
+    ck_root = tmp_path / "bundles"
+    config = _with_snapshots(recovery_config(tmp_path, str(ck_root), steps=4, sampler=IN_ORDER))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 4.0  # the first step takes a while
+    config.write_text(yaml.safe_dump(cfg))
+    proc = start_fit(config, tmp_path / "fit.log")
+    assert wait_for(lambda: len(_bootstrap_snapshots(ck_root)) >= 1 and count_events(tmp_path / "run", "commit") >= 1,
+                    240, proc), (tmp_path / "fit.log").read_text()[-3000:]
+    assert not (ck_root / "step_1").exists()
+    kill_tree(proc)
+    return config, ck_root
+
+
+def test_bootstrap_state_restore_modes_and_fingerprint(tmp_path: Path) -> None:
+    config, ck_root = _crash_before_first_step(tmp_path)
+    before = _tree(ck_root)
+    log = tmp_path / "fit.log"
+
+    # trainer_checkpoint with only bootstrap state: fails, names the fix, modifies nothing
+    strict = tmp_path / "strict.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rollout_checkpointing"]["restore_mode"] = "trainer_checkpoint"
+    strict.write_text(yaml.safe_dump(cfg))
+    proc = start_fit(strict, tmp_path / "strict.log")
+    assert proc.wait(timeout=300) != 0
+    out = (tmp_path / "strict.log").read_text()
+    assert "cannot start a fresh bootstrap lineage" in out and "Existing state was not modified" in out
+    assert _tree(ck_root) == before
+
+    # a semantic change (temperature) rejects bootstrap recovery and names the key, read-only
+    changed = tmp_path / "changed.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["generation"]["temperature"] = 0.7
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = start_fit(changed, tmp_path / "changed.log")
+    assert proc.wait(timeout=300) != 0
+    out = (tmp_path / "changed.log").read_text()
+    assert "data.init_args.generation.temperature: 1.0 -> 0.7" in out
+    assert _tree(ck_root) == before
+
+    # latest recovers the bootstrap snapshot (operational changes are fine) and the run completes
+    ok = tmp_path / "ok.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 0.2  # operational
+    cfg["ray"] = {"num_cpus": 7}  # operational
+    ok.write_text(yaml.safe_dump(cfg))
+    proc = start_fit(ok, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert "resuming from" in log.read_text() and "bootstrap" in log.read_text()
+    events = [parse_event(line) for _, line in read_events(tmp_path / "run")]
+    restore = [e for e in events if e.name == "restore"]
+    assert restore and restore[0].step == 0
+    report = check_events(tmp_path / "run", IN_ORDER)
+    assert report.ok, report.format()
+
+
+def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) -> None:
+    ck_root = tmp_path / "bundles"
+    config = _with_snapshots(recovery_config(tmp_path, str(ck_root), steps=5, sampler=IN_ORDER))
+    proc = start_fit(config, tmp_path / "fit.log")
+    anchor_snaps = lambda: sorted(ck_root.glob("step_*/rollout_snapshots/snapshot_*"))  # noqa: E731
+    assert wait_for(lambda: len(anchor_snaps()) >= 1, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
+    kill_tree(proc)
+    proc = start_fit(config, tmp_path / "fit.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
+    assert "rollout_snapshots/snapshot_" in (tmp_path / "fit.log").read_text()  # resumed from a snapshot
+    report = check_events(tmp_path / "run", IN_ORDER)
+    assert report.ok, report.format()
+
+
+def test_crash_and_resume_on_s3(tmp_path: Path, s3_options: dict[str, Any]) -> None:
+    url = f"s3://screl-ckpt-tests/{uuid.uuid4().hex}/bundles"
+    config = recovery_config(tmp_path, url, steps=5, sampler=IN_ORDER, storage_options=s3_options)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    store = CheckpointStore(url, s3_options)
+    proc = start_fit(config, tmp_path / "fit.log", env=env)
+    def two_steps_published() -> bool:
+        latest = store.latest()
+        return latest is not None and latest.step >= 2
+
+    assert wait_for(two_steps_published, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
+    kill_tree(proc)
+    resumed_from = store.latest()
+    assert resumed_from is not None
+    proc = start_fit(config, tmp_path / "fit.log", env=env)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
+    assert f"resuming from {url}/step_{resumed_from.step}" in (tmp_path / "fit.log").read_text()
+    report = check_events(tmp_path / "run", IN_ORDER)
+    assert report.ok, report.format()
+    latest = store.latest()
+    assert latest is not None and latest.step == 5
