@@ -15,7 +15,7 @@ Throughput (the peer's definitions): ``samples = steps * P * G``; ``samples/s = 
 Scales (DESIGN.md): ``tiny`` (hidden 64, 2 layers, P=8, G=4, L=16: overhead-dominated) and ``small``
 (hidden 256, 4 layers, P=8, G=8, L=64, no gradient checkpointing: compute-dominated).
 
-    python bench/vs_trl.py                   # both scales, 10 steps, 2 reps; keys at --key-scale small
+    python bench/vs_trl.py                   # both scales (20 steps tiny, 8 small), 3 reps; keys at small
     python bench/vs_trl.py --scale small --reps 3
     python bench/vs_trl.py --quick           # smoke: tiny only, 5 steps, 1 rep
 
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _common as c  # noqa: E402
 
 SCALES: dict[str, dict[str, int]] = {
-    "tiny": {"prompts_per_step": 8, "group": 4, "completion_len": 16},
-    "small": {"prompts_per_step": 8, "group": 8, "completion_len": 64},
+    "tiny": {"prompts_per_step": 8, "group": 4, "completion_len": 16, "steps": 20},
+    "small": {"prompts_per_step": 8, "group": 8, "completion_len": 64, "steps": 8},
 }
 SIDES = ("trl", "screl_sync", "screl_async")
 
@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", choices=("tiny", "small", "both"), default="both", help="scales to run (default both)")
     p.add_argument("--key-scale", choices=("tiny", "small"), default="small",
                    help="scale whose ratios fill the headline keys (default small; falls back to the one run)")
-    p.add_argument("--steps", type=int, default=10, help="RL steps per run (default 10)")
-    p.add_argument("--reps", type=int, default=2, help="repetitions, alternating TRL / screl sync / screl async")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: 20 at tiny, 8 at small)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="repetitions, alternating TRL / screl sync / screl async (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny scale, 5 steps, 1 rep")
     p.add_argument("--task", choices=sorted(c.TASKS), default="count_a")
     p.add_argument("--prompts-per-step", type=int, default=None, help="P (default: the scale's, 8)")
@@ -78,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.scale, args.steps, args.reps = "tiny", 5, 1
-    if args.steps < 3 or args.reps < 1:
+    if (args.steps is not None and args.steps < 3) or args.reps < 1:
         p.error("--steps must be >= 3 and --reps >= 1")
     args.scales = ["tiny", "small"] if args.scale == "both" else [args.scale]
     return args
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def shape(args: argparse.Namespace, scale: str) -> dict[str, int]:
     s = dict(SCALES[scale])
-    for key in ("prompts_per_step", "group", "completion_len"):
+    for key in ("prompts_per_step", "group", "completion_len", "steps"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
     return s
@@ -95,7 +96,7 @@ def shape(args: argparse.Namespace, scale: str) -> dict[str, int]:
 def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict[str, Any]:
     s = shape(args, scale)
     cmd = [
-        sys.executable, str(peer), "--task", args.task, "--steps", str(args.steps), "--scale", scale,
+        sys.executable, str(peer), "--task", args.task, "--steps", str(s["steps"]), "--scale", scale,
         "--prompts-per-step", str(s["prompts_per_step"]), "--group", str(s["group"]),
         "--completion-len", str(s["completion_len"]), "--no-gradient-checkpointing", "--out", str(out),
     ]
@@ -125,7 +126,7 @@ def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) 
     s = shape(args, scale)
     sampler = c.SAMPLERS["sync" if side == "screl_sync" else "async_w1"]
     cfg = c.screl_config(
-        run_dir=work / "run", steps=args.steps, sampler=sampler, scale=scale, task=args.task,
+        run_dir=work / "run", steps=s["steps"], sampler=sampler, scale=scale, task=args.task,
         prompts_per_step=s["prompts_per_step"], group=s["group"], completion_len=s["completion_len"],
         threads=args.screl_threads,
     )
@@ -202,8 +203,8 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
                 "samples_over_trl": c.summary([rs[i]["samples_per_s"] / trl[i]["samples_per_s"] for i in range(n)]),
                 "tokens_over_trl": c.summary([rs[i]["tokens_per_s"] / trl[i]["tokens_per_s"] for i in range(n)]),
                 "steady_over_trl": c.summary([trl[i]["steady_step_s"] / rs[i]["steady_step_s"] for i in range(n)]),
-                "reward_per_step": [c.median(r["reward"][k] for r in rs) for k in range(args.steps)],
-                "wall_per_step": [c.median(r["step_ends"][k] for r in rs) for k in range(args.steps)],
+                "reward_per_step": [c.median(r["reward"][k] for r in rs) for k in range(entry["shape"]["steps"])],
+                "wall_per_step": [c.median(r["step_ends"][k] for r in rs) for k in range(entry["shape"]["steps"])],
             }
             for key in ("gen_span_s", "train_step_s"):
                 if key in rs[0]:
@@ -221,7 +222,7 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
     key_scale = args.key_scale if args.key_scale in scales else args.scales[-1]
     k = scales[key_scale]
     return {
-        "config": {"task": args.task, "steps": args.steps, "reps": args.reps, "scales": args.scales,
+        "config": {"task": args.task, "reps": args.reps, "scales": args.scales,
                    "key_scale": key_scale, "trl_threads": args.trl_threads, "screl_threads": args.screl_threads,
                    "screl_sync": "in_order lookahead 0", "screl_async": "in_order lookahead 1"},
         "sync_over_trl_samples": k["sync_over_trl_samples"],
@@ -248,7 +249,7 @@ def report(res: dict[str, Any]) -> None:
             ["side", "samples/s", "spread", "tokens/s", "step_s", "samples/TRL", "steady/TRL", "gen_s", "train_s",
              "reward@N"], rows,
             f"{scale}: P={sh['prompts_per_step']} G={sh['group']} L={sh['completion_len']} task={cfg['task']} "
-            f"steps={cfg['steps']} reps={cfg['reps']} (TRL {e['trl_torch_threads']} threads; screl "
+            f"steps={sh['steps']} reps={cfg['reps']} (TRL {e['trl_torch_threads']} threads; screl "
             f"{cfg['screl_threads']} per process)")
     print(f"\n[{cfg['key_scale']}] sync_over_trl_samples = {res['sync_over_trl_samples']:.3f} (target >= 1.0); "
           f"async_over_trl_samples = {res['async_over_trl_samples']:.3f} (target >= 1.5)")

@@ -107,6 +107,7 @@ DEFAULT_EXCLUDED_PATHS: tuple[str, ...] = (
     # jsonargparse / LightningCLI bookkeeping
     "config",
     "ckpt_path",
+    "weights_only",
     # the Lightning Trainer: logging, progress, checkpoint location, cluster size
     "trainer.logger",
     "trainer.callbacks",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from screl.checkpoint.restore import select_restore
-from screl.checkpoint.store import CheckpointStore
+from screl.checkpoint.store import CheckpointStore, PublishedDir
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +19,15 @@ DATA_PLANE = "data_plane"
 
 @dataclass(frozen=True)
 class Resume:
-    """A trainer bundle fetched locally: the Lightning checkpoint, the controller state and the data plane."""
+    """What a run resumes from, on local disk: the Lightning checkpoint (None for a bootstrap snapshot: the
+    model starts fresh), the controller state and the TransferQueue snapshot."""
 
     step: int
-    ckpt_path: str
+    ckpt_path: str | None
     controller_state: dict[str, Any]
     data_plane_dir: str | None
     source_url: str
+    source: str
 
 
 def fetch_resume(
@@ -38,22 +40,32 @@ def fetch_resume(
     extra_excluded_paths: list[str] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Resume | None:
-    """The bundle to resume from (per ``restore_mode``), downloaded under ``local_root``; None = fresh start."""
+    """Select per ``restore_mode`` (read-only) and download under ``local_root``; None = a fresh start.
+
+    A trainer bundle gives everything; a periodic snapshot under it replaces the rollout state (newer
+    progress); a bootstrap snapshot gives the rollout state of a run that never finished a step.
+    """
     store = CheckpointStore(checkpoint_dir, storage_options or None)
-    plan = select_restore(store, restore_mode, snapshots_enabled, config or {},  # type: ignore[arg-type]
-                          extra_excluded_paths or ())
+    plan = select_restore(
+        store, restore_mode, snapshots_enabled, config or {}, extra_excluded_paths or ()  # type: ignore[arg-type]
+    )
     for note in plan.notes:
         log.warning("screl resume: %s", note)
-    if plan.bundle is None:
+    if plan.source == "fresh":
+        log.warning("screl: nothing to resume in %s: a fresh start", store.url())
         return None
-    bundle = plan.bundle
-    local = os.path.join(local_root, f"step_{bundle.step}")
+    rollout: PublishedDir | None = plan.snapshot if plan.snapshot is not None else plan.bundle
+    assert rollout is not None
+    step = plan.bundle.step if plan.bundle is not None else 0
+    local = os.path.join(local_root, f"step_{step}" + ("_snapshot" if plan.snapshot is not None else ""))
     os.makedirs(local, exist_ok=True)
-    ckpt = os.path.join(local, LIGHTNING_CKPT)
-    store.download_file(bundle, LIGHTNING_CKPT, ckpt)
-    state = store.read_torch(bundle, CONTROLLER_STATE, weights_only=False)
+    ckpt: str | None = None
+    if plan.bundle is not None:
+        ckpt = os.path.join(local, LIGHTNING_CKPT)
+        store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
+    state = store.read_torch(rollout, CONTROLLER_STATE, weights_only=False)
     dp_dir: str | None = None
-    if any(name.startswith(DATA_PLANE + "/") for name in bundle.parts):
+    if any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
         dp_dir = os.path.join(local, DATA_PLANE)
-        store.download_dir(bundle, DATA_PLANE, dp_dir)
-    return Resume(bundle.step, ckpt, state, dp_dir, bundle.url)
+        store.download_dir(rollout, DATA_PLANE, dp_dir)
+    return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source)

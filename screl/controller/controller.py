@@ -43,6 +43,7 @@ from screl.data.events import (
     ReserveEvent,
     RestoreEvent,
     SelectEvent,
+    SnapshotEvent,
     TrainStepEvent,
 )
 from screl.data.ledger import GroupState, RecoveryPolicy
@@ -478,9 +479,10 @@ class RolloutController:
                 "mode": "authoritative" if getattr(self.sampler, "supports_buffer_checkpoint", False) is True
                 else "shadow",
             }
-            if open_step != "rollback":  # a snapshot logs its own event once it is published
-                self.emit(CheckpointEvent(step=self.train_steps, extra={"groups": len(replay),
-                                                                       "in_flight": len(in_flight)}))
+            # logged when the state is captured (the checker's anchor), whether or not the publish succeeds
+            kind = SnapshotEvent if open_step == "rollback" else CheckpointEvent
+            self.emit(kind(step=self.train_steps, extra={"groups": len(replay), "in_flight": len(in_flight),
+                                                         "rolled_back": len(self.step_claims)}))
         return state
 
     async def restore(self, state: dict[str, Any], data_plane_dir: str | None) -> dict[str, Any]:

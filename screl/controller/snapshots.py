@@ -34,7 +34,6 @@ from screl.checkpoint import (
 )
 from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE
 from screl.config import CheckpointingConfig, RolloutCheckpointingConfig
-from screl.data.events import SnapshotEvent
 
 if TYPE_CHECKING:
     from screl.controller.controller import RolloutController
@@ -125,6 +124,4 @@ class SnapshotPump:
 
             await loop.run_in_executor(None, publish)
         self.last_mutation = state["mutation_version"]
-        ctl.emit(SnapshotEvent(step=step, extra={"anchor": anchor, "groups": len(state["replay_index"]["groups"]),
-                                                 "rolled_back": state["rolled_back_groups"]}))
         return "completed"
