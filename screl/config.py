@@ -273,6 +273,8 @@ class GenerationConfig:
     """Torch intra-op threads per worker on CPU."""
     max_batch_size: int = 64
     """Requests a worker generates together."""
+    batch_window_s: float = 0.01
+    """How long a worker waits for more groups to join a decode batch once one arrived (0: start at once)."""
     device: str = "cpu"
     """Device of the torch engine (``cpu`` or ``cuda``)."""
     injected_latency_s: float = 0.0

@@ -282,10 +282,8 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
         if rf.get(knob, 0) < 0:
             bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 0", f"set {knob} >= 0")
     if rf.get("on_dropped_prompt") == "replace":
-        for knob in ("max_replacement_attempts", "replacement_reserve_prompts"):
-            if rf.get(knob, 1) < 1:
-                bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "on_dropped_prompt: replace needs >= 1",
-                    f"set {knob} >= 1 or on_dropped_prompt: shrink")
+        bad("async_rl.rollout_failure.on_dropped_prompt", "replace", "replacing dropped prompts from a reserve is "
+            "not implemented yet (it would silently shrink the step instead)", "set on_dropped_prompt: shrink")
 
     # --- data plane ------------------------------------------------------------------------------
     if not get(cfg, "data_plane.enabled", True):

@@ -186,6 +186,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "rollout_recovery.default_granularity", "token capture"),
     ("backoff_order", "grpo_tiny.yaml", {"async_rl.rollout_failure": {"backoff_base_s": 5.0, "max_backoff_s": 1.0}},
      "async_rl.rollout_failure.max_backoff_s", "below backoff_base_s"),
+    ("replace_not_built", "grpo_tiny.yaml", {"async_rl.rollout_failure": {"on_dropped_prompt": "replace"}},
+     "async_rl.rollout_failure.on_dropped_prompt", "not implemented yet"),
     ("temperature_positive", "grpo_tiny.yaml", {"data.init_args.generation.temperature": 0.0},
      "data.init_args.generation.temperature", "must be > 0"),
     ("loss_fn_own_checks", "grpo_tiny.yaml", {IS_KEY: False, "async_rl.sampler.max_lookahead_versions": 0},

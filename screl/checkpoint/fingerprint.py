@@ -136,6 +136,7 @@ DEFAULT_EXCLUDED_PATHS: tuple[str, ...] = (
     "data.init_args.generation.num_threads",
     "data.init_args.generation.device",
     "data.init_args.generation.max_batch_size",
+    "data.init_args.generation.batch_window_s",
     "data.init_args.generation.injected_latency_s",
     "data.init_args.generation.colocated",
     *_RUN_BLOCK_OPERATIONAL,

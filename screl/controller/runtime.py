@@ -72,6 +72,7 @@ class RolloutRuntime:
                 g.num_workers, policy, device=g.device, num_threads=g.num_threads, max_batch_size=g.max_batch_size,
                 recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
                 injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
+                batch_window_s=g.batch_window_s,
             )
             weights = [ray.put(initial_weights)]
             ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.timeout_s)

@@ -15,6 +15,7 @@ import asyncio
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ class GenerationWorker:
         injected_latency_s: float = 0.0,
         seed: int = 0,
         backend: str = "torch",
+        batch_window_s: float = 0.01,
     ) -> None:
         torch.set_num_threads(num_threads)
         if backend != "torch":
@@ -65,6 +67,7 @@ class GenerationWorker:
         )
         self.max_batch_size = max_batch_size
         self.injected_latency_s = injected_latency_s
+        self.batch_window_s = batch_window_s
         self._rng = random.Random(seed + 7919)
         self._queue: list[_Pending] = []
         self._cv = threading.Condition()
@@ -89,6 +92,14 @@ class GenerationWorker:
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
+                # a step's groups arrive one by one as the pump reserves them: gather them into one decode
+                # (until no new group for `batch_window_s`, the batch is full, or 4 windows passed)
+                deadline = time.monotonic() + 4 * self.batch_window_s
+                while self.batch_window_s > 0 and self._queued_rows() < self.max_batch_size:
+                    seen = len(self._queue)
+                    self._cv.wait(timeout=self.batch_window_s)
+                    if len(self._queue) == seen or time.monotonic() >= deadline:
+                        break
                 batch: list[_Pending] = []
                 rows = 0
                 while self._queue and (
@@ -109,6 +120,9 @@ class GenerationWorker:
                 part = results[at : at + len(item.requests)]
                 at += len(item.requests)
                 item.loop.call_soon_threadsafe(_set_result, item.future, part)
+
+    def _queued_rows(self) -> int:
+        return sum(len(item.requests) for item in self._queue)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Finish these requests early: running ones return partial tokens (finish_reason ``abort``),

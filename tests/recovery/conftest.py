@@ -84,3 +84,9 @@ def wait_for(pred: Any, timeout: float, proc: subprocess.Popen[bytes] | None = N
     return False
 
 
+def with_snapshots(config: Path, **changes: Any) -> Path:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rollout_checkpointing"] = {"snapshot_attempt_interval_s": 0.5, "keep_latest_k": 2, **changes}
+    cfg["token_capture"] = {"enabled": True}
+    config.write_text(yaml.safe_dump(cfg))
+    return config

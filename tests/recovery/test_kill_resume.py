@@ -14,7 +14,7 @@ from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
 
-from .conftest import count_events, kill_tree, recovery_config, start_fit, wait_for
+from .conftest import count_events, kill_tree, recovery_config, start_fit, wait_for, with_snapshots
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,10 @@ IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
 
 def _tmp_bundle_exists(root: Path) -> bool:
     return root.is_dir() and any(p.name.startswith("tmp_step_") for p in root.iterdir())
+
+
+def _tmp_snapshot_exists(root: Path) -> bool:
+    return root.is_dir() and any(True for _ in root.glob("*/rollout_snapshots/tmp_snapshot_*"))
 
 
 def _kill_at(point: str, proc: Any, run_dir: Path, ck_root: Path | None, rng: random.Random) -> bool:
@@ -36,6 +40,8 @@ def _kill_at(point: str, proc: Any, run_dir: Path, ck_root: Path | None, rng: ra
         wait_for(lambda: count_events(run_dir, "select") > selects, 60, proc)
     elif point == "checkpoint_write" and ck_root is not None:
         wait_for(lambda: _tmp_bundle_exists(ck_root), 60, proc, poll_s=0.002)
+    elif point == "snapshot_write" and ck_root is not None:
+        wait_for(lambda: _tmp_snapshot_exists(ck_root), 60, proc, poll_s=0.002)
     if proc.poll() is not None:
         return False
     kill_tree(proc)
@@ -60,10 +66,10 @@ def test_kill9_at_ten_seeded_points_loses_no_group(seed: int, tmp_path: Path) ->
     rng = random.Random(seed)
     ck_root = tmp_path / "bundles"
     steps = 40  # long enough that every incarnation reaches its kill point
-    config = recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER)
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
     log = tmp_path / "fit.log"
     run_dir = tmp_path / "run"
-    points = ["generation", "mid_step", "checkpoint_write"] * 4
+    points = ["generation", "mid_step", "checkpoint_write", "snapshot_write"] * 3
     rng.shuffle(points)
     kills = []
     for point in points[:10]:

@@ -14,19 +14,11 @@ from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
 
-from .conftest import count_events, kill_tree, recovery_config, start_fit, wait_for
+from .conftest import count_events, kill_tree, recovery_config, start_fit, wait_for, with_snapshots
 
 pytestmark = pytest.mark.slow
 
 IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
-
-
-def _with_snapshots(config: Path, **changes: Any) -> Path:
-    cfg = yaml.safe_load(config.read_text())
-    cfg["rollout_checkpointing"] = {"snapshot_attempt_interval_s": 0.5, "keep_latest_k": 2, **changes}
-    cfg["token_capture"] = {"enabled": True}
-    config.write_text(yaml.safe_dump(cfg))
-    return config
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -41,7 +33,7 @@ def _bootstrap_snapshots(ck_root: Path) -> list[Path]:
 def _crash_before_first_step(tmp_path: Path) -> tuple[Path, Path]:
     """A run that is killed after bootstrap snapshots were published and before its first trainer bundle."""
     ck_root = tmp_path / "bundles"
-    config = _with_snapshots(recovery_config(tmp_path, str(ck_root), steps=4, sampler=IN_ORDER))
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=4, sampler=IN_ORDER))
     cfg = yaml.safe_load(config.read_text())
     cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 4.0  # the first step takes a while
     config.write_text(yaml.safe_dump(cfg))
@@ -98,7 +90,7 @@ def test_bootstrap_state_restore_modes_and_fingerprint(tmp_path: Path) -> None:
 
 def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) -> None:
     ck_root = tmp_path / "bundles"
-    config = _with_snapshots(recovery_config(tmp_path, str(ck_root), steps=5, sampler=IN_ORDER))
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=5, sampler=IN_ORDER))
     proc = start_fit(config, tmp_path / "fit.log")
     anchor_snaps = lambda: sorted(ck_root.glob("step_*/rollout_snapshots/snapshot_*"))  # noqa: E731
     assert wait_for(lambda: len(anchor_snaps()) >= 1, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
