@@ -6,14 +6,21 @@ workers and the ``RolloutController`` on global rank 0. Its train dataloader is 
 handed out (metadata only crosses the controller boundary). A step ends with the chunk marked
 ``last_chunk``; the ``WeightSync`` callback then retires it, bumps the trainer version and refits the
 workers. ``teardown`` (also on exceptions) stops everything it started.
+
+With several training processes (``MegatronStrategy``, DDP) every hook runs on every rank, but only
+global rank 0 talks to the controller: it redeems each ticket and broadcasts the chunk (CPU tensors and
+scalars) to the other ranks. Tensor/pipeline peers train on the same chunk; with data parallelism each
+replica takes its share of the chunk's whole groups (``shard_groups``). The weight export after a step is
+a collective on every rank; only rank 0 hands the weights to the controller. A failure on rank 0 is
+broadcast too, so the other ranks raise instead of waiting on a collective that never comes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -24,6 +31,7 @@ from screl.envs import Task
 log = logging.getLogger(__name__)
 
 TICKET = "screl_ticket"
+_T = TypeVar("_T")
 
 
 def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int) -> dict[str, Any]:
@@ -69,6 +77,33 @@ def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad
         "sample_mask": torch.ones(rows),
         "start_weight": torch.tensor(meta["start_weight"], dtype=torch.long),
     }
+
+
+#: Per-row tensors of a collated chunk (what a data-parallel shard slices).
+ROW_KEYS = ("input_ids", "attention_mask", "token_mask", "generation_logprobs", "token_versions", "rewards",
+            "sample_mask", "start_weight")
+
+
+def shard_groups(batch: dict[str, Any], group_size: int, num_shards: int, shard: int) -> dict[str, Any]:
+    """Data-parallel replica ``shard``'s share of a collated chunk: a contiguous run of whole groups.
+
+    Replicas get ``groups // num_shards`` or one more (possibly none). The shard keeps the whole
+    chunk's size in ``chunk_rows`` and its valid-token count in ``chunk_valid_tokens`` (what the loss
+    normalizes by), and ``dp_shards`` = ``num_shards``.
+    """
+    rows = int(batch["input_ids"].shape[0])
+    if rows % group_size:
+        raise ValueError(f"a chunk of {rows} rows is not whole groups of {group_size}")
+    groups = rows // group_size
+    lo, hi = shard * groups // num_shards * group_size, (shard + 1) * groups // num_shards * group_size
+    out = {k: (v[lo:hi] if k in ROW_KEYS else v) for k, v in batch.items()}
+    valid = (batch["token_mask"].float() * batch["sample_mask"].float()[:, None]).sum()
+    out.update(chunk_rows=rows, chunk_valid_tokens=float(valid), dp_shards=num_shards)
+    return out
+
+
+class _RankZeroError(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in a step they wait on."""
 
 
 class _StepStream:
@@ -124,6 +159,7 @@ class RolloutDataModule(LightningDataModule):
         self.config_dict: dict[str, Any] = {}  # the whole config (set by the CLI): the bootstrap fingerprint
         self._pad_id = 0
         self.events_path: str | None = None
+        self._started = False  # the weights went out and (on rank 0) the rollout side started
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -142,21 +178,56 @@ class RolloutDataModule(LightningDataModule):
                 "RolloutDataModule needs the WeightSync callback (it refits the generation workers after each "
                 "step): run through `screl fit`, which adds it, or pass callbacks=[screl.callbacks.WeightSync()]"
             )
-        if trainer.global_rank != 0:
+        if trainer.world_size > 1 and self.run.checkpointing.enabled:
             raise NotImplementedError(
-                "multi-rank training with the RolloutDataModule is not supported yet: run one training process"
+                f"checkpointing.enabled with {trainer.world_size} training processes is not supported yet "
+                "(the bundle is written from rank 0 only): set checkpointing.enabled: false or train on one "
+                "process"
             )
         torch.set_num_threads(max(1, self.generation.num_threads))
 
     def _ensure_started(self) -> None:
         """Start the rollout side at the first batch: after Lightning restored the model from a checkpoint,
-        so the workers get the restored weights and the controller its restored state before its pump runs."""
-        if self.runtime is not None:
+        so the workers get the restored weights and the controller its restored state before its pump runs.
+
+        Runs on every rank: the log directory and the weight export are collectives under a multi-process
+        strategy; only rank 0 starts the runtime."""
+        if self.runtime is not None or self._started:
             return
         trainer: Any = self.trainer
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
-        self._start(module.policy_spec, run_dir, module.export_weights())
+        weights = module.export_weights()
+        if trainer.global_rank == 0:
+            self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights))
+        else:
+            self._on_rank_zero(lambda: None)
+        self._started = True
+
+    def _world_size(self) -> int:
+        trainer: Any = self.trainer
+        return int(trainer.world_size) if trainer is not None else 1
+
+    def _on_rank_zero(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on global rank 0 and broadcast its result (CPU tensors, scalars) to every rank.
+
+        One process: just ``fn()``. If ``fn`` raises on rank 0, the other ranks raise too (no hang)."""
+        if self._world_size() == 1:
+            return fn()
+        trainer: Any = self.trainer
+        strategy = trainer.strategy
+        if trainer.global_rank == 0:
+            try:
+                result = fn()
+            except BaseException as err:
+                strategy.broadcast(("error", f"{type(err).__name__}: {err}"), src=0)
+                raise
+            strategy.broadcast(("ok", result), src=0)
+            return result
+        status, payload = strategy.broadcast(None, src=0)
+        if status != "ok":
+            raise _RankZeroError(f"global rank 0 failed: {payload}")
+        return payload  # type: ignore[no-any-return]
 
     def _start(self, policy: Any, run_dir: str, initial_weights: dict[str, torch.Tensor]) -> None:
         from screl.controller import RolloutRuntime
@@ -175,7 +246,10 @@ class RolloutDataModule(LightningDataModule):
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the controller, workers and data plane (and Ray, if this module started it). Idempotent."""
+        """Stop the controller, workers and data plane (and Ray, if this module started it). Idempotent.
+
+        Only rank 0 holds a runtime; on the other ranks this only forgets that the run started."""
+        self._started = False
         if self.runtime is not None:
             runtime, self.runtime = self.runtime, None
             runtime.shutdown()
@@ -203,16 +277,36 @@ class RolloutDataModule(LightningDataModule):
         return chunk
 
     def next_batch(self) -> dict[str, Any] | None:
-        """Block for the next chunk (metadata from the controller, tensors from the data plane)."""
+        """Block for the next chunk (metadata from the controller, tensors from the data plane).
+
+        Every rank calls it; rank 0 fetches the chunk and broadcasts it, and each data-parallel replica
+        keeps its share of the groups."""
         t0 = time.perf_counter()
         self._ensure_started()
-        meta = self.runtime.next_chunk()
-        if meta is None:
-            return None
-        batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id)
-        batch["wait_s"] = time.perf_counter() - t0
-        return batch
+
+        def fetch() -> dict[str, Any] | None:
+            meta = self.runtime.next_chunk()
+            if meta is None:
+                return None
+            batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id)
+            batch["wait_s"] = time.perf_counter() - t0
+            return batch
+
+        chunk = self._on_rank_zero(fetch)
+        shards, shard = self._data_parallel()
+        if chunk is None or shards == 1:
+            return chunk
+        return shard_groups(chunk, self.run.algo.num_generations_per_prompt, shards, shard)
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(data-parallel replicas, this rank's replica) from the strategy: model-parallel peers share one."""
+        if self._world_size() == 1:
+            return 1, 0
+        trainer: Any = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Retire the finished step and refit the workers with ``weights`` (called by WeightSync)."""
-        return self.runtime.complete_step(weights)  # type: ignore[no-any-return]
+        """Retire the finished step and refit the workers with ``weights`` (called by WeightSync on every
+        rank, after the weight export collective; only rank 0's weights go to the controller)."""
+        return self._on_rank_zero(lambda: self.runtime.complete_step(weights))

@@ -79,7 +79,7 @@ class MegatronStrategy(DDPStrategy):
     Args:
         parallelism: Parallel sizes (default: all 1, data parallel over the world).
         model_provider: Builds each rank's model shard in :meth:`build_model` (default:
-            :class:`~screl.strategies.GPTModelProvider`).
+            :class:`~screl.strategies.GPTModelProvider`; screl's GRPO derives it from its policy).
         ddp_config: Keyword arguments of Megatron's ``DistributedDataParallelConfig``
             (``grad_reduce_in_fp32``, ``overlap_grad_reduce``, ``bucket_size``, ...).
         seed: Seed of Megatron's RNG streams (default: Lightning's ``seed_everything`` seed, else 0).
@@ -121,6 +121,8 @@ class MegatronStrategy(DDPStrategy):
         )
         self.parallelism = parallelism or ParallelismConfig()
         self.model_provider: ModelProvider = model_provider or GPTModelProvider()
+        self.model_provider_is_default = model_provider is None
+        """No provider was given: a LightningModule may replace the default with one matching its policy."""
         self.ddp_config = dict(ddp_config or {})
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.staging_dir = staging_dir

@@ -12,11 +12,18 @@ token. Tokens that the current weight version generated (their recorded version 
 version) are on-policy by construction: their behaviour logprobs are taken to be the trainer's, so
 their IS weight is exactly 1; ``train/logprob_mismatch`` reports how far engine and trainer numerics
 differ on them.
+
+Under ``trainer.strategy: screl.strategies.MegatronStrategy`` the policy is a Megatron-core ``GPTModel``
+built in ``configure_model`` (this rank's shard, loaded from the policy spec's Hugging Face weights);
+logprobs come from vocabulary-parallel logits, gradients are clipped by their tensor-parallel-aware
+norm and ``export_weights()`` gathers full Hugging Face-named weights (a collective: every rank calls
+it). A reference policy (KL) stays a replicated Hugging Face model.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any
 
@@ -36,6 +43,59 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def megatron_token_logprobs(
+    strategy: Any, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float
+) -> Tensor:
+    """:func:`token_logprobs` for a Megatron ``GPTModel`` under ``MegatronStrategy``: ``[rows, len - 1]``.
+
+    Rows must be right-padded (as ``collate_chunk`` makes them): under the causal mask no real token
+    attends to padding, and positions count from 0 as in the Hugging Face model, so the real tokens'
+    logprobs equal the unpadded ones. Padded positions hold garbage that the token mask drops.
+    """
+    mask = attention_mask.bool()
+    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError(
+            "GRPO under MegatronStrategy needs right-padded rows (attention_mask 1...1 0...0); "
+            "got a row with padding before a real token"
+        )
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    logits = model(input_ids, position_ids, None)[:, :-1]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return strategy.token_logprobs(logits, input_ids[:, 1:])  # type: ignore[no-any-return]
+
+
+#: ``GPTModelProvider`` fields that ``from_hf_config`` derives from the policy's architecture.
+_ARCH_FIELDS = (
+    "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+    "max_sequence_length", "layernorm_epsilon", "add_qkv_bias", "rotary_base",
+    "share_embeddings_and_output_weights",
+)
+
+
+def _fit_provider_to_policy(strategy: Any, hf_model: torch.nn.Module) -> None:
+    """Make the strategy build the policy's architecture: derive its provider from the Hugging Face config
+    when none was given; check an explicit ``GPTModelProvider`` against it."""
+    from screl.strategies import GPTModelProvider
+
+    dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+    expected = GPTModelProvider.from_hf_config(hf_model.config, params_dtype=dtype)
+    if getattr(strategy, "model_provider_is_default", False):
+        strategy.model_provider = expected
+        strategy.model_provider_is_default = False
+        return
+    given = strategy.model_provider
+    if isinstance(given, GPTModelProvider):
+        bad = [f"{k}={getattr(given, k)!r} (policy: {getattr(expected, k)!r})" for k in _ARCH_FIELDS
+               if getattr(given, k) != getattr(expected, k)]
+        if bad:
+            raise ValueError(
+                "trainer.strategy.init_args.model_provider does not match model.init_args.policy: "
+                + ", ".join(bad)
+                + ". Drop model_provider (GRPO derives it from the policy) or fix these fields."
+            )
 
 
 class GRPO(LightningModule):
@@ -82,14 +142,59 @@ class GRPO(LightningModule):
         if self.loss_fn.requires_reference_logprobs:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self._step_started: float | None = None
+        self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
+
+    def _megatron(self) -> Any:
+        """The ``MegatronStrategy`` training this module, or None (checked without importing megatron)."""
+        trainer = self._trainer
+        megatron = sys.modules.get("screl.strategies.megatron")
+        if trainer is None or megatron is None:
+            return None
+        strategy = trainer.strategy
+        return strategy if isinstance(strategy, megatron.MegatronStrategy) else None
+
+    def configure_model(self) -> None:
+        """Under ``MegatronStrategy``: replace the Hugging Face policy by this rank's Megatron shard of it,
+        loaded with the same weights (the generation workers start from the same spec)."""
+        strategy = self._megatron()
+        if strategy is None or self._megatron_strategy is not None:
+            return
+        from screl.strategies import load_hf_weights
+
+        hf_model = self.model
+        _fit_provider_to_policy(strategy, hf_model)
+        model = strategy.build_model()
+        load_hf_weights(model, hf_model.state_dict())
+        self.model = model
+        self._megatron_strategy = strategy
 
     # -- optimization --------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
 
     def export_weights(self) -> dict[str, Tensor]:
-        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU."""
+        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU.
+
+        Under ``MegatronStrategy`` a collective that gathers the shards: call it on every rank.
+        """
+        if self._megatron_strategy is not None:
+            return {k: v.detach().to("cpu") for k, v in self._megatron_strategy.export_weights().items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def _grad_scale(self, batch: dict[str, Any]) -> float:
+        """Undo the data-parallel gradient average when each replica trained a shard of the chunk.
+
+        ``batch["dp_shards"]`` replicas each hold whole groups of the chunk and normalize by the whole
+        chunk (``chunk_rows``, ``chunk_valid_tokens``), so their gradients must be summed; torch's and
+        Megatron's DDP average them (Megatron sums only with ``calculate_per_token_loss``).
+        """
+        shards = int(batch.get("dp_shards", 1))
+        if shards <= 1:
+            return 1.0
+        strategy = self._megatron_strategy
+        if strategy is not None and bool(getattr(strategy.model_provider, "calculate_per_token_loss", False)):
+            return 1.0
+        return float(shards)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         if batch.get("done"):  # the controller has no more steps: the trainer stops after this
@@ -100,9 +205,11 @@ class GRPO(LightningModule):
         opt = self.optimizers()
         assert not isinstance(opt, list), "GRPO configures exactly one optimizer"
         rows = batch["input_ids"].shape[0]
+        # rows of the whole chunk: a data-parallel replica holds a shard of it (RolloutDataModule)
+        chunk_rows = int(batch.get("chunk_rows", rows))
         group_size = self.algo.num_generations_per_prompt
         step_groups = int(batch["step_groups"])
-        chunk_groups = rows // group_size
+        chunk_groups = chunk_rows // group_size
         sample_mask = batch["sample_mask"].float()
         token_mask = batch["token_mask"].float()
         advantages = grpo_advantages(
@@ -113,12 +220,20 @@ class GRPO(LightningModule):
             normalize_std=self.algo.adv_estimator.normalize_rewards,
         )
         valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
+        if "chunk_valid_tokens" in batch:
+            valid_tokens = torch.as_tensor(float(batch["chunk_valid_tokens"]), device=self.device).clamp_min(1.0)
+        megatron = self._megatron_strategy
+        grad_scale = self._grad_scale(batch)
         mb = self.micro_batch_size or max(rows, 1)
         loss_total = torch.zeros((), device=self.device)
         metrics_acc: dict[str, list[Tensor]] = {}
         for lo in range(0, rows, mb):
             sl = slice(lo, min(rows, lo + mb))
-            curr = token_logprobs(self.model, batch["input_ids"][sl], batch["attention_mask"][sl], self.temperature)
+            ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+            if megatron is None:
+                curr = token_logprobs(self.model, ids, attention, self.temperature)
+            else:
+                curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
             prev = curr.detach()
             on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
             gen = torch.where(on_policy, prev, batch["generation_logprobs"][sl].float())
@@ -134,9 +249,12 @@ class GRPO(LightningModule):
                 global_normalizer=valid_tokens if self.loss_fn.token_level_loss else None,
             )
             if not self.loss_fn.token_level_loss:
-                loss = loss * (sl.stop - sl.start) / rows
+                loss = loss * (sl.stop - sl.start) / chunk_rows
             # A step streamed as several chunks: each chunk carries its share of the step's groups.
-            self.manual_backward(loss * (chunk_groups / step_groups))
+            if grad_scale == 1.0:
+                self.manual_backward(loss * (chunk_groups / step_groups))
+            else:
+                self.manual_backward(loss * (chunk_groups / step_groups) * grad_scale)
             loss_total = loss_total + loss.detach()
             on_mask = on_policy & token_mask[sl].bool()
             if on_mask.any():
@@ -144,10 +262,17 @@ class GRPO(LightningModule):
                 metrics["logprob_mismatch"] = mismatch
             for k, v in metrics.items():
                 metrics_acc.setdefault(k, []).append(v.detach().float())
+        if megatron is not None and int(batch.get("dp_shards", 1)) > 1:  # the whole chunk's loss
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(loss_total, group=parallel_state.get_data_parallel_group())
         stepped = bool(batch["last_chunk"])
         if stepped:
             if self.max_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                if megatron is not None:  # the norm over tensor-parallel shards, each counted once
+                    grad_norm = megatron.clip_gradients(self.max_grad_norm)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
                 self.log("train/grad_norm", grad_norm, batch_size=rows)
             opt.step()
             opt.zero_grad(set_to_none=True)
