@@ -31,7 +31,15 @@ import uuid
 from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
-from screl.controller.groups import ROW_FIELDS, GroupRun, GroupRunner, RolloutFailure, row_key, seed_for
+from screl.controller.groups import (
+    ROW_FIELDS,
+    GroupRun,
+    GroupRunner,
+    RolloutFailure,
+    RowWriter,
+    row_key,
+    seed_for,
+)
 from screl.data import ReplayBuffer, RolloutLedger, create_sampler
 from screl.data.events import (
     AdmitEvent,
@@ -135,6 +143,7 @@ class RolloutController:
         self.metrics: dict[str, float] = {"evicted": 0, "aborted": 0, "dropped": 0, "retried": 0}
         self.shutting_down = False
         self.runner = GroupRunner(self)
+        self.row_writer = RowWriter(self)
         self._restored: list[GroupRun] = []
         self._next_worker = 0
         self._changed: asyncio.Event | None = None
@@ -248,6 +257,7 @@ class RolloutController:
             "ledger_balanced": acc.balanced,
             "exhausted": self.exhausted,
             "snapshots": dict(self.snapshots.outcomes) if self.snapshots is not None else {},
+            "row_puts": self.row_writer.puts,
             **self.metrics,
         }
 
