@@ -139,12 +139,16 @@ def screl_config(
 
 
 # ------------------------------------------------------------------------------------------ running
+MACHINE = "_machine"
+
+
 def cpu_snapshot() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process and its descendants, by role.
 
     Roles: ``trainer`` (this process: the train pump), one per Ray actor class (``GenerationWorker``,
     ``RolloutController``, ``TransferQueueController``, ``SimpleStorageUnit``, ...; from the ``ray::Class``
-    process title), and ``ray_system`` (raylet, GCS, Ray's helpers).
+    process title), and ``ray_system`` (raylet, GCS, Ray's helpers); ``_machine`` is the whole machine's
+    busy CPU time (all processes, ours and other jobs').
     """
     import psutil
 
@@ -163,7 +167,27 @@ def cpu_snapshot() -> dict[str, float]:
         else:
             role = "ray_system"
         out[role] = out.get(role, 0.0) + t.user + t.system
+    m = psutil.cpu_times()  # the whole machine, every CPU: what other jobs take shows up here
+    out[MACHINE] = m.user + m.nice + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0) + getattr(
+        m, "steal", 0.0)
     return out
+
+
+def settle(max_s: float = 6.0, busy_cores: float = 0.1, interval_s: float = 0.5) -> float:
+    """Wait until this process tree is quiet (the last run's actors gone, Ray's worker pool refilled).
+
+    Returns the seconds waited: at most ``max_s``, until the tree used under ``busy_cores`` cores over an
+    ``interval_s`` window. Every timed run starts after it, so a run does not pay for its predecessor.
+    """
+    t0 = time.time()
+    prev = sum(v for k, v in cpu_snapshot().items() if k != MACHINE)
+    while time.time() - t0 < max_s:
+        time.sleep(interval_s)
+        cur = sum(v for k, v in cpu_snapshot().items() if k != MACHINE)
+        if cur - prev < busy_cores * interval_s:
+            break
+        prev = cur
+    return time.time() - t0
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -187,10 +211,11 @@ def _timer_callback(steps: int) -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if isinstance(batch, dict) and batch.get("last_chunk"):
-                self.step_ends.append(time.time())
-                if len(self.step_ends) == 1:
+                # snapshots stay outside the steady window: before the first step's end, after the last's
+                if not self.step_ends:
                     self.cpu_first = cpu_snapshot()
-                elif len(self.step_ends) == steps:
+                self.step_ends.append(time.time())
+                if len(self.step_ends) == steps:
                     self.cpu_last = cpu_snapshot()
 
     return StepTimer()
@@ -220,6 +245,10 @@ class ScrelRun:
     run_dir: str = ""
     cpu_s_per_step: dict[str, float] = field(default_factory=dict)
     """CPU seconds per steady-state step of each process role (see :func:`cpu_snapshot`)."""
+    own_cores: float = float("nan")
+    """Cores this run's processes kept busy on average over the steady window."""
+    other_cores: float = float("nan")
+    """Cores everything else on the machine (other jobs) kept busy over the same window."""
 
     @property
     def samples_per_s(self) -> float:
@@ -239,7 +268,7 @@ class ScrelRun:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    rows = []
+    rows: list[dict[str, float]] = []
     path = run_dir / "metrics.csv"
     if not path.exists():
         return rows
@@ -265,20 +294,27 @@ def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
 
     from screl.cli import ScrelCLI
 
+    settle()
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cli = ScrelCLI(args=["--config", str(path)], run=False)
     steps = int(cfg["grpo"]["max_num_steps"])
     timer = _timer_callback(steps)
-    cli.trainer.callbacks.append(timer)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    run_dir = Path(cli.trainer.log_dir)
+    trainer: Any = cli.trainer
+    trainer.callbacks.append(timer)
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    run_dir = Path(str(trainer.log_dir))
     if len(timer.step_ends) != steps:
         raise RuntimeError(f"{name}: expected {steps} steps, the trainer ran {len(timer.step_ends)} ({run_dir})")
     run = _summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
     if steps > 1:
-        run.cpu_s_per_step = {k: v / (steps - 1) for k, v in cpu_delta(timer.cpu_first, timer.cpu_last).items()}
+        delta = cpu_delta(timer.cpu_first, timer.cpu_last)
+        machine = delta.pop(MACHINE, float("nan"))
+        span = timer.step_ends[-1] - timer.step_ends[0]
+        run.cpu_s_per_step = {k: v / (steps - 1) for k, v in delta.items()}
+        run.own_cores = sum(delta.values()) / span
+        run.other_cores = max(0.0, machine - sum(delta.values())) / span
     return run
 
 
@@ -309,7 +345,9 @@ def _summarise(
     # admit, when TransferQueue, the workers and the controller are up and the first generation begins.
     first = min((float(e["time"]) for e in events if e["event"] in ("admit", "reserve")), default=float("nan"))
     window_start = first if not math.isnan(first) else float(train_start or step_ends[0])
-    gen_span, reward, staleness = [], [], []
+    gen_span: list[float] = []
+    reward: list[float] = []
+    staleness: list[int] = []
     for e in sorted(steps_ev, key=lambda x: x["step"]):
         gids = e["group_ids"]
         starts = [float(reserve[g]["time"]) for g in gids if g in reserve]

@@ -92,6 +92,8 @@ def per_run(r: c.ScrelRun) -> dict[str, Any]:
         "reward": r.reward,
         "staleness": r.staleness,
         "cpu_s_per_step": r.cpu_s_per_step,
+        "own_cores": r.own_cores,
+        "other_cores": r.other_cores,
         "evicted": r.evicted,
         "aborted": r.aborted,
         "step_ends": [t - r.window_start for t in r.step_ends],
@@ -169,6 +171,8 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
             "reward_per_step": [c.median(x) for x in rewards],
             "reward_last3": c.median(x for k in range(max(0, args.steps - 3), args.steps) for x in rewards[k]),
             "cpu_s_per_step": {k: c.median(r["cpu_s_per_step"].get(k, 0.0) for r in rs) for k in roles},
+            "own_cores": c.median(r["own_cores"] for r in rs),
+            "other_cores": c.median(r["other_cores"] for r in rs),
             "evicted": c.median(r["evicted"] for r in rs),
             "aborted": c.median(r["aborted"] for r in rs),
         }
@@ -211,8 +215,10 @@ def report(res: dict[str, Any]) -> None:
                    m["evicted"]] for mode, m in res["modes"].items()]
     c.print_table(["mode", "staleness distribution (fraction of groups)", "aborted", "evicted"], stale_rows)
     roles = sorted({k for m in res["modes"].values() for k in m["cpu_s_per_step"]})
-    cpu_rows = [[mode, *[m["cpu_s_per_step"].get(k, 0.0) for k in roles]] for mode, m in res["modes"].items()]
-    c.print_table(["mode", *roles], cpu_rows, "CPU seconds per steady-state step, by process")
+    cpu_rows = [[mode, *[m["cpu_s_per_step"].get(k, 0.0) for k in roles], m["own_cores"], m["other_cores"]]
+                for mode, m in res["modes"].items()]
+    c.print_table(["mode", *roles, "cores:run", "cores:others"], cpu_rows,
+                  "CPU seconds per steady-state step, by process; average cores busy (this run / other jobs)")
     limit = res["theoretical_speedup_limit"]
     if res["async_over_sync_wall"] is not None:
         print(f"\nasync_w1 speedup {res['async_speedup']:.2f}x (steady) vs theoretical limit (gen+train)/max(gen,train)"

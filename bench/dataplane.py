@@ -7,17 +7,18 @@ Rows are shaped as screl's controller writes them (``screl.controller.ROW_FIELDS
 
 * ``tq_group``      one group (G rows): one ``put`` of the G keys, one ``get``, one ``clear``
   (``screl.dataplane.DataPlane``, the wrapper screl uses);
-* ``tq_sibling``    the same group written as G single-row ``put``s (how the controller seals siblings);
-* ``tq_step_*``     one RL step: its P x G rows written as single-row puts (``sibling``: how screl's
-  controller writes them today), P group puts (``group``) or one put (``batched``), then one ``get`` of the
-  step's rows (the trainer's chunk) and one ``clear`` (``complete_step``);
+* ``tq_sibling``    the same group written as G single-row ``put``s (how the controller sealed siblings before
+  it coalesced writes);
+* ``tq_step_*``     one RL step: its P x G rows written as one put (``batched``: how screl's controller writes
+  them, coalescing concurrent row writes), P group puts (``group``) or P x G single-row puts (``sibling``),
+  then one ``get`` of the step's rows (the trainer's chunk) and one ``clear`` (``complete_step``);
 * ``ray_local``     ``ray.put`` + ``ray.get`` + free of the same group's tensors in the driver;
 * ``ray_actor``     an actor ``ray.put``s the group and returns the ref; the driver ``ray.get``s it (a
   cross-process hand-off like controller -> trainer), then frees it; ``ray_ping`` is the bare actor call.
 
 The step time is the steady-state step of the tiny config (``configs/grpo_tiny.yaml``: tiny scale, P=8,
 G=4, L=16, in_order lookahead 1) measured in the same run, unless ``--step-time-s`` is given.
-``dataplane_overhead_fraction`` = data-plane cost of one step (``tq_step_<--put-per>``, default sibling)
+``dataplane_overhead_fraction`` = data-plane cost of one step (``tq_step_<--put-per>``, default batched)
 / step time.
 
     python bench/dataplane.py                  # 200 iterations x 3 reps + a 10-step tiny run
@@ -56,9 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=8, help="P (default 8, the tiny config's)")
     p.add_argument("--group", type=int, default=4, help="G (default 4)")
     p.add_argument("--completion-len", type=int, default=16, help="L (default 16)")
-    p.add_argument("--put-per", choices=("sibling", "group", "batched"), default="sibling",
-                   help="which step pattern the headline key uses: one put per sibling (what screl's controller "
-                        "does), one per group, or one for the whole step (batched)")
+    p.add_argument("--put-per", choices=("sibling", "group", "batched"), default="batched",
+                   help="which step pattern the headline key uses: one put for the step's rows (batched: what "
+                        "screl's controller does since it coalesces concurrent row writes, RowWriter), one per "
+                        "group, or one per sibling (screl before that)")
     p.add_argument("--out-dir", type=Path, default=c.RESULTS)
     args = p.parse_args(argv)
     if args.quick:
@@ -200,7 +202,7 @@ def make_actor(G: int, L: int) -> Any:
         def ping(self) -> bool:
             return True
 
-    actor = Producer.remote()
+    actor = Producer.remote()  # type: ignore[attr-defined]
     ray.get(actor.ping.remote())
     return actor
 
@@ -307,7 +309,12 @@ def analyse(args: argparse.Namespace, samples: dict[str, list[dict[str, float]]]
         "dataplane_overhead_fraction_by_put": {k: pats[f"tq_step_{k}"]["total"] / step_s
                                                for k in ("sibling", "group", "batched")},
         "dataplane_group_fraction": pats["tq_group"]["total"] / step_s,
+        # what the trainer itself waits for each step (the puts overlap training in async mode): its chunk
+        # get (measured in the run when it ran) and complete_step's clear
+        "dataplane_trainer_path_fraction": ((step.get("in_run_get_s") or pats[f"tq_step_{args.put_per}"]["get"])
+                                            + pats[f"tq_step_{args.put_per}"]["clear"]) / step_s,
         "target_dataplane_overhead_fraction": 0.02,
+        "step_time_for_target_s": per_step / 0.02,  # the shortest step at which this data plane costs 2%
     }
 
 
@@ -325,7 +332,9 @@ def report(res: dict[str, Any]) -> None:
     by = res["dataplane_overhead_fraction_by_put"]
     print(f"dataplane_overhead_fraction = {res['dataplane_overhead_fraction']:.3f} of the step (target < 0.02; puts "
           f"per {cfg['put_per']}); per sibling {by['sibling']:.3f}, per group {by['group']:.3f}, one per step "
-          f"{by['batched']:.3f}; one group's put+get+clear alone {res['dataplane_group_fraction']:.4f}")
+          f"{by['batched']:.3f}; one group's put+get+clear alone {res['dataplane_group_fraction']:.4f}; "
+          f"on the trainer's path (get + clear) {res['dataplane_trainer_path_fraction']:.3f}; 2% of a step needs "
+          f"steps >= {res['step_time_for_target_s']:.2f}s")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -338,6 +347,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
     ax.axhline(res["step_s"] * 1e3 * 0.02, color="k", linestyle="--", label="2% of the tiny step")
     ax.set_yscale("log")
+    ax.tick_params(axis="x", labelrotation=20)
     ax.set_ylabel("put + get + clear, ms (median)")
     cfg = res["config"]
     ax.set_title(f"data-plane latency, P={cfg['prompts_per_step']} G={cfg['group']} L={cfg['completion_len']}: "

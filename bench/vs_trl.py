@@ -15,7 +15,7 @@ Throughput (the peer's definitions): ``samples = steps * P * G``; ``samples/s = 
 Scales (DESIGN.md): ``tiny`` (hidden 64, 2 layers, P=8, G=4, L=16: overhead-dominated) and ``small``
 (hidden 256, 4 layers, P=8, G=8, L=64, no gradient checkpointing: compute-dominated).
 
-    python bench/vs_trl.py                   # both scales (20 steps tiny, 8 small), 3 reps; keys at small
+    python bench/vs_trl.py                   # both scales (15 steps tiny, 8 small), 3 reps; keys at small
     python bench/vs_trl.py --scale small --reps 3
     python bench/vs_trl.py --quick           # smoke: tiny only, 5 steps, 1 rep
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _common as c  # noqa: E402
 
 SCALES: dict[str, dict[str, int]] = {
-    "tiny": {"prompts_per_step": 8, "group": 4, "completion_len": 16, "steps": 20},
+    "tiny": {"prompts_per_step": 8, "group": 4, "completion_len": 16, "steps": 15},
     "small": {"prompts_per_step": 8, "group": 8, "completion_len": 64, "steps": 8},
 }
 SIDES = ("trl", "screl_sync", "screl_async")
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", choices=("tiny", "small", "both"), default="both", help="scales to run (default both)")
     p.add_argument("--key-scale", choices=("tiny", "small"), default="small",
                    help="scale whose ratios fill the headline keys (default small; falls back to the one run)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: 20 at tiny, 8 at small)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: 15 at tiny, 8 at small)")
     p.add_argument("--reps", type=int, default=3,
                    help="repetitions, alternating TRL / screl sync / screl async (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny scale, 5 steps, 1 rep")
@@ -101,7 +101,13 @@ def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict
         "--completion-len", str(s["completion_len"]), "--no-gradient-checkpointing", "--out", str(out),
     ]
     env = dict(os.environ, PEER_THREADS=str(args.trl_threads), HF_HUB_OFFLINE="1")
+    c.settle()
+    before, child_before, t0 = c.cpu_snapshot(), _children_cpu(), time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    after, child_cpu, elapsed = c.cpu_snapshot(), _children_cpu() - child_before, time.time() - t0
+    delta = c.cpu_delta(before, after)
+    machine = delta.pop(c.MACHINE, 0.0)
+    tree = sum(delta.values())  # this process and Ray's daemons meanwhile
     if proc.returncode != 0:
         raise RuntimeError(f"trl_peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     d: dict[str, Any] = json.loads(out.read_text())
@@ -118,8 +124,18 @@ def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict
         "reward": d["rewards_per_step"],
         "step_ends": ends,
         "torch_threads": d["machine"]["torch_threads"],
+        # over the whole subprocess (imports included): cores it used, and cores other jobs used meanwhile
+        "own_cores": child_cpu / elapsed,
+        "other_cores": max(0.0, machine - child_cpu - tree) / elapsed,
         "versions": d["versions"],
     }
+
+
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) -> dict[str, Any]:
@@ -141,6 +157,8 @@ def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) 
         "gen_span_s": c.median(c.skip_first(r.gen_span_s)),
         "train_step_s": c.median(c.skip_first(r.train_step_s)),
         "cpu_s_per_step": r.cpu_s_per_step,
+        "own_cores": r.own_cores,
+        "other_cores": r.other_cores,
     }
 
 
@@ -206,7 +224,7 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
                 "reward_per_step": [c.median(r["reward"][k] for r in rs) for k in range(entry["shape"]["steps"])],
                 "wall_per_step": [c.median(r["step_ends"][k] for r in rs) for k in range(entry["shape"]["steps"])],
             }
-            for key in ("gen_span_s", "train_step_s"):
+            for key in ("gen_span_s", "train_step_s", "own_cores", "other_cores"):
                 if key in rs[0]:
                     e[key] = c.median(r[key] for r in rs)
             if "cpu_s_per_step" in rs[0]:
@@ -244,10 +262,11 @@ def report(res: dict[str, Any]) -> None:
             rows.append([side, s["samples_per_s"]["median"], s["samples_per_s"]["spread"], s["tokens_per_s"]["median"],
                          s["steady_step_s"]["median"], s["samples_over_trl"]["median"], s["steady_over_trl"]["median"],
                          s.get("gen_span_s", float("nan")), s.get("train_step_s", float("nan")),
+                         s.get("own_cores", float("nan")), s.get("other_cores", float("nan")),
                          s["reward_per_step"][-1]])
         c.print_table(
             ["side", "samples/s", "spread", "tokens/s", "step_s", "samples/TRL", "steady/TRL", "gen_s", "train_s",
-             "reward@N"], rows,
+             "cores:run", "cores:others", "reward@N"], rows,
             f"{scale}: P={sh['prompts_per_step']} G={sh['group']} L={sh['completion_len']} task={cfg['task']} "
             f"steps={sh['steps']} reps={cfg['reps']} (TRL {e['trl_torch_threads']} threads; screl "
             f"{cfg['screl_threads']} per process)")
