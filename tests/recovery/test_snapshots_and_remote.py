@@ -90,7 +90,12 @@ def test_bootstrap_state_restore_modes_and_fingerprint(tmp_path: Path) -> None:
 
 def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) -> None:
     ck_root = tmp_path / "bundles"
-    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=5, sampler=IN_ORDER))
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=6, sampler=IN_ORDER),
+                            snapshot_attempt_interval_s=0.2)
+    cfg = yaml.safe_load(config.read_text())
+    # steps slower than the snapshot cadence, so attempts land while step N's bundle is the durable anchor
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 1.5
+    config.write_text(yaml.safe_dump(cfg))
     proc = start_fit(config, tmp_path / "fit.log")
     anchor_snaps = lambda: sorted(ck_root.glob("step_*/rollout_snapshots/snapshot_*"))  # noqa: E731
     assert wait_for(lambda: len(anchor_snaps()) >= 1, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
