@@ -25,6 +25,7 @@ from screl.config import (
     AsyncRLConfig,
     CheckpointingConfig,
     DataPlaneConfig,
+    GenerationConfig,
     GRPOConfig,
     PPOConfig,
     RayConfig,
@@ -32,7 +33,9 @@ from screl.config import (
     RolloutRecoveryConfig,
     RunConfig,
     TokenCaptureConfig,
+    from_dict,
 )
+from screl.threads import ThreadPlan, thread_plan
 from screl.validation import ConfigError, config_problems
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -186,6 +189,12 @@ class ScrelCLI(LightningCLI):
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 
+def _thread_plan(cfg: dict[str, Any], run: RunConfig) -> ThreadPlan:
+    data = cfg["data"]["init_args"]
+    generation = from_dict(GenerationConfig, data.get("generation") or {})
+    return thread_plan(generation, run, data.get("train_num_threads"))
+
+
 def capacity_plan(cfg: dict[str, Any]) -> str:
     """The human summary ``screl check`` prints for a valid config."""
     run = RunConfig.from_dict(cfg["data"]["init_args"]["run"])
@@ -221,6 +230,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"IS correction        {'on' if is_on else 'off'}",
         f"max steps            {steps if steps is not None else 'epochs x batches / trainer.max_steps'}",
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
+        f"torch threads        {_thread_plan(cfg, run).describe()}",
     ]
     return "\n".join(lines)
 

@@ -269,8 +269,9 @@ class GenerationConfig:
     """(vllm) Use the async engine; required when not colocated."""
     colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
     """Colocation and generation resources."""
-    num_threads: int = 1
-    """Torch intra-op threads per worker on CPU."""
+    num_threads: int | None = None
+    """Torch intra-op threads per worker on CPU. None: automatic (``screl.threads.thread_plan``): all cores
+    when generation and training take turns (sync), half of them when they overlap (async)."""
     max_batch_size: int = 64
     """Requests a worker generates together."""
     batch_window_s: float = 0.01

@@ -27,6 +27,7 @@ from lightning.pytorch import LightningDataModule
 
 from screl.config import GenerationConfig, RunConfig
 from screl.envs import Task
+from screl.threads import ThreadPlan, thread_plan
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class RolloutDataModule(LightningDataModule):
         step_timeout_s: Longest wait for a trainable chunk before failing with a clear error.
         run_dir: Where ``events.jsonl`` goes (default: the trainer's log dir).
         seed: Seeds prompt order and every request's sampling (with the prompt, epoch and sibling).
+        train_num_threads: Torch intra-op threads of the training process on CPU. None: automatic
+            (``screl.threads.thread_plan``): all cores in sync mode, the cores generation leaves otherwise.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class RolloutDataModule(LightningDataModule):
         step_timeout_s: float = 600.0,
         run_dir: str | None = None,
         seed: int = 0,
+        train_num_threads: int | None = None,
     ) -> None:
         super().__init__()
         self.task = task
@@ -154,6 +158,7 @@ class RolloutDataModule(LightningDataModule):
         self.step_timeout_s = step_timeout_s
         self.run_dir = run_dir
         self.seed = seed
+        self.train_num_threads = train_num_threads
         self.runtime: Any = None
         self.resume: Any = None  # a screl.checkpoint.resume.Resume set by the CLI when a bundle exists
         self.config_dict: dict[str, Any] = {}  # the whole config (set by the CLI): the bootstrap fingerprint
@@ -184,7 +189,12 @@ class RolloutDataModule(LightningDataModule):
                 "(the bundle is written from rank 0 only): set checkpointing.enabled: false or train on one "
                 "process"
             )
-        torch.set_num_threads(max(1, self.generation.num_threads))
+        plan = self.thread_plan()
+        torch.set_num_threads(plan.train)
+
+    def thread_plan(self) -> ThreadPlan:
+        """Torch threads of the trainer and of each generation worker (explicit settings, else automatic)."""
+        return thread_plan(self.generation, self.run, self.train_num_threads)
 
     def _ensure_started(self) -> None:
         """Start the rollout side at the first batch: after Lightning restored the model from a checkpoint,

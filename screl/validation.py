@@ -326,6 +326,10 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
             f"({gen.get('max_new_tokens')})", "set min_new_tokens <= max_new_tokens")
     if gen.get("num_workers", 1) < 1:
         bad(f"{gen_key}.num_workers", gen.get("num_workers"), "must be >= 1", "set num_workers >= 1")
+    for key, value in ((f"{gen_key}.num_threads", gen.get("num_threads")),
+                       ("data.init_args.train_num_threads", get(cfg, "data.init_args.train_num_threads"))):
+        if value is not None and value < 1:
+            bad(key, value, "must be >= 1 or null", f"set {key.rsplit('.', 1)[-1]}: null (automatic) or >= 1")
 
     # --- PPO ---------------------------------------------------------------------------------------
     if algo_key == "ppo":

@@ -57,6 +57,7 @@ def test_capacity_plan_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "staleness 0..2" in out
     assert "up to 2 chunk(s) per step" in out  # ceil(6 / 4)
     assert "IS correction        on" in out
+    assert "for training" in out and "cores split" in out  # a staleness window: the phases overlap
 
 
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
@@ -190,6 +191,10 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "async_rl.rollout_failure.on_dropped_prompt", "not implemented yet"),
     ("temperature_positive", "grpo_tiny.yaml", {"data.init_args.generation.temperature": 0.0},
      "data.init_args.generation.temperature", "must be > 0"),
+    ("generation_threads_positive", "grpo_tiny.yaml", {"data.init_args.generation.num_threads": 0},
+     "data.init_args.generation.num_threads", "must be >= 1 or null"),
+    ("train_threads_positive", "grpo_tiny.yaml", {"data.init_args.train_num_threads": -2},
+     "data.init_args.train_num_threads", "must be >= 1 or null"),
     ("loss_fn_own_checks", "grpo_tiny.yaml", {IS_KEY: False, "async_rl.sampler.max_lookahead_versions": 0},
      "model.init_args.loss_fn", "truncation needs IS correction"),
     ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},

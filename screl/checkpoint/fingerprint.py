@@ -132,6 +132,7 @@ DEFAULT_EXCLUDED_PATHS: tuple[str, ...] = (
     # the DataModule's runtime knobs and generation placement/throughput
     "data.init_args.step_timeout_s",
     "data.init_args.run_dir",
+    "data.init_args.train_num_threads",
     "data.init_args.generation.num_workers",
     "data.init_args.generation.num_threads",
     "data.init_args.generation.device",

@@ -19,6 +19,7 @@ from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
 from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.worker import spawn_workers
+from screl.threads import thread_plan
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class RolloutRuntime:
             )
             g = self.generation
             self.workers = spawn_workers(
-                g.num_workers, policy, device=g.device, num_threads=g.num_threads, max_batch_size=g.max_batch_size,
+                g.num_workers, policy, device=g.device, num_threads=thread_plan(g, self.run).generation,
+                max_batch_size=g.max_batch_size,
                 recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
                 injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
                 batch_window_s=g.batch_window_s,

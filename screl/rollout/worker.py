@@ -148,6 +148,10 @@ class GenerationWorker:
     async def version(self) -> int:
         return self.engine.version
 
+    async def num_threads(self) -> int:
+        """Torch intra-op threads of this worker process."""
+        return torch.get_num_threads()
+
     async def pid(self) -> int:
         return os.getpid()
 

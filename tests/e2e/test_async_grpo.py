@@ -8,10 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
+import torch
 from lightning.pytorch import Callback
 
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
+from screl.threads import available_cores
 
 from .conftest import base_config, column, metrics, run_fit
 
@@ -30,6 +33,17 @@ MODES: dict[str, tuple[dict[str, Any], int, bool]] = {
 }
 
 
+class ThreadProbe(Callback):
+    """Records (trainer threads, generation worker threads) at every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        workers = trainer.datamodule.runtime.workers
+        self.seen.update((torch.get_num_threads(), n) for n in ray.get([w.num_threads.remote() for w in workers]))
+
+
 def _events(run_dir: Path) -> list[Any]:
     return [parse_event(line) for _, line in read_events(run_dir)]
 
@@ -43,7 +57,15 @@ def test_sampler_mode_end_to_end(mode: str, tmp_path: Path) -> None:
     cfg["model"]["init_args"]["loss_fn"]["init_args"][IS_KEY] = is_on
     if not is_on:
         del cfg["model"]["init_args"]["loss_fn"]["init_args"]["is_truncation"]
-    run_dir = run_fit(cfg, tmp_path)
+    probe = ThreadProbe()
+    run_dir = run_fit(cfg, tmp_path, callbacks=[probe])
+
+    # the thread budget: sync takes turns (every core for each phase), async splits the cores
+    cores = available_cores()
+    if mode.startswith("sync"):
+        assert probe.seen == {(cores, cores)}
+    else:
+        assert probe.seen == {(max(1, cores - cores // 2), max(1, cores // 2))}
 
     report = check_events(run_dir, sampler)
     assert report.ok, report.format()
