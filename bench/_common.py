@@ -96,7 +96,7 @@ def screl_config(
     group: int = 4,
     completion_len: int = 16,
     min_groups: int | None = None,
-    threads: int = 1,
+    threads: int | None = 1,
     learning_rate: float = 3e-3,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -123,6 +123,7 @@ def screl_config(
     data["task"] = deepcopy(TASKS[task])
     data["generation"].update(max_new_tokens=completion_len, min_new_tokens=completion_len, num_threads=threads,
                               num_workers=1, max_batch_size=max(64, prompts_per_step * group))
+    data["train_num_threads"] = threads  # None: screl's automatic budget (see screl.threads)
     data["step_timeout_s"] = 300
     data["seed"] = seed
     cfg["grpo"].update(num_prompts_per_step=prompts_per_step, num_generations_per_prompt=group,

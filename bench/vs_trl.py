@@ -72,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion-len", type=int, default=None, help="L (default: the scale's, 16 tiny / 64 small)")
     p.add_argument("--trl-threads", type=int, default=2,
                    help="torch threads of the TRL process (PEER_THREADS; default 2, the peer's default)")
-    p.add_argument("--screl-threads", type=int, default=1,
-                   help="torch threads of each screl process, trainer and generation worker (default 1)")
+    p.add_argument("--screl-threads", type=int, default=None,
+                   help="torch threads of each screl process, trainer and generation worker (default: screl's "
+                        "automatic budget: every core per phase in sync mode, the cores split in async mode)")
     p.add_argument("--out-dir", type=Path, default=c.RESULTS)
     p.add_argument("--keep-runs", action="store_true")
     args = p.parse_args(argv)
@@ -269,7 +270,7 @@ def report(res: dict[str, Any]) -> None:
              "cores:run", "cores:others", "reward@N"], rows,
             f"{scale}: P={sh['prompts_per_step']} G={sh['group']} L={sh['completion_len']} task={cfg['task']} "
             f"steps={sh['steps']} reps={cfg['reps']} (TRL {e['trl_torch_threads']} threads; screl "
-            f"{cfg['screl_threads']} per process)")
+            f"{cfg['screl_threads'] or 'automatic'} per process)")
     print(f"\n[{cfg['key_scale']}] sync_over_trl_samples = {res['sync_over_trl_samples']:.3f} (target >= 1.0); "
           f"async_over_trl_samples = {res['async_over_trl_samples']:.3f} (target >= 1.5)")
 

@@ -258,3 +258,19 @@ def test_checkpoint_paths_are_checked_before_tq(dp: DataPlane, tmp_path: Path) -
         dp.save("s3://bucket/dp")
     with pytest.raises(FileNotFoundError, match=r"is not a TransferQueue checkpoint"):
         dp.load(tmp_path / "missing")
+
+
+def test_columns_are_regular_when_shapes_agree_and_jagged_otherwise() -> None:
+    from screl.dataplane.client import _samples, _to_column
+
+    same = [torch.arange(4) + i for i in range(3)]
+    col = _to_column("ids", same, 3)
+    assert not col.is_nested and col.shape == (3, 4)
+    ragged = [torch.arange(n, dtype=torch.float32) for n in (2, 0, 5)]
+    col = _to_column("lp", ragged, 3)
+    assert col.is_nested and col.layout == torch.jagged
+    back = _samples(col)
+    assert [t.tolist() for t in back] == [t.tolist() for t in ragged]
+    assert [t.tolist() for t in _samples(_to_column("ids", same, 3))] == [t.tolist() for t in same]
+    with pytest.raises(ValueError, match="differ beyond the first dim"):
+        _to_column("bad", [torch.zeros(2, 3), torch.zeros(2, 4)], 2)
