@@ -271,7 +271,8 @@ def _samples(column: torch.Tensor) -> list[torch.Tensor]:
     if not column.is_nested:
         return list(column.unbind(0))
     values, offsets = getattr(column, "_values", None), getattr(column, "_offsets", None)
-    if column.layout == torch.jagged and getattr(column, "_lengths", 0) is None and values is not None:
+    if column.layout == torch.jagged and getattr(column, "_lengths", 0) is None and values is not None \
+            and offsets is not None:
         # the private buffers: the public values()/offsets() go through the nested-tensor dispatch too
         return list(values.split_with_sizes(offsets.diff().tolist()))
     return list(column.unbind())
