@@ -141,7 +141,8 @@ class GroupRunner:
                 top_p=g.top_p, top_k=g.top_k,
                 seed=seed_for(ctl.seed, gr.prompt.prompt_id, gr.epoch, s, gr.resamples.get(s, 0)),
             )
-            reqs.append(GenerationRequest(attempt, ctl.prompt_tokens[gr.prompt.prompt_id], params))
+            priority = gr.target_step if gr.target_step is not None else gr.start_weight
+            reqs.append(GenerationRequest(attempt, ctl.prompt_tokens[gr.prompt.prompt_id], params, priority))
         return reqs
 
     async def run(self, gr: GroupRun) -> None:

@@ -65,9 +65,8 @@ class RolloutRuntime:
         rc = self.run.ray
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
         try:
-            self.dataplane = DataPlane.start(
-                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
-            )
+            # start-up in parallel: the workers boot (and load the weights) while TransferQueue starts,
+            # and the controller boots while the workers finish
             g = self.generation
             self.workers = spawn_workers(
                 g.num_workers, policy, device=g.device, num_threads=thread_plan(g, self.run).generation,
@@ -77,10 +76,14 @@ class RolloutRuntime:
                 batch_window_s=g.batch_window_s,
             )
             weights = [ray.put(initial_weights)]
-            ray.get([w.update_weights.remote(weights, 0) for w in self.workers], timeout=self.timeout_s)
+            loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
+            self.dataplane = DataPlane.start(
+                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
+            )
             self.controller = spawn_controller(
                 self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed, config_dict
             )
+            ray.get(loaded, timeout=self.timeout_s)
             if restore is not None:
                 summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
                 log.warning("screl: resumed the rollout side: %s", summary)

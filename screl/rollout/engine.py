@@ -73,6 +73,10 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int]
     """The tokenized prompt (non-empty)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    """Lower is more urgent (vLLM's ``priority``): a worker holding requests of several priorities decodes the
+    most urgent ones first, in a batch of their own. The controller sets a group's target step, so at start-up
+    step 0 is not held back by decoding step 1 beside it."""
 
 
 @dataclass

@@ -100,14 +100,7 @@ class GenerationWorker:
                     self._cv.wait(timeout=self.batch_window_s)
                     if len(self._queue) == seen or time.monotonic() >= deadline:
                         break
-                batch: list[_Pending] = []
-                rows = 0
-                while self._queue and (
-                    not batch or rows + len(self._queue[0].requests) <= self.max_batch_size
-                ):
-                    item = self._queue.pop(0)
-                    batch.append(item)
-                    rows += len(item.requests)
+                batch, self._queue = take_batch(self._queue, self.max_batch_size)
             flat = [r for item in batch for r in item.requests]
             try:
                 results = self.engine.generate(flat)
@@ -157,6 +150,30 @@ class GenerationWorker:
 
     async def ping(self) -> bool:
         return True
+
+
+def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], list[_Pending]]:
+    """Split ``queue`` into the next decode batch and the rest: the most urgent priority's groups in arrival
+    order while they fit in ``max_rows`` (always at least one group); other priorities wait their turn."""
+    if not queue:
+        return [], []
+    urgent = min(_priority(item) for item in queue)
+    batch: list[_Pending] = []
+    rest: list[_Pending] = []
+    rows, full = 0, False
+    for item in queue:
+        n = len(item.requests)
+        full = full or _priority(item) == urgent and bool(batch) and rows + n > max_rows
+        if _priority(item) == urgent and not full:  # a group that did not fit: later ones must not overtake it
+            batch.append(item)
+            rows += n
+        else:
+            rest.append(item)
+    return batch, rest
+
+
+def _priority(item: _Pending) -> int:
+    return min((r.priority for r in item.requests), default=0)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
