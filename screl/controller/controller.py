@@ -491,8 +491,9 @@ class RolloutController:
             }
             # logged when the state is captured (the checker's anchor), whether or not the publish succeeds
             kind = SnapshotEvent if open_step == "rollback" else CheckpointEvent
-            self.emit(kind(step=self.train_steps, extra={"groups": len(replay), "in_flight": len(in_flight),
-                                                         "rolled_back": len(self.step_claims)}))
+            self.emit(kind(step=self.train_steps, mutation_version=self.mutation_version,
+                           extra={"groups": len(replay), "in_flight": len(in_flight),
+                                  "rolled_back": len(self.step_claims)}))
         return state
 
     async def restore(self, state: dict[str, Any], data_plane_dir: str | None) -> dict[str, Any]:
@@ -541,7 +542,7 @@ class RolloutController:
         self.mutation_version = int(state["mutation_version"])
         ready = [g["group_id"] for g in replay["groups"]]
         self._restored_from = self.train_steps
-        self.emit(RestoreEvent(step=self.train_steps, group_ids=tuple(ready)))
+        self.emit(RestoreEvent(step=self.train_steps, group_ids=tuple(ready), mutation_version=self.mutation_version))
         for gid in self.ledger.group_ids(GroupState.GENERATING):
             rec = self.ledger.group(gid)
             info = state["in_flight"].get(gid, {"epoch": self.epoch, "end_weight": rec.start_weight,

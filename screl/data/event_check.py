@@ -14,7 +14,9 @@ and the logging contract) and reports each violation with its rule and line:
 * ``*-state`` / ``unknown-group``: transitions out of order (commit twice, select an unready group...).
 * ``train-step-mismatch``: a step trained other groups than were selected for it.
 * ``lost-on-restore``: a group ready or claimed at the resumed checkpoint is missing from the
-  restore's ``group_ids``.
+  restore's ``group_ids``. A step may have several anchors (its checkpoint, then periodic snapshots,
+  each logged when captured): the restore names the one it resumed by ``mutation_version``.
+* ``restore-anchor``: a restore names a ``mutation_version`` that no anchor of its step logged.
 * ``capacity``: more buffered groups than ``max_buffered_rollouts`` (when given).
 * ``unfinished`` (only with ``final=True``): a run that ended with rollouts in flight, failed attempts
   neither retried nor dropped, or a selected step never trained.
@@ -63,7 +65,8 @@ from screl.data.sampler_config import (
 
 _LIVE = ("inflight", "ready")
 _OPEN = ("inflight", "ready", "selected", "failed")
-_MAX_ANCHORS = 8  # checkpoints/snapshots remembered as restore points (the newest ones)
+_MAX_ANCHORS = 8  # steps whose checkpoints/snapshots are remembered as restore points (the newest ones)
+_AnchorState = tuple[str, int | None, int | None, int | None]  # status, trained step, target step, end weight
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ class _Checker:
         self.order = 0
         self.open_steps: dict[int, list[str]] = {}
         self.pending_retry: dict[int, list[str]] = {}
-        self.anchors: dict[int, dict[str, tuple[str, int | None, int | None, int | None]]] = {}
+        # step -> its captures in log order: (mutation version, group states)
+        self.anchors: dict[int, list[tuple[int | None, dict[str, _AnchorState]]]] = {}
         self.line = 0
 
     # ------------------------------------------------------------------ helpers
@@ -365,17 +369,34 @@ class _Checker:
     def on_anchor(self, e: CheckpointEvent | SnapshotEvent) -> None:
         if e.step != self.version:
             self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
-        self.anchors[e.step] = {
-            k: (g.status, g.trained_step, g.target_step, g.end_weight) for k, g in self.groups.items()
-        }
+        state = {k: (g.status, g.trained_step, g.target_step, g.end_weight) for k, g in self.groups.items()}
+        self.anchors.setdefault(e.step, []).append((e.mutation_version, state))
         while len(self.anchors) > _MAX_ANCHORS:
             del self.anchors[min(self.anchors)]
+
+    def _restored_anchor(self, e: RestoreEvent) -> dict[str, _AnchorState] | None:
+        """The anchor a restore resumed from: the step's capture with the restore's mutation version (a
+        checkpoint, or a snapshot that was published), else the step's latest. Later anchors of that step are
+        void (e.g. a snapshot captured, then killed before it was published)."""
+        candidates = self.anchors.get(e.step, [])
+        index = len(candidates) - 1
+        if e.mutation_version is not None:
+            matching = [i for i, (mv, _) in enumerate(candidates) if mv == e.mutation_version]
+            if matching:
+                index = matching[-1]
+            elif candidates:
+                self.flag("restore-anchor", f"restore at step {e.step} from a state (mutation version "
+                          f"{e.mutation_version}) that no checkpoint or snapshot of that step logged")
+        if index < 0:
+            return None
+        self.anchors[e.step] = candidates[: index + 1]
+        return candidates[index][1]
 
     def on_restore(self, e: RestoreEvent) -> None:
         """Rewind to the anchor at step R: later history is void, open groups superseded unless restored."""
         self.report.restores += 1
         r = e.step
-        anchor = self.anchors.get(r)
+        anchor = self._restored_anchor(e)
         buffered = [k for k, st in (anchor or {}).items() if st[0] in ("ready", "selected")]
         if anchor is not None and e.group_ids is not None:
             lost = sorted(set(buffered) - set(e.group_ids))

@@ -203,12 +203,16 @@ class RefitEvent(Event):
 class CheckpointEvent(Event):
     name: ClassVar[str] = "checkpoint"
     step: int
+    mutation_version: int | None = None
+    """The controller's data-plane mutation counter at the capture: names this state among the step's anchors."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SnapshotEvent(Event):
     name: ClassVar[str] = "snapshot"
     step: int
+    mutation_version: int | None = None
+    """As for ``checkpoint``. Logged at the capture, so a snapshot killed before it was published is logged too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +220,8 @@ class RestoreEvent(Event):
     name: ClassVar[str] = "restore"
     step: int
     group_ids: tuple[str, ...] | None = None
+    mutation_version: int | None = None
+    """The restored state's capture (a ``checkpoint`` or ``snapshot`` of this step); None: the step's latest."""
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

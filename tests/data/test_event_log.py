@@ -397,6 +397,41 @@ class TestRestore:
         ]
         assert _rules(log) == []
 
+    def _unpublished_snapshot(self) -> list[Event]:
+        """Step 1's checkpoint (b buffered, c in flight), then c commits and a snapshot is captured, then a crash
+        (perhaps before the snapshot was published)."""
+        return _step(0, [("a", 0)]) + [
+            ReserveEvent(group_id="b", prompt_id=1, start_weight=1, target_step=1),
+            CommitEvent(group_id="b", end_weight=1),
+            ReserveEvent(group_id="c", prompt_id=2, start_weight=1, target_step=1),
+            CheckpointEvent(step=1, mutation_version=4),
+            CommitEvent(group_id="c", end_weight=1),
+            SnapshotEvent(step=1, mutation_version=5),
+        ]
+
+    def test_restore_names_its_anchor_among_the_steps_captures(self) -> None:
+        # resumed from the checkpoint (the snapshot never got published): c is redispatched, nothing is lost
+        from_checkpoint = self._unpublished_snapshot() + [
+            RestoreEvent(step=1, group_ids=("b",), mutation_version=4),
+            ReserveEvent(group_id="c", prompt_id=2, start_weight=1, target_step=1),
+            CommitEvent(group_id="c", end_weight=1),
+            SelectEvent(trainer_version=1, group_ids=("b", "c")),
+            TrainStepEvent(step=1, group_ids=("b", "c")),
+        ]
+        report = check_events(from_checkpoint, IN_ORDER, final=True)
+        assert report.ok, report.format()
+        # resumed from the snapshot, c must come back as buffered
+        assert _rules(self._unpublished_snapshot() + [
+            RestoreEvent(step=1, group_ids=("b",), mutation_version=5)]) == ["lost-on-restore"]
+        assert _rules(self._unpublished_snapshot() + [
+            RestoreEvent(step=1, group_ids=("b", "c"), mutation_version=5)]) == []
+        # without a mutation version the step's latest anchor is assumed (logs written before it existed)
+        assert _rules(self._unpublished_snapshot() + [RestoreEvent(step=1, group_ids=("b",))]) == ["lost-on-restore"]
+
+    def test_restore_from_an_unlogged_anchor_is_flagged(self) -> None:
+        log = self._unpublished_snapshot() + [RestoreEvent(step=1, group_ids=("b", "c"), mutation_version=9)]
+        assert "restore-anchor" in _rules(log)
+
     def test_anchor_step_must_match_progress(self) -> None:
         assert _rules([CheckpointEvent(step=2)]) == ["anchor-step"]
 
