@@ -445,11 +445,15 @@ class RolloutController:
         return await self.snapshots.attempt()  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ checkpoints
-    def _replay_index(self) -> list[dict[str, Any]]:
+    def _replay_index(self, with_claims: bool = False) -> list[dict[str, Any]]:
+        """The completed groups a restore re-offers: the ready ones, and with ``with_claims`` (a snapshot taken
+        mid-step, whose open step is rolled back) also the groups that step claimed, which are ready again
+        after the restore and whose rows the data plane must hold."""
+        claimed = self.buffer.claimed_slots() if with_claims else []
         return [
             {"group_id": s.group_id, "prompt_id": s.prompt_id, "start_weight": s.start_weight,
              "end_weight": s.end_weight, "target_step": s.target_step}
-            for s in self.buffer.live_slots() if s.ready
+            for s in [*claimed, *self.buffer.live_slots()] if s.ready
         ]
 
     async def capture(self, data_plane_dir: str | None, open_step: str = "reject") -> dict[str, Any]:
@@ -465,7 +469,7 @@ class RolloutController:
             if data_plane_dir is not None:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(None, self.dp.save, data_plane_dir)
-            replay = self._replay_index()
+            replay = self._replay_index(with_claims=open_step == "rollback")
             in_flight = {g: gr.info() for g, gr in self.runs.items()}
             state = {
                 "schema_version": STATE_SCHEMA,

@@ -128,3 +128,58 @@ def test_crash_and_resume_on_s3(tmp_path: Path, s3_options: dict[str, Any]) -> N
     assert report.ok, report.format()
     latest = store.latest()
     assert latest is not None and latest.step == 5
+
+
+_SNAPSHOT_MID_STEP = """
+import sys, time
+from pathlib import Path
+from lightning.pytorch import Callback
+from screl.cli import ScrelCLI
+
+class SnapshotMidStep(Callback):
+    # at the start of step 1 the step's groups are claimed: snapshot now, then hang until killed
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.global_step == 1:
+            outcome = trainer.datamodule.runtime.snapshot_now()
+            Path(sys.argv[2]).write_text(outcome)
+            time.sleep(3600)
+
+cli = ScrelCLI(args=["--config", sys.argv[1]], run=False)
+cli.trainer.callbacks.append(SnapshotMidStep())
+cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+"""
+
+
+def test_snapshot_taken_mid_step_restores_the_open_steps_groups(tmp_path: Path) -> None:
+    """A snapshot captured while a step holds its claims rolls that step back: its groups come back as ready
+    (in the replay index, checked against the data plane) and train exactly once after the resume."""
+    import subprocess
+    import sys
+
+    import torch
+
+    ck_root = tmp_path / "bundles"
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=4, sampler=IN_ORDER),
+                            snapshot_attempt_interval_s=3600.0)  # only the snapshot the callback takes
+    driver, marker = tmp_path / "driver.py", tmp_path / "snapshot_outcome"
+    driver.write_text(_SNAPSHOT_MID_STEP)
+    log = (tmp_path / "fit.log").open("ab")
+    proc = subprocess.Popen([sys.executable, str(driver), str(config), str(marker)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    assert wait_for(marker.exists, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
+    kill_tree(proc)
+    assert marker.read_text() == "completed"
+    [snapshot] = sorted(ck_root.glob("step_1/rollout_snapshots/snapshot_*"))
+    claimed = [e.group_ids for e in (parse_event(line) for _, line in read_events(tmp_path / "run"))
+               if e.name == "select"][-1]
+    replay = torch.load(snapshot / "replay_buffer_metadata.pt", weights_only=False)
+    assert set(claimed) <= {g["group_id"] for g in replay["groups"]}  # the open step's groups, rolled back
+
+    proc = start_fit(config, tmp_path / "fit.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
+    assert "rollout_snapshots/snapshot_" in (tmp_path / "fit.log").read_text()
+    events = [parse_event(line) for _, line in read_events(tmp_path / "run")]
+    [restore] = [e for e in events if e.name == "restore"]
+    assert set(claimed) <= set(restore.group_ids or ())
+    report = check_events(tmp_path / "run", IN_ORDER)
+    assert report.ok, report.format()
