@@ -303,7 +303,7 @@ class EventLogWriter:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m screl.data.events check RUN_DIR``: audit a run's event log; non-zero on violations."""
-    from screl.data.event_check import cli_main
+    from screl.data.event_check_cli import cli_main
 
     return cli_main(argv)
 

@@ -261,7 +261,7 @@ def _from_batch(td: TensorDict, keys: list[str], fields: list[str]) -> dict[str,
         v = td.get(f)
         if not isinstance(v, torch.Tensor):
             raise DataPlaneError(f"field {f!r} came back as {type(v).__name__}, not a tensor.")
-        out[f] = _samples(v.cpu() if v.device.type != "cpu" else v)
+        out[f] = _samples(v.cpu())
     return out
 
 

@@ -284,8 +284,8 @@ class GRPO(LightningModule):
         self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], rows: int, t0: float,
         stepped: bool, grad_norm: Tensor | None = None,
     ) -> None:
-        """One ``log_dict`` per chunk (plus one for the progress bar): each ``self.log`` call costs Lightning a
-        result-collection round trip, which at ~25 metrics was a sixth of a tiny step's trainer time."""
+        """The chunk's metrics as two dicts (progress bar, the rest). Lightning still records each key on its own
+        (~0.3 ms per key in its result collection: at ~25 keys a sixth of a tiny step's trainer time)."""
         version = int(batch["trainer_version"])
         staleness = (version - batch["start_weight"]).float()
         resp_len = batch["token_mask"].float().sum(-1)

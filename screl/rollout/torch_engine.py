@@ -391,7 +391,7 @@ def _copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
     as_int = _SAME_SIZE_INT.get(dst.dtype.itemsize)
     if (
         dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or as_int is None
-        or dst.dtype == torch.bool or dst.dtype.is_complex or not dst.is_contiguous() or dst.shape != src.shape
+        or not dst.is_contiguous() or dst.shape != src.shape
     ):
         dst.copy_(src)
         return

@@ -155,25 +155,20 @@ class GenerationWorker:
 def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], list[_Pending]]:
     """Split ``queue`` into the next decode batch and the rest: the most urgent priority's groups in arrival
     order while they fit in ``max_rows`` (always at least one group); other priorities wait their turn."""
-    if not queue:
-        return [], []
-    urgent = min(_priority(item) for item in queue)
+    priorities = [min((r.priority for r in item.requests), default=0) for item in queue]
+    urgent = min(priorities, default=0)
     batch: list[_Pending] = []
     rest: list[_Pending] = []
     rows, full = 0, False
-    for item in queue:
-        n = len(item.requests)
-        full = full or _priority(item) == urgent and bool(batch) and rows + n > max_rows
-        if _priority(item) == urgent and not full:  # a group that did not fit: later ones must not overtake it
+    for item, priority in zip(queue, priorities, strict=True):
+        if priority == urgent and not full and (not batch or rows + len(item.requests) <= max_rows):
             batch.append(item)
-            rows += n
+            rows += len(item.requests)
         else:
+            # an urgent group that did not fit ends the batch: later ones must not overtake it
+            full = full or priority == urgent
             rest.append(item)
     return batch, rest
-
-
-def _priority(item: _Pending) -> int:
-    return min((r.priority for r in item.requests), default=0)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

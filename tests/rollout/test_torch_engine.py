@@ -347,7 +347,9 @@ def test_pause_times_out_with_a_clear_error() -> None:
     assert not th.is_alive()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64, torch.complex128]
+)
 def test_serial_copy_equals_copy_(dtype: torch.dtype) -> None:
     src = (torch.randn(33, 17) * 50).to(dtype)
     dst = torch.zeros(33, 17, dtype=dtype)
