@@ -14,10 +14,12 @@ import ray
 import torch
 
 from screl.config import GenerationConfig, RunConfig
-from screl.controller.controller import ROW_FIELDS, RolloutController
+from screl.controller.controller import RolloutController
 from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
 from screl.envs import Task
 from screl.models import PolicySpec
+from screl.rollout.engine import SamplingParams
+from screl.rollout.rows import ROW_FIELDS
 from screl.rollout.worker import spawn_workers
 from screl.threads import thread_plan
 
@@ -27,7 +29,6 @@ log = logging.getLogger(__name__)
 def spawn_controller(
     run: RunConfig,
     task: Task,
-    policy: PolicySpec,
     generation: GenerationConfig,
     workers: list[Any],
     dataplane: Any,
@@ -39,7 +40,13 @@ def spawn_controller(
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
         num_cpus=0, max_concurrency=1000
     )
-    return actor.remote(run, task, policy, generation, workers, dataplane, run_dir, seed, config_dict)
+    return actor.remote(run, task, generation, workers, dataplane, run_dir, seed, config_dict)
+
+
+def sampling_params(g: GenerationConfig) -> SamplingParams:
+    """The sampling settings every request of the run shares (each request adds its own seed)."""
+    return SamplingParams(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens,
+                          temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
 
 
 class RolloutRuntime:
@@ -73,17 +80,18 @@ class RolloutRuntime:
                 max_batch_size=g.max_batch_size,
                 recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
                 injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
-                batch_window_s=g.batch_window_s,
+                batch_window_s=g.batch_window_s, task=task, sampling=sampling_params(g),
             )
             weights = [ray.put(initial_weights)]
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
             self.dataplane = DataPlane.start(
                 num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
             )
+            attached = [w.set_data_plane.remote(self.dataplane) for w in self.workers]
             self.controller = spawn_controller(
-                self.run, task, policy, g, self.workers, self.dataplane, run_dir, seed, config_dict
+                self.run, task, g, self.workers, self.dataplane, run_dir, seed, config_dict
             )
-            ray.get(loaded, timeout=self.timeout_s)
+            ray.get(loaded + attached, timeout=self.timeout_s)
             if restore is not None:
                 summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
                 log.warning("screl: resumed the rollout side: %s", summary)

@@ -297,7 +297,7 @@ class _Checker:
         if g is None:
             return
         t, cfg = e.trainer_version, self.cfg
-        if cfg is not None and cfg.name != "custom":
+        if cfg is not None and cfg.name != "custom" and e.reason != "shutdown":
             if cfg.name == "ready_first":
                 ok = False
             elif cfg.name == "in_order":

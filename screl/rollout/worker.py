@@ -1,8 +1,12 @@
-"""``GenerationWorker``: a Ray actor that drives one generation engine.
+"""``GenerationWorker``: a Ray actor that drives one generation engine and writes its own rows.
 
-Requests arrive one prompt group per call from the controller's many concurrent rollouts; a single
-decode thread gathers whatever is queued (up to ``max_batch_size`` rows) into one batched
-``engine.generate`` call, so concurrent groups share forward passes. Weight updates run beside it
+The controller sends ``rollout(dispatches)``: metadata only (attempt id, prompt id, seed, priority). The
+worker runs its workflow on them (default: generate, reward, build the row), puts each sealed row into the
+data plane under its attempt id, and reports metadata back (reward, lengths, finish reason, version). Prompts
+are tokenized here, once per prompt. Row writes of concurrent calls are coalesced into one put.
+
+Requests are decoded by a single thread that gathers whatever is queued (up to ``max_batch_size`` rows) into
+one batched ``engine.generate`` call, so concurrent groups share forward passes. Weight updates run beside it
 (the torch engine applies them between decode steps and labels each token with its version).
 
 ``injected_latency_s`` delays each group's reply by a uniform random amount: a testing aid that
@@ -12,6 +16,8 @@ makes completions arrive out of dispatch order, on top of real generation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib
 import os
 import random
 import threading
@@ -23,8 +29,14 @@ from typing import Any
 import ray
 import torch
 
+from screl.data.core_types import Dispatch, SiblingReport
+from screl.envs import Task
 from screl.models import PolicySpec
-from screl.rollout.engine import GenerationRequest, GenerationResult
+from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.rows import ROW_SCHEMA
+from screl.rollout.workflow import RolloutItem, RolloutWorkflow
+
+DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 
 
 @dataclass
@@ -48,6 +60,10 @@ class GenerationWorker:
         seed: int = 0,
         backend: str = "torch",
         batch_window_s: float = 0.01,
+        task: Task | None = None,
+        sampling: SamplingParams | None = None,
+        workflow: str = DEFAULT_WORKFLOW,
+        row_window_s: float = 0.005,
     ) -> None:
         torch.set_num_threads(num_threads)
         if backend != "torch":
@@ -73,6 +89,43 @@ class GenerationWorker:
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._decode_loop, name="screl-decode", daemon=True)
         self._thread.start()
+        self.task = task
+        self.sampling = sampling or SamplingParams()
+        self.workflow: RolloutWorkflow | None = None
+        if task is not None:
+            self.workflow = load_workflow(workflow)(task=task, tokenizer=policy.build_tokenizer(), schema=ROW_SCHEMA)
+            self._tokenizer = policy.build_tokenizer()
+        self._prompt_tokens: dict[int, tuple[int, ...]] = {}
+        self.rows = RowSink(row_window_s)
+
+    # -- rollouts -------------------------------------------------------------------------------------
+    def set_data_plane(self, dataplane: Any) -> None:
+        """The data plane this worker writes its rows to (attached once it has started)."""
+        self.rows.dataplane = dataplane
+
+    def _tokens(self, prompt_id: int) -> tuple[int, ...]:
+        tokens = self._prompt_tokens.get(prompt_id)
+        if tokens is None:
+            assert self.task is not None
+            text = self.task.prompt(prompt_id).text
+            tokens = self._prompt_tokens[prompt_id] = tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return tokens
+
+    async def rollout(self, dispatches: list[Dispatch]) -> list[SiblingReport]:
+        """Run the workflow on these siblings, write their rows, report metadata (one report per dispatch)."""
+        if self.workflow is None or self.task is None:
+            raise RuntimeError("this worker was started without a task: it can generate but not roll out")
+        items = [RolloutItem(d.attempt, self.task.prompt(d.prompt_id), self._tokens(d.prompt_id),
+                             dataclasses.replace(self.sampling, seed=d.seed), d.priority) for d in dispatches]
+        try:
+            outcomes = await self.workflow.run(items, self.generate)
+        except asyncio.CancelledError:  # aborted while queued
+            return [SiblingReport(d.attempt, "abort", finish_reason="abort") for d in dispatches]
+        sealed = [o for o in outcomes if o.status == "sealed" and o.row is not None]
+        if sealed:
+            await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
+        return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
+                              o.finish_reason, o.detail) for o in outcomes]
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -150,6 +203,60 @@ class GenerationWorker:
 
     async def ping(self) -> bool:
         return True
+
+    async def row_puts(self) -> int:
+        return self.rows.puts
+
+
+def load_workflow(target: str) -> type:
+    """The workflow class named ``"package.module.Class"`` or ``"package.module:Class"``."""
+    module_name, _, name = target.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"data.init_args.generation.workflow={target!r} cannot be imported: {err}") from err
+    if not callable(getattr(cls, "run", None)):
+        raise TypeError(f"data.init_args.generation.workflow={target!r} has no run(items, generate) method")
+    return cls  # type: ignore[no-any-return]
+
+
+class RowSink:
+    """Coalesces the worker's concurrent row writes into one data-plane put (a put costs a few ms whatever its
+    size): the first write of a burst waits ``window_s`` for company, then everything queued goes in one put."""
+
+    def __init__(self, window_s: float = 0.005) -> None:
+        self.window_s = window_s
+        self.dataplane: Any = None
+        self.puts = 0
+        self._queue: list[tuple[list[str], list[dict[str, torch.Tensor]], asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def put(self, keys: list[str], rows: list[dict[str, torch.Tensor]]) -> None:
+        if self.dataplane is None:
+            raise RuntimeError("the worker has no data plane attached (set_data_plane)")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._queue.append((keys, rows, done))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush())
+        await asyncio.shield(done)
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(self.window_s)
+        while self._queue:
+            batch, self._queue = self._queue, []
+            keys = [k for ks, _, _ in batch for k in ks]
+            try:
+                await self.dataplane.aput(keys, ROW_SCHEMA.merge([r for _, rows, _ in batch for r in rows]))
+                self.puts += 1
+            except BaseException as err:  # noqa: BLE001 - every writer of the batch hears about it
+                for _, _, done in batch:
+                    _set_exception(done, err)
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                continue
+            for _, _, done in batch:
+                _set_result(done, None)
 
 
 def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], list[_Pending]]:

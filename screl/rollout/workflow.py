@@ -1,0 +1,107 @@
+"""Rollout workflows: what a worker does with one sibling between dispatch and report.
+
+A workflow turns each dispatched sibling (a prompt, its sampling seed) into one training row, using the
+worker's ``generate`` (batched with everything else the worker decodes). It may call ``generate`` several
+times (a multi-turn loop) as long as it returns one row per sibling. Rewards run here, on the worker's
+executor thread: never on the controller's event loop, and batched through ``Task.rewards``.
+
+The default, :class:`SingleTurnWorkflow`: generate once, score, build the row with ``ROW_SCHEMA``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from screl.envs import PromptRecord, Task, decode_completion
+from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.rows import ROW_SCHEMA, RowSchema
+
+Generate = Callable[[list[GenerationRequest]], Awaitable[list[GenerationResult]]]
+
+
+@dataclass(frozen=True)
+class RolloutItem:
+    """One sibling to roll out: its attempt id (the row's key), prompt and sampling parameters."""
+
+    attempt: str
+    prompt: PromptRecord
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class RolloutOutcome:
+    """A workflow's result for one item: a row (``sealed``), a failure to resample (``data_error``) or an
+    abort (``abort``, no row)."""
+
+    attempt: str
+    status: str
+    row: dict[str, torch.Tensor] | None = None
+    reward: float = 0.0
+    end_version: int = 0
+    response_len: int = 0
+    finish_reason: str = ""
+    detail: str = ""
+
+
+class RolloutWorkflow(Protocol):
+    """Built once per worker as ``cls(task=..., tokenizer=..., schema=...)``."""
+
+    async def run(self, items: Sequence[RolloutItem], generate: Generate) -> list[RolloutOutcome]:
+        """One outcome per item, in order."""
+        ...
+
+
+class SingleTurnWorkflow:
+    """Generate one completion per sibling, score it with the task, build its row."""
+
+    def __init__(self, task: Task, tokenizer: Any, schema: RowSchema = ROW_SCHEMA) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+        self.schema = schema
+
+    async def run(self, items: Sequence[RolloutItem], generate: Generate) -> list[RolloutOutcome]:
+        requests = [GenerationRequest(i.attempt, list(i.prompt_token_ids), i.sampling, i.priority) for i in items]
+        results = await generate(requests)
+        done = [(i, r) for i, r in zip(items, results, strict=True) if r.finish_reason != "abort"]
+        completions = [decode_completion(self.tokenizer, r.token_ids) for _, r in done]
+        loop = asyncio.get_running_loop()
+        scores = await loop.run_in_executor(None, self.score, [i.prompt for i, _ in done], completions)
+        by_attempt = {i.attempt: (r, s) for (i, r), s in zip(done, scores, strict=True)}
+        out = []
+        for item, res in zip(items, results, strict=True):
+            if item.attempt not in by_attempt:
+                out.append(RolloutOutcome(item.attempt, "abort", finish_reason="abort"))
+                continue
+            _, score = by_attempt[item.attempt]
+            common = {"end_version": res.end_version, "response_len": len(res.token_ids),
+                      "finish_reason": res.finish_reason}
+            if isinstance(score, BaseException):
+                out.append(RolloutOutcome(item.attempt, "data_error", detail=repr(score)[:200], **common))  # type: ignore[arg-type]
+            else:
+                row = self.schema.build(res, score)
+                out.append(RolloutOutcome(item.attempt, "sealed", row=row, reward=score, **common))  # type: ignore[arg-type]
+        return out
+
+    def score(self, prompts: list[PromptRecord], completions: list[str]) -> list[float | BaseException]:
+        """Rewards in one ``Task.rewards`` call; if it raises, each completion alone, so a failure is pinned on the
+        sibling that caused it (a data failure: that sibling is resampled)."""
+        if not prompts:
+            return []
+        try:
+            return [float(r) for r in self.task.rewards(prompts, completions)]
+        except Exception:  # noqa: BLE001 - find the culprit below
+            pass
+        out: list[float | BaseException] = []
+        for p, c in zip(prompts, completions, strict=True):
+            try:
+                out.append(float(self.task.rewards([p], [c])[0]))
+            except Exception as err:  # noqa: BLE001 - a reward function failed: a data failure
+                out.append(err)
+        return out
