@@ -149,10 +149,10 @@ class RolloutController:
             self.pump_error = eff.error
         for worker, attempts in eff.abort.items():
             self.workers[worker].abort.remote(attempts)
-        calls: dict[tuple[int, float], list[Dispatch]] = defaultdict(list)
-        for d in eff.dispatch:
-            calls[d.worker, d.delay_s].append(d)
-        for (worker, delay), dispatches in calls.items():
+        calls: dict[tuple[str, int, float], list[Dispatch]] = defaultdict(list)
+        for d in eff.dispatch:  # one call per group: its siblings share a decode, groups land independently
+            calls[d.group_id, d.worker, d.delay_s].append(d)
+        for (_, worker, delay), dispatches in calls.items():
             task = asyncio.get_running_loop().create_task(self._rollout_call(worker, dispatches, delay))
             self._calls.add(task)
             task.add_done_callback(self._on_call_done)

@@ -222,7 +222,8 @@ class RolloutCore:
             for s, a in sibs:
                 eff.events.append(FailEvent(group_id=gid, prompt_id=run.prompt_id, sibling=s, reason="infra",
                                             extra={"detail": detail[:200], "attempt": run.infra_failures}))
-                eff.extend(self._settle(run, self.ledger.fail(gid, s, a)))
+                if self.ledger.group(gid).siblings[s].state is SiblingState.DISPATCHED:  # not cascaded yet
+                    eff.extend(self._settle(run, self.ledger.fail(gid, s, a)))
             if run.infra_failures >= self.settings.failure.max_infra_attempts:
                 eff.extend(self._drop(run, "infra_attempts_exhausted", detail))
             else:
