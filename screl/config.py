@@ -255,6 +255,9 @@ class GenerationConfig:
     """Engine: ``torch`` (HF model, CPU or GPU), ``vllm`` (GPU), ``megatron``."""
     num_workers: int = 1
     """Generation worker actors (each holds a copy of the policy)."""
+    workflow: str = "screl.rollout.workflow.SingleTurnWorkflow"
+    """Rollout workflow class (``package.module.Class``) each worker runs per sibling: generate, reward, build
+    the row (see docs/extending.md). The default generates once and scores with the task."""
     max_new_tokens: int = 16
     """Completion length cap."""
     min_new_tokens: int = 0

@@ -199,6 +199,10 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "model.init_args.loss_fn", "truncation needs IS correction"),
     ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},
      "grpo.num_generations_per_prompt", "at least two rollouts"),
+    ("workflow_missing", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.rollout.workflow.Nope"},
+     "data.init_args.generation.workflow", "cannot import the workflow class"),
+    ("workflow_no_run", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.envs.CountLetter"},
+     "data.init_args.generation.workflow", "has no run(items, generate) method"),
 ]
 
 

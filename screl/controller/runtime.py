@@ -81,6 +81,7 @@ class RolloutRuntime:
                 recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
                 injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
                 batch_window_s=g.batch_window_s, task=task, sampling=sampling_params(g),
+                workflow=g.workflow,
             )
             weights = [ray.put(initial_weights)]
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]

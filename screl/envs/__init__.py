@@ -1,6 +1,14 @@
 """Tasks and reward functions (plain Python; see ``screl.envs.base`` for the plugin point)."""
 
-from screl.envs.base import CustomReward, PromptRecord, RewardFn, Task, decode_completion, load_reward_fn
+from screl.envs.base import (
+    CustomReward,
+    PromptRecord,
+    RewardFn,
+    SlowReward,
+    Task,
+    decode_completion,
+    load_reward_fn,
+)
 from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts
 
 __all__ = [
@@ -10,6 +18,7 @@ __all__ = [
     "JsonlTask",
     "PromptRecord",
     "RewardFn",
+    "SlowReward",
     "Task",
     "arithmetic_prompts",
     "decode_completion",

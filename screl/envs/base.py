@@ -110,3 +110,32 @@ class CustomReward(Task):
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """The user function's score."""
         return float(self._fn(prompt, completion))
+
+
+class SlowReward(Task):
+    """Another task with a verifier that takes ``delay_s`` per completion (an expensive reward, simulated).
+
+    A testing and benchmarking aid: rewards run on the rollout workers, so a slow verifier delays only the
+    groups it scores, never the controller. ``rewards`` scores a batch in one call (one delay per completion).
+
+    Args:
+        task: The task whose prompts and rewards are used.
+        delay_s: Seconds each completion's reward takes (>= 0).
+    """
+
+    def __init__(self, task: Task, delay_s: float = 0.2) -> None:
+        if delay_s < 0:
+            raise ValueError(f"SlowReward.delay_s must be >= 0, got {delay_s}")
+        self.task = task
+        self.delay_s = delay_s
+
+    def prompts(self) -> list[PromptRecord]:
+        """The wrapped task's prompts."""
+        return self.task.prompts()
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        """The wrapped task's reward, after ``delay_s``."""
+        import time
+
+        time.sleep(self.delay_s)
+        return float(self.task.reward(prompt, completion))

@@ -165,3 +165,36 @@ def test_tensorboard_and_offline_wandb_loggers_from_config(tmp_path: Path, monke
     assert list((tmp_path / "logs").rglob("metrics.csv"))
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
     assert list((tmp_path / "logs").rglob("*.wandb")), "no offline wandb run was written"
+
+
+class _ControllerLatency(Callback):
+    """Times a controller round trip at every training batch: it stalls if anything blocks its event loop."""
+
+    def __init__(self) -> None:
+        self.latency_s: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        trainer.datamodule.runtime.stats()
+        self.latency_s.append(time.perf_counter() - t0)
+
+
+def test_a_slow_reward_runs_on_the_workers_and_never_stalls_the_controller(tmp_path: Path) -> None:
+    delay = 0.2
+    cfg = base_config(tmp_path / "run")
+    cfg["data"]["init_args"]["task"] = {
+        "class_path": "screl.envs.SlowReward",
+        "init_args": {"task": {"class_path": "screl.envs.CountLetter"}, "delay_s": delay},
+    }
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 0.0
+    probe = _ControllerLatency()
+    run_dir = run_fit(cfg, tmp_path, callbacks=[probe])
+    events = _events(run_dir)
+    assert [e.step for e in events if e.name == "train_step"] == [0, 1, 2, 3]
+    commits = [e for e in events if e.name == "commit"]
+    assert all(e.extra is None or e.extra.get("generation_s", delay) >= delay for e in commits)
+    # a reward on the controller's loop would hold every round trip for a whole group's scoring (2 x 0.2 s)
+    assert len(probe.latency_s) == 4 and max(probe.latency_s) < delay, probe.latency_s
+    assert check_events(run_dir, cfg["async_rl"]["sampler"], final=True).ok
