@@ -167,11 +167,11 @@ class RolloutController:
         self._on_task_done(task)
 
     async def ensure_fresh(self, worker: Any) -> None:
-        """A restarted worker comes back with its initial weights: push the latest ones first."""
-        if self.latest_weights is None:
-            return
-        version = await worker.version.remote()
-        if version != self.core.gen_version:
+        """A restarted worker comes back with its initial weights and no data plane: push both first."""
+        version, attached = await worker.status.remote()
+        if not attached:
+            await worker.set_data_plane.remote(self.dp)
+        if self.latest_weights is not None and version != self.core.gen_version:
             await worker.update_weights.remote(self.latest_weights, self.core.gen_version)
 
     async def _rollout_call(self, index: int, dispatches: list[Dispatch], delay_s: float) -> None:

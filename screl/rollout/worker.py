@@ -194,6 +194,10 @@ class GenerationWorker:
     async def version(self) -> int:
         return self.engine.version
 
+    async def status(self) -> tuple[int, bool]:
+        """(weight version, whether a data plane is attached): a restarted worker has neither refit nor plane."""
+        return self.engine.version, self.rows.dataplane is not None
+
     async def num_threads(self) -> int:
         """Torch intra-op threads of this worker process."""
         return torch.get_num_threads()
