@@ -36,7 +36,6 @@ from screl.data.core_types import (
     FailureBudget,
     RolloutFailure,
     SiblingReport,
-    replay_digest,
 )
 from screl.data.events import Event, EventLogWriter, RestoreEvent
 from screl.data.ledger import RecoveryPolicy
@@ -45,7 +44,7 @@ from screl.rollout.rows import ROW_FIELDS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings", "replay_digest"]
+__all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 
 
 def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_prefix: str = "") -> CoreSettings:
@@ -60,8 +59,7 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         max_num_steps=algo.max_num_steps, min_groups=run.min_groups,
         max_buffered_rollouts=run.max_buffered_rollouts, max_inflight_prompts=run.max_inflight_prompts,
         num_workers=num_workers, seed=seed, id_prefix=id_prefix,
-        failure=FailureBudget(f.max_infra_attempts, f.max_data_attempts, f.backoff_base_s, f.max_backoff_s,
-                              f.max_skipped_prompts, f.max_consecutive_dropped_prompts, f.min_step_batch_fraction),
+        failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
     )
 
 
@@ -223,7 +221,9 @@ class RolloutController:
         self.notify()
 
     async def _rollout_pump(self) -> None:
-        while not self.core.finished:
+        # checks shutting_down as well as relying on cancel: before Python 3.12, asyncio.wait_for (in
+        # _wait_changed) can swallow a cancellation that lands as the event is set, and the loop would go on
+        while not self.core.finished and not self.shutting_down:
             await self._execute(self.core.pump(time.perf_counter()))
             if self.pump_error is not None:
                 return
@@ -237,7 +237,11 @@ class RolloutController:
         tasks = [*self._calls, *(t for t in (self._pump, self._snapshot_task) if t is not None)]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self.notify()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=10.0)
+            if stuck:  # the log is closed with every group accounted for all the same
+                log.warning("screl: %d controller task(s) ignored cancellation at shutdown", len(stuck))
         eff = self.core.shutdown()
         for event in eff.events:
             self.emit(event)
