@@ -96,12 +96,13 @@ def _import_target(target: str) -> type | None:
 
 def workflow_problem(target: str) -> str | None:
     """Why ``generation.workflow`` cannot be used (not importable, no ``run``), or None."""
-    module, _, name = target.replace(":", ".").rpartition(".")
+    from screl.rollout.workflow import load_workflow
+
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        return f"cannot import the workflow class: {err}"
-    return None if callable(getattr(cls, "run", None)) else "the workflow class has no run(items, generate) method"
+        load_workflow(target)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
 
 
 def _construct_problem(class_path: str, init_args: Mapping[str, Any]) -> str | None:
@@ -323,8 +324,9 @@ def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:  # noqa: 
         bad("async_rl.min_groups_for_streaming_train", min_groups, "colocated generation stands down for the "
             "whole train step, so each step must be one full batch", f"set it to num_prompts_per_step ({P})")
     workflow = gen.get("workflow")
-    if workflow is not None and workflow_problem(str(workflow)) is not None:
-        bad(f"{gen_key}.workflow", workflow, str(workflow_problem(str(workflow))),
+    workflow_error = workflow_problem(str(workflow)) if workflow is not None else None
+    if workflow_error is not None:
+        bad(f"{gen_key}.workflow", workflow, workflow_error,
             "name an importable class with a run(items, generate) method, e.g. "
             "screl.rollout.workflow.SingleTurnWorkflow")
     if gen_backend == "vllm" and not colocated and not gen.get("async_engine", True):

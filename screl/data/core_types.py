@@ -45,7 +45,8 @@ class CorePrompt:
 
 @dataclass(frozen=True)
 class FailureBudget:
-    """``async_rl.rollout_failure`` (retries, backoff, drop budgets)."""
+    """The knobs of ``async_rl.rollout_failure`` the core acts on (retries, backoff, drop budgets), by the same
+    names: the controller copies them from ``RolloutFailureConfig`` field by field."""
 
     max_infra_attempts: int = 5
     max_data_attempts: int = 2
@@ -90,11 +91,7 @@ class Dispatch:
     priority: int
     worker: int
     delay_s: float = 0.0
-
-    @property
-    def row_key(self) -> str:
-        """The data-plane key this attempt's row is written under (the attempt id)."""
-        return self.attempt
+    """The attempt id is also the data-plane key its row is written under."""
 
 
 @dataclass

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import os
 import random
 import threading
@@ -34,7 +33,7 @@ from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.workflow import RolloutItem, RolloutWorkflow
+from screl.rollout.workflow import RolloutItem, RolloutWorkflow, load_workflow
 
 DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 
@@ -93,8 +92,8 @@ class GenerationWorker:
         self.sampling = sampling or SamplingParams()
         self.workflow: RolloutWorkflow | None = None
         if task is not None:
-            self.workflow = load_workflow(workflow)(task=task, tokenizer=policy.build_tokenizer(), schema=ROW_SCHEMA)
             self._tokenizer = policy.build_tokenizer()
+            self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA)
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self.rows = RowSink(row_window_s)
 
@@ -210,18 +209,6 @@ class GenerationWorker:
 
     async def row_puts(self) -> int:
         return self.rows.puts
-
-
-def load_workflow(target: str) -> type:
-    """The workflow class named ``"package.module.Class"`` or ``"package.module:Class"``."""
-    module_name, _, name = target.replace(":", ".").rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"data.init_args.generation.workflow={target!r} cannot be imported: {err}") from err
-    if not callable(getattr(cls, "run", None)):
-        raise TypeError(f"data.init_args.generation.workflow={target!r} has no run(items, generate) method")
-    return cls  # type: ignore[no-any-return]
 
 
 class RowSink:

@@ -11,6 +11,7 @@ The default, :class:`SingleTurnWorkflow`: generate once, score, build the row wi
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,6 +59,19 @@ class RolloutWorkflow(Protocol):
         ...
 
 
+def load_workflow(target: str) -> type:
+    """The workflow class named ``"package.module.Class"`` (or ``module:Class``); the error names the config key."""
+    key = "data.init_args.generation.workflow"
+    module_name, _, name = target.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"cannot import the workflow class {target!r} ({key}): {err}") from err
+    if not callable(getattr(cls, "run", None)):
+        raise TypeError(f"the workflow class {target!r} ({key}) has no run(items, generate) method")
+    return cls  # type: ignore[no-any-return]
+
+
 class SingleTurnWorkflow:
     """Generate one completion per sibling, score it with the task, build its row."""
 
@@ -80,13 +94,13 @@ class SingleTurnWorkflow:
                 out.append(RolloutOutcome(item.attempt, "abort", finish_reason="abort"))
                 continue
             _, score = by_attempt[item.attempt]
-            common = {"end_version": res.end_version, "response_len": len(res.token_ids),
-                      "finish_reason": res.finish_reason}
+            outcome = RolloutOutcome(item.attempt, "sealed", end_version=res.end_version,
+                                     response_len=len(res.token_ids), finish_reason=res.finish_reason)
             if isinstance(score, BaseException):
-                out.append(RolloutOutcome(item.attempt, "data_error", detail=repr(score)[:200], **common))  # type: ignore[arg-type]
+                outcome.status, outcome.detail = "data_error", repr(score)[:200]
             else:
-                row = self.schema.build(res, score)
-                out.append(RolloutOutcome(item.attempt, "sealed", row=row, reward=score, **common))  # type: ignore[arg-type]
+                outcome.row, outcome.reward = self.schema.build(res, score), score
+            out.append(outcome)
         return out
 
     def score(self, prompts: list[PromptRecord], completions: list[str]) -> list[float | BaseException]:

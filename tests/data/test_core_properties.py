@@ -45,8 +45,7 @@ def check_invariants(d: Driver) -> None:
     assert buf.num_buffered <= CAP and acc.balanced
     assert (acc.generating, acc.finalized, acc.claimed) == (len(core.runs), buf.num_ready, buf.num_claimed)
     assert set(core.ledger.group_ids(GroupState.GENERATING)) == set(core.runs)
-    live = {a for a, (g, s, _) in core.attempts.items()}
-    assert live <= {o.attempt for o in d.outstanding}, "a live attempt no worker holds"
+    assert set(core.attempts) <= {o.attempt for o in d.outstanding}, "a live attempt no worker holds"
     for gid in core.ledger.group_ids(GroupState.FINALIZED) + core.ledger.group_ids(GroupState.CLAIMED):
         assert set(core.group_keys[gid]) <= d.rows, f"committed group {gid} lost a row"
     for run in core.runs.values():
