@@ -20,15 +20,16 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
 
 class _Flaky(CountLetter):
-    """Raises for completions with an odd number of 'a' when scored together... and alone."""
+    """Its verifier raises whenever the batch holds the second prompt (together or alone)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[int] = []
+        self.bad = self.prompts()[1].prompt_id
 
     def rewards(self, prompts: Any, completions: Any) -> list[float]:
         self.batches.append(len(prompts))
-        if any(c.count("a") % 2 for c in completions):
+        if any(p.prompt_id == self.bad for p in prompts):
             raise ValueError("odd")
         return super().rewards(prompts, completions)
 
@@ -55,10 +56,9 @@ def test_single_turn_rows_follow_the_schema_and_rewards_are_batched() -> None:
     assert [o.attempt for o in out] == [i.attempt for i in items]
     sealed = [o for o in out if o.status == "sealed"]
     failed = [o for o in out if o.status == "data_error"]
-    assert task.batches[0] == 3, "one Task.rewards call for the whole batch first"
+    assert task.batches == [3, 1, 1, 1], "one Task.rewards call, then one by one to find the culprit"
+    assert [o.status for o in out] == ["sealed", "data_error", "sealed"]
     assert len(sealed) + len(failed) == 3 and all("odd" in o.detail for o in failed)
-    if failed:
-        assert task.batches[1:] == [1, 1, 1], "a failed batch is scored one by one to find the culprit"
     for o in sealed:
         assert o.row is not None and set(o.row) == set(ROW_SCHEMA.names)
         assert o.row["reward"].item() == pytest.approx(o.reward)
