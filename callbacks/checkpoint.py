@@ -8,6 +8,7 @@ import tempfile
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE, LIGHTNING_CKPT
 from screl.checkpoint.store import CheckpointStore
@@ -33,6 +34,7 @@ class DataPlaneCheckpoint(Callback):
         self.store = CheckpointStore(config.checkpoint_dir, config.storage_options or None)
         self.last_saved: int | None = None
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         from screl.callbacks.weight_sync import WeightSync
 
@@ -42,6 +44,7 @@ class DataPlaneCheckpoint(Callback):
             raise RuntimeError("DataPlaneCheckpoint must come after WeightSync in trainer.callbacks: a bundle is "
                                "written once the step is closed and the workers refit")
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -51,6 +54,7 @@ class DataPlaneCheckpoint(Callback):
         if step % self.config.save_period == 0 or step >= trainer.max_steps > 0:
             self.save(trainer, step)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
         if step > 0 and self.last_saved != step:

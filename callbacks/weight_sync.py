@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +19,7 @@ class WeightSync(Callback):
     exception anywhere in fit, it stops the controller, workers and data plane.
     """
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -30,6 +32,7 @@ class WeightSync(Callback):
         info = dm.complete_step(export())
         pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         dm = getattr(trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "shutdown"):

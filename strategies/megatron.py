@@ -51,6 +51,7 @@ from screl.strategies.provider import UNPADDED_VOCAB_ATTR, GPTModelProvider, Mod
 from screl.strategies.schedule import ForwardStep, LossReduction, forward_backward, token_logprobs
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 __all__ = ["MegatronStrategy"]
 
@@ -137,6 +138,7 @@ class MegatronStrategy(DDPStrategy):
         """Whether this rank trains on the CPU (the CUDA shim is in place)."""
         return self.root_device.type == "cpu"
 
+    @override
     def setup_environment(self) -> None:
         """Check the sizes, start the process group (as DDP does), then Megatron's ``parallel_state``."""
         self.set_world_ranks()
@@ -165,6 +167,7 @@ class MegatronStrategy(DDPStrategy):
         return parallel_state.get_data_parallel_world_size()
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over data-parallel replicas only: tensor/pipeline peers see the same batch."""
         return {
@@ -184,6 +187,7 @@ class MegatronStrategy(DDPStrategy):
         )
         return module.to(self.root_device)
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         """Move the module to the device and, when fitting, wrap its Megatron modules and set up optimizers."""
         assert self.accelerator is not None and self.model is not None
@@ -238,6 +242,7 @@ class MegatronStrategy(DDPStrategy):
             for path, m in _outermost_megatron_modules(module)
         }
 
+    @override
     def teardown(self) -> None:
         """Unwrap the Megatron modules (``parallel_state`` stays initialized), then Lightning's teardown."""
         module = self.lightning_module
@@ -248,6 +253,7 @@ class MegatronStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers no string aliases (``DDPStrategy``'s names stay Lightning's)."""
 
@@ -306,6 +312,7 @@ class MegatronStrategy(DDPStrategy):
             vocab_parallel=bool(getattr(inner, "parallel_output", True)),
         )
 
+    @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
@@ -369,6 +376,7 @@ class MegatronStrategy(DDPStrategy):
         self._grads_finalized = False
         self._backward_done = False
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer | LightningOptimizer,
@@ -404,6 +412,7 @@ class MegatronStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------------------- checkpoints
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Load after ``setup()``: the sharded template needs the model and optimizers."""
         return True
@@ -420,12 +429,14 @@ class MegatronStrategy(DDPStrategy):
                 state[key] = value
         return state
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's state: Megatron modules as ``ShardedTensor`` s, the rest as plain values."""
         if not self.megatron_modules:
             return super().lightning_module_state_dict()
         return self._module_sharded_state()
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state with parameter-shaped entries sharded like their parameters."""
         if isinstance(optimizer, LightningOptimizer):
@@ -441,6 +452,7 @@ class MegatronStrategy(DDPStrategy):
                 return i
         raise ValueError("optimizer_state(): the optimizer is not one of this strategy's optimizers.")
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
@@ -458,6 +470,7 @@ class MegatronStrategy(DDPStrategy):
     def _barrier(self) -> None:
         self.barrier("MegatronStrategy.checkpoint")
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint at this rank's sharding (any tensor-parallel size it was saved at)."""
 
@@ -485,6 +498,7 @@ class MegatronStrategy(DDPStrategy):
             barrier=self._barrier,
         )
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Copy loaded weights into the (wrapped) LightningModule."""
         module = self.lightning_module
@@ -495,12 +509,14 @@ class MegatronStrategy(DDPStrategy):
             state[key if path is None else f"{path}.module.{key[len(path) + 1 :]}"] = value
         module.load_state_dict(state, strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's merged (common + sharded) state."""
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer.load_state_dict(ckpt.optimizer_state_for_torch(saved))
             _optimizers_to_device([optimizer], self.root_device)
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory (rank 0), local or remote."""
         if self.is_global_zero:

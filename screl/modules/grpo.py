@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
+from typing_extensions import override
 
 from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
@@ -153,6 +154,7 @@ class GRPO(LightningModule):
         strategy = trainer.strategy
         return strategy if isinstance(strategy, megatron.MegatronStrategy) else None
 
+    @override
     def configure_model(self) -> None:
         """Under ``MegatronStrategy``: replace the Hugging Face policy by this rank's Megatron shard of it,
         loaded with the same weights (the generation workers start from the same spec)."""
@@ -169,6 +171,7 @@ class GRPO(LightningModule):
         self._megatron_strategy = strategy
 
     # -- optimization --------------------------------------------------------------------------------
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
 
@@ -196,6 +199,7 @@ class GRPO(LightningModule):
             return 1.0
         return float(shards)
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         if batch.get("done"):  # the controller has no more steps: the trainer stops after this
             return torch.zeros((), device=self.device)
