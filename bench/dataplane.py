@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Data-plane overhead: put + get + clear of rollout rows through TransferQueue vs a raw Ray round trip.
 
-Rows are shaped as screl's controller writes them (``screl.controller.ROW_FIELDS``): per sample
+Rows are shaped as screl's rollout workers write them (``screl.rollout.rows.ROW_SCHEMA``): per sample
 ``input_ids`` (prompt + L tokens, int64), ``prompt_len`` (int64[1]), ``generation_logprobs`` (float32[L]),
 ``token_versions`` (int64[L]), ``reward`` (float32[1]). Measured from the driver, alternating over ``--reps``:
 

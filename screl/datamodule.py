@@ -24,9 +24,11 @@ from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import LightningDataModule
+from typing_extensions import override
 
 from screl.config import GenerationConfig, RunConfig
 from screl.envs import Task
+from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.threads import ThreadPlan, thread_plan
 
 log = logging.getLogger(__name__)
@@ -35,69 +37,42 @@ TICKET = "screl_ticket"
 _T = TypeVar("_T")
 
 
-def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int) -> dict[str, Any]:
-    """Dense, next-token-aligned training tensors for one chunk of rollout rows.
+#: Chunk metadata a collated chunk carries along (scalars, not per row).
+CHUNK_META = ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight", "generation_s")
+
+
+def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int,
+                  schema: RowSchema = ROW_SCHEMA) -> dict[str, Any]:
+    """Dense, next-token-aligned training tensors for one chunk of rollout rows (``schema.collate``),
+    plus the chunk's metadata.
 
     ``token_mask[i, j]`` is 1 where position ``j`` predicts a response token (``input_ids[i, j + 1]``);
-    ``generation_logprobs`` and ``token_versions`` are aligned the same way.
+    ``generation_logprobs`` and ``token_versions`` (every ``per_completion_token`` field) are aligned the
+    same way.
     """
-    rows = len(meta["keys"])
-    version = int(meta["trainer_version"])
-    base: dict[str, Any] = {k: meta[k] for k in ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight",
-                                 "generation_s") if k in meta}
-    if rows == 0:
-        empty = torch.zeros((0, 1))
-        return {**base, "input_ids": empty.long(), "attention_mask": empty.long(), "token_mask": empty,
-                "generation_logprobs": empty, "token_versions": empty.long(), "rewards": torch.zeros(0),
-                "sample_mask": torch.zeros(0), "start_weight": torch.zeros(0, dtype=torch.long)}
-    ids = data["input_ids"]
-    length = max(int(t.numel()) for t in ids)
-    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, length), dtype=torch.long)
-    token_mask = torch.zeros((rows, length - 1))
-    gen_lp = torch.zeros((rows, length - 1))
-    versions = torch.full((rows, length - 1), version, dtype=torch.long)
-    for i in range(rows):
-        n = int(ids[i].numel())
-        p = int(data["prompt_len"][i].reshape(-1)[0])
-        resp = n - p
-        input_ids[i, :n] = ids[i].long()
-        attention[i, :n] = 1
-        token_mask[i, p - 1:p - 1 + resp] = 1.0
-        gen_lp[i, p - 1:p - 1 + resp] = data["generation_logprobs"][i].float().reshape(-1)[:resp]
-        versions[i, p - 1:p - 1 + resp] = data["token_versions"][i].long().reshape(-1)[:resp]
-    rewards = torch.stack([r.float().reshape(-1)[0] for r in data["reward"]])
-    return {
-        **base,
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "generation_logprobs": gen_lp,
-        "token_versions": versions,
-        "rewards": rewards,
-        "sample_mask": torch.ones(rows),
-        "start_weight": torch.tensor(meta["start_weight"], dtype=torch.long),
-    }
+    base: dict[str, Any] = {k: meta[k] for k in CHUNK_META if k in meta}
+    return {**base, **schema.collate(meta, data, pad_id)}
 
 
 #: Per-row tensors of a collated chunk (what a data-parallel shard slices).
-ROW_KEYS = ("input_ids", "attention_mask", "token_mask", "generation_logprobs", "token_versions", "rewards",
-            "sample_mask", "start_weight")
+ROW_KEYS = ROW_SCHEMA.collated_keys
 
 
-def shard_groups(batch: dict[str, Any], group_size: int, num_shards: int, shard: int) -> dict[str, Any]:
+def shard_groups(batch: dict[str, Any], group_size: int, num_shards: int, shard: int,
+                 schema: RowSchema = ROW_SCHEMA) -> dict[str, Any]:
     """Data-parallel replica ``shard``'s share of a collated chunk: a contiguous run of whole groups.
 
     Replicas get ``groups // num_shards`` or one more (possibly none). The shard keeps the whole
     chunk's size in ``chunk_rows`` and its valid-token count in ``chunk_valid_tokens`` (what the loss
-    normalizes by), and ``dp_shards`` = ``num_shards``.
+    normalizes by), and ``dp_shards`` = ``num_shards``. The per-row tensors are ``schema.collated_keys``.
     """
-    rows = int(batch["input_ids"].shape[0])
+    rows = int(batch["sample_mask"].shape[0])
     if rows % group_size:
         raise ValueError(f"a chunk of {rows} rows is not whole groups of {group_size}")
     groups = rows // group_size
     lo, hi = shard * groups // num_shards * group_size, (shard + 1) * groups // num_shards * group_size
-    out = {k: (v[lo:hi] if k in ROW_KEYS else v) for k, v in batch.items()}
+    row_keys = schema.collated_keys
+    out = {k: (v[lo:hi] if k in row_keys else v) for k, v in batch.items()}
     valid = (batch["token_mask"].float() * batch["sample_mask"].float()[:, None]).sum()
     out.update(chunk_rows=rows, chunk_valid_tokens=float(valid), dp_shards=num_shards)
     return out
@@ -167,6 +142,7 @@ class RolloutDataModule(LightningDataModule):
         self._started = False  # the weights went out and (on rank 0) the rollout side started
 
     # -- lifecycle -------------------------------------------------------------------------------------
+    @override
     def setup(self, stage: str) -> None:
         if stage != "fit":
             raise NotImplementedError(
@@ -252,6 +228,7 @@ class RolloutDataModule(LightningDataModule):
                       config_dict=self.config_dict)
         self.events_path = runtime.events_path
 
+    @override
     def teardown(self, stage: str) -> None:
         self.shutdown()
 
@@ -264,18 +241,22 @@ class RolloutDataModule(LightningDataModule):
             runtime, self.runtime = self.runtime, None
             runtime.shutdown()
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         # the rollout side's state lives in the checkpoint bundle (captured under the data-plane barrier)
         return {"screl_bundle_format": 1}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("screl_bundle_format") != 1:
             raise ValueError(f"unknown RolloutDataModule state {state_dict!r}: resume from a screl bundle")
 
     # -- the train pump's side ---------------------------------------------------------------------------
+    @override
     def train_dataloader(self) -> _StepStream:
         return _StepStream()
 
+    @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not (isinstance(batch, dict) and TICKET in batch):
             return batch

@@ -1,44 +1,179 @@
 """``RowSchema``: the one declaration of a rollout row's fields (writer, data-plane read and collate use it).
 
 A row is one sibling: the prompt and completion tokens, the prompt length, the sampled tokens' logprobs and
-weight versions (one per completion token), and the reward. A workflow that adds a field (a loss mask over
-the model's own tokens, a value estimate) adds it here, and every reader sees it.
+weight versions (one per completion token), and the reward. Each ``RowField`` also says how it collates
+into a training chunk (its ``kind``), so a workflow that adds a field (a loss mask over the model's own
+tokens, a value estimate) adds one ``RowField`` here: the writer, the data-plane read, ``collate_chunk``
+and the data-parallel shard (``screl.datamodule.ROW_KEYS``) all follow from the schema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 
 from screl.rollout.engine import GenerationResult
 
+Kind = Literal["sequence", "prompt_len", "per_completion_token", "scalar"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+_SEQUENCE_DERIVED = ("attention_mask", "token_mask")  # from the sequence and the prompt length
+_CHUNK_DERIVED = ("sample_mask", "start_weight")  # from the chunk's metadata
+#: Per-row tensors of a collated chunk that no field names.
+DERIVED_KEYS = _SEQUENCE_DERIVED + _CHUNK_DERIVED
+
 
 @dataclass(frozen=True)
 class RowField:
+    """One tensor of a rollout row, and how it collates into a training chunk.
+
+    ``kind``:
+
+    * ``sequence``: the prompt + completion token ids (exactly one per schema). Collated right-padded
+      with ``pad_id`` into ``(rows, length)``, with ``attention_mask`` (1 on real tokens) and
+      ``token_mask`` (``(rows, length - 1)``, 1 where position ``j`` predicts a completion token).
+    * ``prompt_len``: ``[prompt length]`` (exactly one). Places the completion; not collated itself.
+    * ``per_completion_token``: one value per completion token. Collated next-token aligned like
+      ``token_mask``: row ``i``'s values at positions ``p - 1 .. p - 2 + resp``, ``fill`` elsewhere.
+    * ``scalar``: ``[value]``. Collated stacked into ``(rows,)``.
+
+    ``collate_as``: the name in the collated chunk (default ``name``). ``fill`` (per_completion_token):
+    the value where no completion token is predicted; a ``str`` names the chunk-metadata key whose value
+    is used (``"trainer_version"``).
+    """
+
     name: str
     dtype: torch.dtype
     doc: str
+    kind: Kind
+    collate_as: str | None = None
+    fill: float | str = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"row field {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+
+    @property
+    def collated(self) -> tuple[str, ...]:
+        """This field's per-row tensors in a collated chunk."""
+        if self.kind == "prompt_len":
+            return ()
+        own = self.collate_as or self.name
+        return (own, *_SEQUENCE_DERIVED) if self.kind == "sequence" else (own,)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Where each row's tokens sit in a collated chunk."""
+
+    meta: Mapping[str, Any]
+    pad_id: int
+    lengths: tuple[int, ...]  # prompt + completion tokens, per row
+    prompts: tuple[int, ...]  # prompt tokens, per row
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """Collated sequence length: the longest row (an empty chunk's tensors are ``(0, 1)``)."""
+        return max(self.lengths) if self.lengths else 1
+
+    @property
+    def token_width(self) -> int:
+        """Next-token-aligned length: one less than ``width`` (an empty chunk's: 1)."""
+        return self.width - 1 if self.lengths else 1
+
+
+Collate = Callable[[RowField, Sequence[torch.Tensor], _Chunk], dict[str, torch.Tensor]]
+
+
+def _sequence(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    ids = torch.full((chunk.rows, chunk.width), chunk.pad_id, dtype=field.dtype)
+    attention = torch.zeros((chunk.rows, chunk.width), dtype=torch.long)
+    token_mask = torch.zeros((chunk.rows, chunk.token_width))
+    for i, (n, p) in enumerate(zip(chunk.lengths, chunk.prompts, strict=True)):
+        ids[i, :n] = column[i].to(field.dtype)
+        attention[i, :n] = 1
+        token_mask[i, p - 1:n - 1] = 1.0
+    name, attention_key, token_key = field.collated
+    return {name: ids, attention_key: attention, token_key: token_mask}
+
+
+def _per_completion_token(field: RowField, column: Sequence[torch.Tensor],
+                          chunk: _Chunk) -> dict[str, torch.Tensor]:
+    fill = chunk.meta[field.fill] if isinstance(field.fill, str) else field.fill
+    fill = float(fill) if field.dtype.is_floating_point else int(fill)
+    out = torch.full((chunk.rows, chunk.token_width), fill, dtype=field.dtype)
+    for i, (n, p) in enumerate(zip(chunk.lengths, chunk.prompts, strict=True)):
+        out[i, p - 1:n - 1] = column[i].to(field.dtype).reshape(-1)[:n - p]
+    return {field.collated[0]: out}
+
+
+def _scalar(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    if not chunk.rows:
+        return {field.collated[0]: torch.zeros(0, dtype=field.dtype)}
+    return {field.collated[0]: torch.stack([v.to(field.dtype).reshape(-1)[0] for v in column])}
+
+
+def _not_collated(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    return {}  # the prompt length only places the completion (in the other kinds)
+
+
+_COLLATE: dict[str, Collate] = {
+    "sequence": _sequence,
+    "prompt_len": _not_collated,
+    "per_completion_token": _per_completion_token,
+    "scalar": _scalar,
+}
 
 
 @dataclass(frozen=True)
 class RowSchema:
     fields: tuple[RowField, ...]
 
+    def __post_init__(self) -> None:
+        for kind in ("sequence", "prompt_len"):
+            count = sum(f.kind == kind for f in self.fields)
+            if count != 1:
+                raise ValueError(f"a RowSchema needs exactly one {kind!r} field, got {count}")
+        for what, names in (("field", self.names), ("collated", self.collated_keys)):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"{what} names {twice} appear more than once in the RowSchema")
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
-    def build(self, result: GenerationResult, reward: float) -> dict[str, torch.Tensor]:
-        """The row of one finished single-turn sample."""
+    @property
+    def collated_keys(self) -> tuple[str, ...]:
+        """Per-row tensors of a collated chunk (what a data-parallel shard slices), in ``collate``'s order."""
+        return tuple(k for f in self.fields for k in f.collated) + _CHUNK_DERIVED
+
+    def of_kind(self, kind: Kind) -> RowField:
+        """The schema's one field of ``kind`` (``sequence`` or ``prompt_len``)."""
+        return next(f for f in self.fields if f.kind == kind)
+
+    def build(self, result: GenerationResult, reward: float,
+              extra: Mapping[str, Sequence[float] | Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+        """The row of one finished single-turn sample; ``extra`` holds the values of fields beyond the five
+        standard ones (a workflow that declares a field supplies it here)."""
         values: dict[str, Sequence[float] | Sequence[int]] = {
             "input_ids": list(result.prompt_token_ids) + list(result.token_ids),
             "prompt_len": [len(result.prompt_token_ids)],
             "generation_logprobs": result.logprobs,
             "token_versions": result.weight_versions,
             "reward": [reward],
+            **(extra or {}),
         }
+        missing = [name for name in self.names if name not in values]
+        if missing:
+            raise ValueError(f"no values for the row fields {missing}: pass them to build(..., extra=...)")
         return {f.name: torch.tensor(values[f.name], dtype=f.dtype) for f in self.fields}
 
     def merge(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
@@ -48,13 +183,33 @@ class RowSchema:
                 raise ValueError(f"a row has fields {sorted(row)}, the schema {sorted(self.names)}")
         return {name: [row[name] for row in rows] for name in self.names}
 
+    def collate(self, meta: Mapping[str, Any], data: Mapping[str, Sequence[torch.Tensor]],
+                pad_id: int) -> dict[str, torch.Tensor]:
+        """The per-row training tensors (``collated_keys``) of the chunk of rows ``meta["keys"]``.
+
+        ``data`` holds each field's rows (as the data plane returns them; may be empty for no rows);
+        ``meta`` the chunk's ``trainer_version`` (and any other ``fill`` key) and ``start_weight``."""
+        rows = len(meta["keys"])
+        columns = {f.name: data[f.name] if rows else [] for f in self.fields}
+        sequence, prompt_len = self.of_kind("sequence"), self.of_kind("prompt_len")
+        chunk = _Chunk(meta, pad_id, tuple(int(t.numel()) for t in columns[sequence.name]),
+                       tuple(int(t.reshape(-1)[0]) for t in columns[prompt_len.name]))
+        out: dict[str, torch.Tensor] = {}
+        for f in self.fields:
+            out.update(_COLLATE[f.kind](f, columns[f.name], chunk))
+        out["sample_mask"] = torch.ones(rows)
+        out["start_weight"] = torch.tensor(meta["start_weight"] if rows else [], dtype=torch.long)
+        return out
+
 
 ROW_SCHEMA = RowSchema((
-    RowField("input_ids", torch.int64, "prompt + completion token ids"),
-    RowField("prompt_len", torch.int64, "[prompt length]"),
-    RowField("generation_logprobs", torch.float32, "sampled-token logprobs, one per completion token"),
-    RowField("token_versions", torch.int64, "weight version that sampled each completion token"),
-    RowField("reward", torch.float32, "[reward]"),
+    RowField("input_ids", torch.int64, "prompt + completion token ids", "sequence"),
+    RowField("prompt_len", torch.int64, "[prompt length]", "prompt_len"),
+    RowField("generation_logprobs", torch.float32, "sampled-token logprobs, one per completion token",
+             "per_completion_token", fill=0.0),
+    RowField("token_versions", torch.int64, "weight version that sampled each completion token",
+             "per_completion_token", fill="trainer_version"),
+    RowField("reward", torch.float32, "[reward]", "scalar", collate_as="rewards"),
 ))
 
 #: Fields of every rollout row in the data plane.
