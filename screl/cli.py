@@ -205,15 +205,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
     loss_args = loss.get("init_args", loss) if isinstance(loss, dict) else {}
     is_on = bool(loss_args.get("use_importance_sampling_correction", False))
     steps = run.algo.max_num_steps
-    window = sampler.peak_window
-    if sampler.name == "windowed":
-        staleness = f"window [T-{window}, T]; dispatch ungated"
-        if getattr(sampler, "over_sampling_ratio", None):
-            staleness += f", at most {sampler.over_sampling_ratio} x a step outstanding"  # type: ignore[union-attr]
-    elif sampler.name == "custom":
-        staleness = "decided by the custom sampler"
-    else:
-        staleness = f"dispatch leads the trainer by <= {window} version(s); staleness 0..{window}"
+    staleness = run.sampler_rules.describe()
     chunks = -(-run.groups_per_step // run.min_groups)
     ck = run.checkpointing
     lines = [

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
     CustomSamplerConfig,
     InOrderSamplerConfig,
@@ -24,8 +25,8 @@ from screl.data.sampler_config import (
     WeightFifoSamplerConfig,
     WindowedSamplerConfig,
     parse_sampler_config,
-    required_buffer_capacity,
 )
+from screl.data.sampler_factory import required_buffer_capacity, sampler_rules
 
 __all__ = [
     "AdvantageEstimatorConfig",
@@ -401,6 +402,11 @@ class RunConfig:
         return self.groups_per_step if m is None else m
 
     @property
+    def sampler_rules(self) -> StalenessSampler:
+        """The configured sampler's rule hooks (capacity, in-flight bound, IS need, thread hint, description)."""
+        return sampler_rules(self.sampler, self.groups_per_step)
+
+    @property
     def required_capacity(self) -> int:
         return required_buffer_capacity(self.sampler, self.groups_per_step, self.min_groups)
 
@@ -412,4 +418,4 @@ class RunConfig:
     @property
     def max_inflight_prompts(self) -> int:
         m = self.async_rl.max_inflight_prompts
-        return self.groups_per_step * (self.sampler.peak_window + 1) if m is None else m
+        return sampler_rules(self.sampler, self.groups_per_step).inflight_bound(self.groups_per_step) if m is None else m

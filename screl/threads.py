@@ -41,10 +41,9 @@ class ThreadPlan:
 
 
 def phases_overlap(run: RunConfig) -> bool:
-    """Whether generation runs while the trainer computes: a lookahead/staleness window, a custom sampler,
-    or a step streamed as several chunks."""
-    sampler = run.sampler
-    return sampler.name == "custom" or sampler.peak_window > 0 or run.min_groups < run.groups_per_step
+    """Whether generation runs while the trainer computes: the sampler says so (a lookahead/staleness
+    window; a custom sampler by default), or a step is streamed as several chunks."""
+    return run.sampler_rules.overlaps_training() or run.min_groups < run.groups_per_step
 
 
 def thread_plan(

@@ -27,7 +27,13 @@ from screl.data.sampler_config import (
     WeightFifoSamplerConfig,
     WindowedSamplerConfig,
     parse_sampler_config,
+)
+from screl.data.sampler_factory import (
+    create_sampler,
     required_buffer_capacity,
+    sampler_rules,
+    sampler_supports_buffer_checkpoint,
+    sampler_supports_training_claims,
 )
 from screl.data.samplers import (
     Admission,
@@ -39,10 +45,7 @@ from screl.data.samplers import (
     WeightFifoSampler,
     WindowedSampler,
     call_admit,
-    create_sampler,
     lookahead_schedule,
-    sampler_supports_buffer_checkpoint,
-    sampler_supports_training_claims,
 )
 
 if TYPE_CHECKING:
@@ -157,6 +160,7 @@ __all__ = [
     "parse_sampler_config",
     "read_events",
     "required_buffer_capacity",
+    "sampler_rules",
     "sampler_supports_buffer_checkpoint",
     "sampler_supports_training_claims",
 ]

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from screl.data.buffer import GroupSlot
 from screl.data.events import (
     AbortEvent,
     AdmitEvent,
@@ -51,12 +52,9 @@ from screl.data.events import (
     parse_event,
     read_events,
 )
-from screl.data.sampler_config import (
-    GATED_SAMPLERS,
-    SamplerConfig,
-    WindowedSamplerConfig,
-    parse_sampler_config,
-)
+from screl.data.sampler_api import StalenessSampler
+from screl.data.sampler_config import SamplerConfig, parse_sampler_config
+from screl.data.sampler_factory import sampler_rules
 
 _LIVE = ("inflight", "ready")
 _OPEN = ("inflight", "ready", "selected", "failed")
@@ -120,6 +118,9 @@ class _Group:
 class _Checker:
     def __init__(self, cfg: SamplerConfig | None, max_buffered_rollouts: int | None) -> None:
         self.cfg = cfg
+        # the sampler's own rules; None (no config) or not ``audited``: sampler rules are not checked
+        rules = sampler_rules(cfg) if cfg is not None else None
+        self.rules: StalenessSampler | None = rules if rules is not None and rules.audited else None
         self.cap = max_buffered_rollouts
         self.report = EventCheckReport(sampler=cfg.name if cfg else None)
         self.groups: dict[str, _Group] = {}
@@ -151,8 +152,11 @@ class _Checker:
     def live(self) -> list[tuple[str, _Group]]:
         return sorted(((k, g) for k, g in self.groups.items() if g.status in _LIVE), key=lambda p: p[1].order)
 
-    def floor(self, version: int) -> int:
-        return max(0, version - (self.cfg.window if self.cfg else 0))
+    @staticmethod
+    def slot(gid: str, g: _Group, ready: bool | None = None) -> GroupSlot:
+        """The group as its sampler saw it in the buffer."""
+        is_ready = g.status == "ready" if ready is None else ready
+        return GroupSlot(gid, g.prompt_id, g.start_weight, g.end_weight, g.target_step, is_ready)
 
     # ------------------------------------------------------------------ events
 
@@ -165,15 +169,19 @@ class _Checker:
         if self.cursor is not None and e.step != self.cursor + 1:
             self.flag("dispatch-cursor", f"admitted batch {e.step} after batch {self.cursor}")
         self.cursor = e.step
-        if self.cfg and self.cfg.name in GATED_SAMPLERS and e.step > e.trainer_version + self.cfg.peak_window:
+        if self.rules is None:
+            return
+        limit = self.rules.max_admitted_batch(e.trainer_version)
+        if limit is not None and e.step > limit:
             self.flag(
                 "gate",
-                f"{self.cfg.name} admitted batch {e.step} at T={e.trainer_version}, beyond the window "
-                f"{self.cfg.peak_window} (latest allowed batch {e.trainer_version + self.cfg.peak_window})",
+                f"{self.rules.name} admitted batch {e.step} at T={e.trainer_version}, beyond the window "
+                f"{self.rules.peak_window} (latest allowed batch {limit})",
             )
-        if self.cfg and self.cfg.name == "in_order" and e.target_step != e.step:
+        stamp = self.rules.expected_stamp(e.step)
+        if stamp is not None and e.target_step != stamp:
             self.flag(
-                "in_order-stamp", f"batch {e.step} stamped target_step={e.target_step}, expected {e.step}"
+                f"{self.rules.name}-stamp", f"batch {e.step} stamped target_step={e.target_step}, expected {stamp}"
             )
 
     def on_reserve(self, e: ReserveEvent) -> None:
@@ -255,39 +263,17 @@ class _Checker:
         self.open_steps.setdefault(t, []).extend(e.group_ids)
 
     def eligible(self, t: int) -> list[str] | None:
-        """The sampler's eligible list at trainer version ``t`` (None: custom/unknown sampler)."""
-        cfg = self.cfg
-        if cfg is None or cfg.name == "custom":
+        """The sampler's eligible list at trainer version ``t`` (None: rules not checked)."""
+        if self.rules is None:
             return None
-        live = self.live()
-        ready = [(k, g) for k, g in live if g.status == "ready"]
-        if cfg.name == "in_order":
-            return [k for k, g in ready if g.target_step == t]
-        if cfg.name == "ready_first":
-            return [k for k, g in ready if g.start_weight <= t]
-        lo = self.floor(t)
-        if cfg.name == "weight_fifo":
-            weights = [g.start_weight for _, g in live if lo <= g.start_weight <= t]
-            return [k for k, g in ready if weights and g.start_weight == min(weights)]
-        window = [(k, g) for k, g in ready if lo <= g.start_weight <= t]
-        if isinstance(cfg, WindowedSamplerConfig) and cfg.sample_freshest_first:
-            window.sort(key=lambda p: t - p[1].start_weight)
-        return [k for k, _ in window]
+        found = self.rules.eligible([self.slot(k, g) for k, g in self.live()], t)
+        return None if found is None else [s.group_id for s in found]
 
     def check_select_rule(self, gid: str, g: _Group, t: int, eligible: list[str] | None) -> None:
-        cfg = self.cfg
-        if cfg is None or eligible is None or gid in eligible:
+        if self.rules is None or eligible is None or gid in eligible:
             return
-        name, lo = cfg.name, self.floor(t)
-        if name == "in_order":
-            why = f"target_step {g.target_step} != T={t}"
-        elif name == "ready_first":
-            why = f"start_weight {g.start_weight} > T={t}"
-        elif name == "windowed" or not lo <= g.start_weight <= t:
-            why = f"start_weight {g.start_weight} outside the window [{lo}, {t}]"
-        else:
-            why = f"start_weight {g.start_weight} is not the oldest in-window weight"
-        self.flag("select-rule", f"{name} selected group {gid!r} at T={t}: {why}")
+        why = self.rules.ineligible_reason(self.slot(gid, g), t)
+        self.flag("select-rule", f"{self.rules.name} selected group {gid!r} at T={t}: {why}")
 
     def on_evict(self, e: EvictEvent) -> None:
         g = self.groups.get(e.group_id)
@@ -296,18 +282,12 @@ class _Checker:
         g = self.group(e.group_id, "evict", ("ready", "inflight"))
         if g is None:
             return
-        t, cfg = e.trainer_version, self.cfg
-        if cfg is not None and cfg.name != "custom" and e.reason != "shutdown":
-            if cfg.name == "ready_first":
-                ok = False
-            elif cfg.name == "in_order":
-                ok = g.target_step is not None and g.target_step < t
-            else:
-                ok = g.start_weight < self.floor(t)
-            if not ok:
+        t, rules = e.trainer_version, self.rules
+        if rules is not None and e.reason != "shutdown":
+            if e.group_id not in rules.evict([self.slot(e.group_id, g, ready=True)], t):
                 self.flag(
                     "evict-rule",
-                    f"{cfg.name} evicted group {e.group_id!r} (start_weight {g.start_weight}, target_step "
+                    f"{rules.name} evicted group {e.group_id!r} (start_weight {g.start_weight}, target_step "
                     f"{g.target_step}) at T={t}, which it may still select",
                 )
         g.status = "evicted"
@@ -316,13 +296,13 @@ class _Checker:
         g = self.group(e.group_id, "abort", ("inflight",))
         if g is None:
             return
-        cfg = self.cfg
-        if cfg is not None and cfg.name != "custom" and e.reason in (None, "stale"):
-            if cfg.name != "windowed" or g.start_weight >= self.floor(e.trainer_version):
+        rules = self.rules
+        if rules is not None and e.reason in (None, "stale"):
+            if not rules.should_abort_inflight(g.start_weight, e.trainer_version):
                 self.flag(
                     "abort-rule",
-                    f"{cfg.name} aborted in-flight group {e.group_id!r} (start_weight {g.start_weight}) at "
-                    f"T={e.trainer_version}; only windowed aborts, and only below T - S",
+                    f"{rules.name} aborted in-flight group {e.group_id!r} (start_weight {g.start_weight}) at "
+                    f"T={e.trainer_version}, which its should_abort_inflight keeps",
                 )
         g.status = "aborted"
 

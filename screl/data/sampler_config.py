@@ -117,9 +117,6 @@ SAMPLER_CONFIGS: dict[str, type] = {
     "custom": CustomSamplerConfig,
 }
 
-GATED_SAMPLERS = frozenset({"in_order", "weight_fifo", "ready_first"})
-
-
 class SamplerConfigError(ValueError):
     """A sampler block that cannot be used; ``problems`` lists every (dotted key, message) found."""
 
@@ -201,16 +198,3 @@ def parse_sampler_config(block: Mapping[str, Any] | SamplerConfig) -> SamplerCon
     if problems:
         raise SamplerConfigError(problems)
     return cfg  # type: ignore[return-value]
-
-
-def required_buffer_capacity(cfg: SamplerConfig, groups_per_step: int, min_groups: int | None = None) -> int:
-    """Smallest ``max_buffered_rollouts`` that cannot deadlock the rollout pump under this sampler.
-
-    Gated samplers: ``groups_per_step * (peak window + 1)``. Windowed: at least one streaming chunk
-    (``min_groups`` when given, else a full step). Custom: a full step.
-    """
-    if cfg.name in GATED_SAMPLERS:
-        return groups_per_step * (cfg.peak_window + 1)
-    if cfg.name == "windowed":
-        return min_groups if min_groups is not None else groups_per_step
-    return groups_per_step

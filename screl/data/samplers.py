@@ -23,177 +23,33 @@ sampler may omit the keyword: the controller calls ``call_admit``, which passes 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 from screl.data.buffer import GroupSlot
-from screl.data.sampler_config import (
-    CustomSamplerConfig,
-    InOrderSamplerConfig,
-    ReadyFirstSamplerConfig,
-    SamplerConfig,
-    SamplerConfigError,
-    WeightFifoSamplerConfig,
-    WindowedSamplerConfig,
-    parse_sampler_config,
+from screl.data.sampler_api import (
+    Admission,
+    PromptGroupSampler,
+    StalenessSampler,
+    check_nonneg,
+    off_policy_rule,
+    weight_floor,
 )
 
-
-@dataclass(frozen=True)
-class Admission:
-    """Result of ``admit``: may the next step's batch of prompts be dispatched, and its stamp."""
-
-    allowed: bool
-    target_step: int | None = None
-
-
-@runtime_checkable
-class PromptGroupSampler(Protocol):
-    """The contract a sampler implements (built-in or ``custom``); see DESIGN.md "Sampler plugin API"."""
-
-    supports_buffer_checkpoint: ClassVar[bool]
-    """Completed buffered groups may be restored into this sampler after a restart."""
-    supports_training_claims: ClassVar[bool]
-    """Selected groups stay checkpoint-visible (claims) until the step's cleanup."""
-
-    def admit(self, trainer_version: int) -> Admission:
-        """Non-blocking gate for one step's batch; advances the dispatch cursor only when allowed."""
-        ...
-
-    def select(
-        self, slots: Sequence[GroupSlot], trainer_version: int, min_groups: int, max_groups: int
-    ) -> list[str] | None:
-        """Group ids to train next, in training order, or None to wait."""
-        ...
-
-    def evict(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[str]:
-        """Ready group ids that can never be selected any more."""
-        ...
-
-    def should_abort_inflight(self, start_weight: int, trainer_version: int) -> bool:
-        """Whether an in-flight rollout started at ``start_weight`` is useless at ``trainer_version``."""
-        ...
-
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        """Smallest ``max_buffered_rollouts`` that cannot deadlock the rollout pump, or None."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    @property
-    def dispatch_index(self) -> int:
-        """Index of the last admitted batch (-1 before the first)."""
-        ...
-
-    def set_dispatch_index(self, resume_step: int) -> None:
-        """Seed the cursor for a run resumed at trainer step ``resume_step`` (cursor = resume_step - 1)."""
-        ...
-
-
-def _check_nonneg(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def _check_select_bounds(min_groups: int, max_groups: int) -> None:
-    if min_groups < 1:
-        raise ValueError(f"select needs min_groups >= 1, got min_groups={min_groups}")
-    if max_groups < min_groups:
-        raise ValueError(f"select needs max_groups >= min_groups, got {max_groups} < {min_groups}")
-
-
-def _weight_floor(trainer_version: int, window: int) -> int:
-    return max(0, trainer_version - window)
-
-
-class StalenessSampler:
-    """Shared machinery of the built-ins: dispatch cursor, greedy select, checkpoint state.
-
-    Subclasses define ``_eligible`` (and usually ``evict``); a custom sampler may subclass it but
-    must still declare ``supports_buffer_checkpoint`` on its own class.
-    """
-
-    name: ClassVar[str] = "base"
-    supports_buffer_checkpoint: ClassVar[bool] = True
-    supports_training_claims: ClassVar[bool] = True
-
-    def __init__(self) -> None:
-        self._dispatch_index = -1
-
-    @property
-    def dispatch_index(self) -> int:
-        """Index of the last admitted batch (-1 before the first)."""
-        return self._dispatch_index
-
-    def set_dispatch_index(self, resume_step: int) -> None:
-        """Seed the cursor for a run resumed at trainer step ``resume_step`` (cursor = resume_step - 1)."""
-        if isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0:
-            raise ValueError(f"set_dispatch_index needs a resume step >= 0, got {resume_step!r}")
-        self._dispatch_index = resume_step - 1
-
-    def restore_dispatch_index(self, index: int) -> None:
-        """Restore the exact cursor saved with a checkpoint (>= -1)."""
-        if isinstance(index, bool) or not isinstance(index, int) or index < -1:
-            raise ValueError(f"dispatch index must be an integer >= -1, got {index!r}")
-        self._dispatch_index = index
-
-    def admit(self, trainer_version: int, outstanding_groups: int | None = None) -> Admission:
-        """Admit the next batch if the gate allows; advances the cursor only then."""
-        _check_nonneg("trainer_version", trainer_version)
-        if not self._admissible(trainer_version, outstanding_groups):
-            return Admission(False, None)
-        self._dispatch_index += 1
-        return Admission(True, self._stamp())
-
-    def select(
-        self, slots: Sequence[GroupSlot], trainer_version: int, min_groups: int, max_groups: int
-    ) -> list[str] | None:
-        _check_select_bounds(min_groups, max_groups)
-        eligible = self._eligible(slots, trainer_version)
-        if len(eligible) < min_groups:
-            return None
-        return [s.group_id for s in eligible[:max_groups]]
-
-    def evict(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[str]:
-        return []
-
-    def should_abort_inflight(self, start_weight: int, trainer_version: int) -> bool:
-        return False
-
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dispatch_index": self._dispatch_index}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("name", self.name) != self.name:
-            raise ValueError(
-                f"sampler state was saved by the {state.get('name')!r} sampler; this run uses {self.name!r}"
-            )
-        self.restore_dispatch_index(state.get("dispatch_index", -1))
-
-    def _admissible(self, trainer_version: int, outstanding_groups: int | None) -> bool:
-        return True
-
-    def _stamp(self) -> int | None:
-        return None
-
-    def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
-        raise NotImplementedError
-
-    @staticmethod
-    def _evict_below_weight(slots: Sequence[GroupSlot], trainer_version: int, window: int) -> list[str]:
-        lo = _weight_floor(trainer_version, window)
-        return [s.group_id for s in slots if s.ready and s.start_weight < lo]
-
+__all__ = [
+    "Admission",
+    "GatedSampler",
+    "InOrderSampler",
+    "PromptGroupSampler",
+    "ReadyFirstSampler",
+    "StalenessSampler",
+    "WeightFifoSampler",
+    "WindowedSampler",
+    "call_admit",
+    "lookahead_schedule",
+]
 
 class GatedSampler(StalenessSampler):
     """Admits batch ``d + 1`` only while ``d < T + gate_window`` (the trainer caps how far ahead dispatch runs)."""
@@ -202,7 +58,7 @@ class GatedSampler(StalenessSampler):
 
     def __init__(self, gate_window: int) -> None:
         super().__init__()
-        self._gate_window = _check_nonneg("gate_window", gate_window)
+        self._gate_window = check_nonneg("gate_window", gate_window)
 
     @property
     def gate_window(self) -> int:
@@ -213,17 +69,29 @@ class GatedSampler(StalenessSampler):
         """The widest gate window this sampler can use (sizes the buffer)."""
         return self._gate_window
 
+    def max_admitted_batch(self, trainer_version: int) -> int | None:
+        return trainer_version + self.peak_window
+
+    def capacity_rule(self) -> str:
+        return f"num_prompts_per_step x (window {self.peak_window} + 1) for a gated sampler"
+
+    def overlaps_training(self) -> bool:
+        return self.peak_window > 0
+
+    def describe(self) -> str:
+        w = self.peak_window
+        return f"dispatch leads the trainer by <= {w} version(s); staleness 0..{w}"
+
     def set_gate_window(self, window: int) -> None:
         """Retune the gate at runtime (PPO critic warmup); already-admitted batches are unaffected."""
-        self._gate_window = _check_nonneg("gate window", window)
+        self._gate_window = check_nonneg("gate window", window)
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        _check_nonneg("groups_per_step", groups_per_step)
+    def required_buffer_capacity(self, groups_per_step: int, min_groups: int | None = None) -> int | None:
+        check_nonneg("groups_per_step", groups_per_step)
         return groups_per_step * (self.peak_window + 1)
 
     def _admissible(self, trainer_version: int, outstanding_groups: int | None) -> bool:
         return self._dispatch_index < trainer_version + self._gate_window
-
 
 class InOrderSampler(GatedSampler):
     """Exact batch->step matching: batch ``d`` is stamped ``target_step = d`` and trains at ``T == d``."""
@@ -231,12 +99,13 @@ class InOrderSampler(GatedSampler):
     name: ClassVar[str] = "in_order"
     supports_buffer_checkpoint: ClassVar[bool] = True
     supports_training_claims: ClassVar[bool] = True
+    audited: ClassVar[bool] = True
 
     def __init__(self, max_lookahead_versions: int = 1, warmup_lookahead_versions: int | None = None) -> None:
         super().__init__(max_lookahead_versions)
         self.max_lookahead_versions = max_lookahead_versions
         if warmup_lookahead_versions is not None:
-            _check_nonneg("warmup_lookahead_versions", warmup_lookahead_versions)
+            check_nonneg("warmup_lookahead_versions", warmup_lookahead_versions)
             if warmup_lookahead_versions < max_lookahead_versions:
                 raise ValueError(
                     f"warmup_lookahead_versions must be greater than or equal to max_lookahead_versions "
@@ -247,6 +116,19 @@ class InOrderSampler(GatedSampler):
     @property
     def peak_window(self) -> int:
         return max(self.max_lookahead_versions, self.warmup_lookahead_versions or 0, self._gate_window)
+
+    def capacity_rule(self) -> str:
+        knob = "max_lookahead_versions" if self.warmup_lookahead_versions is None else "warmup_lookahead_versions"
+        return f"num_prompts_per_step x ({knob} {self.peak_window} + 1)"
+
+    def expected_stamp(self, batch: int) -> int | None:
+        return batch
+
+    def ineligible_reason(self, slot: GroupSlot, trainer_version: int) -> str:
+        return f"target_step {slot.target_step} != T={trainer_version}"
+
+    def correction_needed(self) -> tuple[str, str] | None:
+        return off_policy_rule("max_lookahead_versions", self.max_lookahead_versions)
 
     def retune_lookahead(self, trainer_version: int, policy_training_start_step: int | None) -> int:
         """Set the gate to ``lookahead_schedule(...)`` for this trainer version and return it."""
@@ -280,13 +162,14 @@ class InOrderSampler(GatedSampler):
     def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
         return [s for s in slots if s.ready and s.target_step == trainer_version]
 
-
 class WeightFifoSampler(GatedSampler):
     """Strict weight-version FIFO: drain the oldest in-window start weight, waiting for its in-flight groups."""
 
     name: ClassVar[str] = "weight_fifo"
     supports_buffer_checkpoint: ClassVar[bool] = True
     supports_training_claims: ClassVar[bool] = True
+    audited: ClassVar[bool] = True
+    supports_drop_budgets: ClassVar[bool] = False
 
     def __init__(self, max_staleness_versions: int = 1) -> None:
         super().__init__(max_staleness_versions)
@@ -296,13 +179,21 @@ class WeightFifoSampler(GatedSampler):
         return self._evict_below_weight(slots, trainer_version, self.max_staleness_versions)
 
     def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
-        lo = _weight_floor(trainer_version, self.max_staleness_versions)
+        lo = weight_floor(trainer_version, self.max_staleness_versions)
         in_window = [s.start_weight for s in slots if lo <= s.start_weight <= trainer_version]
         if not in_window:
             return []
         oldest = min(in_window)
         return [s for s in slots if s.ready and s.start_weight == oldest]
 
+    def ineligible_reason(self, slot: GroupSlot, trainer_version: int) -> str:
+        lo = weight_floor(trainer_version, self.max_staleness_versions)
+        if not lo <= slot.start_weight <= trainer_version:
+            return f"start_weight {slot.start_weight} outside the window [{lo}, {trainer_version}]"
+        return f"start_weight {slot.start_weight} is not the oldest in-window weight"
+
+    def correction_needed(self) -> tuple[str, str] | None:
+        return off_policy_rule("max_staleness_versions", self.max_staleness_versions)
 
 class ReadyFirstSampler(GatedSampler):
     """Gated admission, completion-order selection of any ready group with ``sw <= T``; never evicts."""
@@ -310,6 +201,8 @@ class ReadyFirstSampler(GatedSampler):
     name: ClassVar[str] = "ready_first"
     supports_buffer_checkpoint: ClassVar[bool] = True
     supports_training_claims: ClassVar[bool] = True
+    audited: ClassVar[bool] = True
+    supports_drop_budgets: ClassVar[bool] = False
 
     def __init__(self, max_staleness_versions: int = 1) -> None:
         super().__init__(max_staleness_versions)
@@ -318,6 +211,11 @@ class ReadyFirstSampler(GatedSampler):
     def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
         return [s for s in slots if s.ready and s.start_weight <= trainer_version]
 
+    def ineligible_reason(self, slot: GroupSlot, trainer_version: int) -> str:
+        return f"start_weight {slot.start_weight} > T={trainer_version}"
+
+    def correction_needed(self) -> tuple[str, str] | None:
+        return ("the ready_first sampler trains late stragglers from older policies", "set it to true")
 
 class WindowedSampler(StalenessSampler):
     """Ungated, over-sampled streaming over the weight window ``[T - S, T]``.
@@ -329,6 +227,8 @@ class WindowedSampler(StalenessSampler):
     name: ClassVar[str] = "windowed"
     supports_buffer_checkpoint: ClassVar[bool] = True
     supports_training_claims: ClassVar[bool] = True
+    audited: ClassVar[bool] = True
+    supports_drop_budgets: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -338,7 +238,7 @@ class WindowedSampler(StalenessSampler):
         groups_per_step: int | None = None,
     ) -> None:
         super().__init__()
-        self.max_staleness_versions = _check_nonneg("max_staleness_versions", max_staleness_versions)
+        self.max_staleness_versions = check_nonneg("max_staleness_versions", max_staleness_versions)
         self.sample_freshest_first = sample_freshest_first
         self.over_sampling_ratio = over_sampling_ratio
         self.groups_per_step = groups_per_step
@@ -362,11 +262,34 @@ class WindowedSampler(StalenessSampler):
         return self._evict_below_weight(slots, trainer_version, self.max_staleness_versions)
 
     def should_abort_inflight(self, start_weight: int, trainer_version: int) -> bool:
-        return start_weight < _weight_floor(trainer_version, self.max_staleness_versions)
+        return start_weight < weight_floor(trainer_version, self.max_staleness_versions)
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        _check_nonneg("groups_per_step", groups_per_step)
-        return groups_per_step
+    @property
+    def peak_window(self) -> int:
+        return self.max_staleness_versions
+
+    def required_buffer_capacity(self, groups_per_step: int, min_groups: int | None = None) -> int | None:
+        check_nonneg("groups_per_step", groups_per_step)
+        return groups_per_step if min_groups is None else min_groups
+
+    def capacity_rule(self) -> str:
+        return "one streaming chunk (min_groups_for_streaming_train) for the windowed sampler"
+
+    def overlaps_training(self) -> bool:
+        return self.max_staleness_versions > 0
+
+    def describe(self) -> str:
+        text = f"window [T-{self.max_staleness_versions}, T]; dispatch ungated"
+        if self.over_sampling_ratio:
+            text += f", at most {self.over_sampling_ratio} x a step outstanding"
+        return text
+
+    def ineligible_reason(self, slot: GroupSlot, trainer_version: int) -> str:
+        lo = weight_floor(trainer_version, self.max_staleness_versions)
+        return f"start_weight {slot.start_weight} outside the window [{lo}, {trainer_version}]"
+
+    def correction_needed(self) -> tuple[str, str] | None:
+        return off_policy_rule("max_staleness_versions", self.max_staleness_versions)
 
     def _admissible(self, trainer_version: int, outstanding_groups: int | None) -> bool:
         cap = self.outstanding_cap
@@ -377,19 +300,17 @@ class WindowedSampler(StalenessSampler):
                 "windowed sampler with over_sampling_ratio needs admit(..., outstanding_groups=N): the "
                 "count of admitted groups not yet selected, evicted or dropped"
             )
-        _check_nonneg("outstanding_groups", outstanding_groups)
+        check_nonneg("outstanding_groups", outstanding_groups)
         return outstanding_groups + self.groups_per_step <= cap
 
     def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
-        lo = _weight_floor(trainer_version, self.max_staleness_versions)
+        lo = weight_floor(trainer_version, self.max_staleness_versions)
         eligible = [s for s in slots if s.ready and lo <= s.start_weight <= trainer_version]
         if self.sample_freshest_first:
             eligible.sort(key=lambda s: trainer_version - s.start_weight)  # stable: ties keep dispatch order
         return eligible
 
-
 # ------------------------------------------------------------------------------------ helpers
-
 
 def lookahead_schedule(
     trainer_version: int,
@@ -413,106 +334,9 @@ def lookahead_schedule(
         max_lookahead, min(warmup_lookahead, policy_training_start_step + max_lookahead - trainer_version)
     )
 
-
 def call_admit(sampler: PromptGroupSampler, trainer_version: int, outstanding_groups: int) -> Admission:
     """``sampler.admit``, passing ``outstanding_groups`` only when its ``admit`` accepts that keyword."""
     params = inspect.signature(sampler.admit).parameters.values()
     if any(p.name == "outstanding_groups" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return sampler.admit(trainer_version, outstanding_groups=outstanding_groups)  # type: ignore[call-arg]
     return sampler.admit(trainer_version)
-
-
-def sampler_supports_buffer_checkpoint(cls: type) -> bool:
-    """Whether ``cls`` itself declares ``supports_buffer_checkpoint = True`` (inherited values do not count)."""
-    return cls.__dict__.get("supports_buffer_checkpoint") is True
-
-
-def sampler_supports_training_claims(cls: type) -> bool:
-    """Whether ``cls`` itself declares ``supports_training_claims = True`` (inherited values do not count)."""
-    return cls.__dict__.get("supports_training_claims") is True
-
-
-def _missing_protocol_members(obj: object) -> list[str]:
-    members = [
-        "supports_buffer_checkpoint",
-        "supports_training_claims",
-        "admit",
-        "select",
-        "evict",
-        "should_abort_inflight",
-        "required_buffer_capacity",
-        "state_dict",
-        "load_state_dict",
-        "dispatch_index",
-        "set_dispatch_index",
-    ]
-    return [m for m in members if not hasattr(obj, m)]
-
-
-def _import_sampler_class(target: str) -> type:
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
-        raise SamplerConfigError([("target", f"must look like 'package.module:ClassName', got {target!r}")])
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SamplerConfigError(
-            [("target", f"cannot import module {module_name!r} of {target!r} ({type(exc).__name__}: {exc})")]
-        ) from exc
-    cls = getattr(module, class_name, None)
-    if not isinstance(cls, type):
-        raise SamplerConfigError(
-            [("target", f"module {module_name!r} has no class {class_name!r} (target {target!r})")]
-        )
-    return cls
-
-
-def _create_custom(cfg: CustomSamplerConfig) -> PromptGroupSampler:
-    cls = _import_sampler_class(cfg.target)
-    missing = _missing_protocol_members(cls)
-    if missing:
-        raise TypeError(
-            f"custom sampler {cfg.target!r} does not implement PromptGroupSampler: missing {missing}"
-        )
-    if not isinstance(cls.__dict__.get("supports_buffer_checkpoint"), bool):
-        raise TypeError(
-            f"custom sampler {cfg.target!r} must declare `supports_buffer_checkpoint = True|False` on its own "
-            "class (an inherited value does not count): say whether its buffered groups may be restored"
-        )
-    try:
-        sampler = cls(**cfg.kwargs)
-    except TypeError as exc:
-        raise TypeError(
-            f"cannot construct custom sampler {cfg.target!r} with kwargs {cfg.kwargs!r}: {exc}"
-        ) from exc
-    if not isinstance(sampler, PromptGroupSampler):
-        raise TypeError(
-            f"custom sampler {cfg.target!r} instance does not satisfy PromptGroupSampler: "
-            f"missing {_missing_protocol_members(sampler)}"
-        )
-    return sampler
-
-
-def create_sampler(
-    config: Mapping[str, Any] | SamplerConfig, groups_per_step: int | None = None
-) -> PromptGroupSampler:
-    """The sampler for a config block (mapping as written in YAML, or its typed config).
-
-    ``groups_per_step`` (= ``num_prompts_per_step``) is needed by ``windowed`` with ``over_sampling_ratio``.
-    Raises ``SamplerConfigError`` for a bad block or custom target, ``TypeError`` for a custom
-    class that does not satisfy the protocol.
-    """
-    cfg = parse_sampler_config(config)
-    if isinstance(cfg, InOrderSamplerConfig):
-        return InOrderSampler(cfg.max_lookahead_versions, cfg.warmup_lookahead_versions)
-    if isinstance(cfg, WeightFifoSamplerConfig):
-        return WeightFifoSampler(cfg.max_staleness_versions)
-    if isinstance(cfg, ReadyFirstSamplerConfig):
-        return ReadyFirstSampler(cfg.max_staleness_versions)
-    if isinstance(cfg, WindowedSamplerConfig):
-        return WindowedSampler(
-            cfg.max_staleness_versions, cfg.sample_freshest_first, cfg.over_sampling_ratio, groups_per_step
-        )
-    if isinstance(cfg, CustomSamplerConfig):
-        return _create_custom(cfg)
-    raise SamplerConfigError([("name", f"no sampler implementation for {cfg!r}")])

@@ -78,3 +78,30 @@ class MissingSelect:
 
 
 NOT_A_CLASS = 3
+
+
+class FreshOnly(StalenessSampler):
+    """Answers every rule hook itself: trains only groups started at the current weight, evicts older ones."""
+
+    name: ClassVar[str] = "fresh_only"
+    supports_buffer_checkpoint: ClassVar[bool] = False
+    audited: ClassVar[bool] = True
+    supports_drop_budgets: ClassVar[bool] = False
+
+    def _eligible(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[GroupSlot]:
+        return [s for s in slots if s.ready and s.start_weight == trainer_version]
+
+    def evict(self, slots: Sequence[GroupSlot], trainer_version: int) -> list[str]:
+        return [s.group_id for s in slots if s.ready and s.start_weight < trainer_version]
+
+    def ineligible_reason(self, slot: GroupSlot, trainer_version: int) -> str:
+        return f"start_weight {slot.start_weight} is not the current weight {trainer_version}"
+
+    def correction_needed(self) -> tuple[str, str] | None:
+        return ("fresh_only trains groups that finished after a refit", "turn it on")
+
+    def overlaps_training(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return "fresh groups only"

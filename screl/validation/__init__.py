@@ -1,0 +1,79 @@
+"""Every cross-block rule of a screl config, checked before any work starts.
+
+``config_problems(cfg)`` takes the whole config as a plain mapping (the parsed YAML, defaults
+filled in) and returns every problem at once; each names its dotted key, the offending value and
+the fix. ``validate_config`` raises ``ConfigError`` listing them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from screl.validation.context import (
+    ConfigError,
+    Problem,
+    RuleContext,
+    get,
+    sampler_declares,
+    to_mapping,
+    workflow_problem,
+)
+from screl.validation.run_rules import (
+    algorithm_pairing_rules,
+    algorithm_rules,
+    batch_rules,
+    failure_rules,
+    generation_rules,
+    loss_rules,
+    sampler_block_rules,
+)
+from screl.validation.storage_rules import (
+    checkpoint_rules,
+    custom_sampler_rules,
+    recovery_rules,
+    snapshot_rules,
+)
+
+#: Every rule, one per config block, in the order their problems are listed.
+RULES = (
+    algorithm_rules,
+    sampler_block_rules,
+    loss_rules,
+    failure_rules,
+    batch_rules,
+    generation_rules,
+    algorithm_pairing_rules,
+    custom_sampler_rules,
+    checkpoint_rules,
+    snapshot_rules,
+    recovery_rules,
+)
+
+
+def config_problems(config: Mapping[str, Any] | Any) -> list[Problem]:
+    """Every problem of a whole screl config (the parsed YAML with defaults), in a stable order."""
+    ctx = RuleContext(to_mapping(config))
+    for rule in RULES:
+        rule(ctx)
+    return ctx.problems
+
+
+def validate_config(config: Mapping[str, Any] | Any) -> None:
+    """Raise ``ConfigError`` listing every problem of ``config``; return quietly when it is sound."""
+    problems = config_problems(config)
+    if problems:
+        raise ConfigError(problems)
+
+
+__all__ = [
+    "RULES",
+    "ConfigError",
+    "Problem",
+    "RuleContext",
+    "config_problems",
+    "get",
+    "sampler_declares",
+    "validate_config",
+    "workflow_problem",
+]

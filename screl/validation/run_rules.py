@@ -1,0 +1,240 @@
+"""Rules on the run itself: the algorithm block, the sampler and what it needs, losses, failure budgets,
+batch sizes, generation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from screl.data.sampler_config import InOrderSamplerConfig
+from screl.data.sampler_factory import required_buffer_capacity
+from screl.validation.context import (
+    LEGACY_MIGRATION,
+    RuleContext,
+    construct_problem,
+    get,
+    model_kind,
+    workflow_problem,
+)
+
+
+def algorithm_rules(c: RuleContext) -> None:
+    grpo, ppo, kind = c.cfg.get("grpo"), c.cfg.get("ppo"), model_kind(c.cfg)
+    if grpo is not None and ppo is not None:
+        c.bad("grpo", "<set>", "`grpo` and `ppo` are mutually exclusive", "keep the block of the algorithm you run")
+    elif grpo is None and ppo is None:
+        c.bad("grpo", None, "no algorithm block", "add a `grpo:` block (or `ppo:` for a PPO run)")
+    if kind == "ppo" and c.algo_key == "grpo" and grpo is not None:
+        c.bad("grpo", "<set>", "model is a PPO module but the step settings are in `grpo`", "rename the block `ppo`")
+    if kind == "grpo" and c.algo_key == "ppo":
+        c.bad("ppo", "<set>", "model is a GRPO module but the step settings are in `ppo`",
+              "rename the block `grpo`, or use model.class_path: screl.PPO")
+    key, algo = c.algo_key, c.algo
+    for name, default in (("num_prompts_per_step", 8), ("num_generations_per_prompt", 4)):
+        value = algo.get(name, default)
+        if not isinstance(value, int) or value < 1:
+            c.bad(f"{key}.{name}", value, "must be an integer >= 1", f"set {key}.{name} >= 1")
+    if key == "grpo" and algo.get("num_generations_per_prompt", 4) == 1:
+        c.bad("grpo.num_generations_per_prompt", 1, "GRPO's group baseline needs at least two rollouts per "
+              "prompt", "set grpo.num_generations_per_prompt >= 2")
+    epochs = algo.get("max_num_epochs", 1)
+    if not isinstance(epochs, int) or epochs <= 0:
+        c.bad(f"{key}.max_num_epochs", epochs, "must be positive (there is no -1 = unbounded convention; "
+              "<= 0 would train zero steps)", f"set a positive {key}.max_num_epochs and bound the run with "
+              f"{key}.max_num_steps")
+    steps = algo.get("max_num_steps")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        c.bad(f"{key}.max_num_steps", steps, "must be >= 1 or null", f"set {key}.max_num_steps >= 1")
+    _unsupported_algorithm_knobs(c)
+
+
+def _unsupported_algorithm_knobs(c: RuleContext) -> None:
+    key, algo = c.algo_key, c.algo
+    for legacy in ("async_grpo", "async_ppo"):
+        if algo.get(legacy) is not None:
+            c.bad(f"{key}.{legacy}", algo.get(legacy), "legacy async block: the single controller reads "
+                  "`async_rl`", LEGACY_MIGRATION)
+    if algo.get("val_period", 0):
+        c.bad(f"{key}.val_period", algo.get("val_period"), "validation is not supported on the single controller",
+              f"set {key}.val_period: 0")
+    for knob in ("val_at_start", "val_at_end", "use_dynamic_sampling"):
+        if algo.get(knob):
+            what = "dynamic sampling is not implemented" if knob == "use_dynamic_sampling" else (
+                "validation is not supported on the single controller")
+            c.bad(f"{key}.{knob}", True, what, f"set {key}.{knob}: false")
+    for knob in ("reward_shaping", "reward_scaling"):
+        if get(algo, f"{knob}.enabled", False):
+            c.bad(f"{key}.{knob}.enabled", True, f"{knob.replace('_', ' ')} is not implemented (it would be "
+                  "silently skipped)", f"set {key}.{knob}.enabled: false and shape rewards in the task's "
+                  "reward function")
+
+
+def sampler_block_rules(c: RuleContext) -> None:
+    for key, msg in c.sampler_errors:
+        c.bad(key, get(c.cfg, key), msg, "see `screl fit --help` for each sampler's knobs")
+    P, m = c.P, c.min_groups_raw
+    if not isinstance(m, int) or m < 1:
+        c.bad("async_rl.min_groups_for_streaming_train", m, "must be an integer >= 1",
+              f"set it between 1 and {c.algo_key}.num_prompts_per_step ({P})")
+    elif m > P:
+        c.bad("async_rl.min_groups_for_streaming_train", m,
+              f"exceeds {c.algo_key}.num_prompts_per_step ({P}): a step could never be assembled", f"set it <= {P}")
+    for knob in ("max_inflight_prompts", "max_buffered_rollouts"):
+        v = c.async_rl.get(knob)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            c.bad(f"async_rl.{knob}", v, "must be an integer >= 1 or null (derived)", f"set async_rl.{knob} >= 1")
+    if c.sampler is None or c.rules is None:
+        return
+    need = required_buffer_capacity(c.sampler, P, c.min_groups)
+    have = c.async_rl.get("max_buffered_rollouts")
+    if isinstance(have, int) and 1 <= have < need:
+        c.bad("async_rl.max_buffered_rollouts", have,
+              f"below the {c.rules.name} sampler's required capacity {need} ({c.rules.capacity_rule()}): "
+              "the rollout pump would deadlock", f"set async_rl.max_buffered_rollouts >= {need}")
+    _sampler_needs_rules(c)
+
+
+def _sampler_needs_rules(c: RuleContext) -> None:
+    """What the configured sampler needs from the rest of the config (its own rule hooks say)."""
+    assert c.sampler is not None and c.rules is not None
+    loss_is = get(c.cfg, "model.init_args.loss_fn.init_args.use_importance_sampling_correction", None)
+    if loss_is is None:
+        loss_is = get(c.cfg, "model.init_args.loss_fn.use_importance_sampling_correction", False)
+    needed = c.rules.correction_needed()
+    if needed is not None and not loss_is:
+        c.bad("model.init_args.loss_fn.init_args.use_importance_sampling_correction", loss_is, *needed)
+    budget = c.rf.get("max_skipped_prompts", 0) + c.rf.get("max_consecutive_dropped_prompts", 0)
+    if budget > 0 and not c.rules.supports_drop_budgets:
+        c.bad("async_rl.rollout_failure.max_skipped_prompts", budget,
+              f"drop budgets need a sampler that stamps target steps; {c.rules.name} would wait forever for a "
+              "dropped group", "use sampler in_order, or set both drop budgets to 0")
+    warm = c.sampler.warmup_lookahead_versions if isinstance(c.sampler, InOrderSamplerConfig) else None
+    if warm is not None and not (c.algo.get("policy_training_start_step", 0) or 0):
+        if c.algo_key == "ppo":
+            c.bad("async_rl.sampler.warmup_lookahead_versions", warm,
+                  "requires ppo.policy_training_start_step > 0 (it is the lookahead during critic warmup)",
+                  "set ppo.policy_training_start_step > 0 or remove the knob")
+        else:
+            c.bad("async_rl.sampler.warmup_lookahead_versions", warm,
+                  "is a PPO critic-warmup knob and has no effect on GRPO", "remove it")
+
+
+def loss_rules(c: RuleContext) -> None:
+    """The loss's own constructor checks (cheap to build)."""
+    loss_cfg = get(c.cfg, "model.init_args.loss_fn")
+    if isinstance(loss_cfg, Mapping) and isinstance(loss_cfg.get("class_path"), str):
+        loss_problem = construct_problem(loss_cfg["class_path"], loss_cfg.get("init_args") or {})
+        if loss_problem:
+            c.bad("model.init_args.loss_fn", loss_cfg.get("init_args"), loss_problem,
+                  "change the loss_fn init_args as the message says")
+
+
+def failure_rules(c: RuleContext) -> None:
+    rf = c.rf
+    if rf.get("max_backoff_s", 30.0) < rf.get("backoff_base_s", 1.0):
+        c.bad("async_rl.rollout_failure.max_backoff_s", rf.get("max_backoff_s"), "is below backoff_base_s "
+              f"({rf.get('backoff_base_s')})", "set max_backoff_s >= backoff_base_s")
+    frac = rf.get("min_step_batch_fraction", 0.9)
+    if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
+        c.bad("async_rl.rollout_failure.min_step_batch_fraction", frac, "must be in (0, 1]", "set e.g. 0.9")
+    for knob in ("max_infra_attempts", "max_data_attempts"):
+        if rf.get(knob, 1) < 1:
+            c.bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 1", f"set {knob} >= 1")
+    for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+        if rf.get(knob, 0) < 0:
+            c.bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 0", f"set {knob} >= 0")
+    if rf.get("on_dropped_prompt") == "replace":
+        c.bad("async_rl.rollout_failure.on_dropped_prompt", "replace", "replacing dropped prompts from a reserve "
+              "is not implemented yet (it would silently shrink the step instead)", "set on_dropped_prompt: shrink")
+
+
+def batch_rules(c: RuleContext) -> None:
+    if not get(c.cfg, "data_plane.enabled", True):
+        c.bad("data_plane.enabled", False, "the single controller moves every rollout through TransferQueue",
+              "set data_plane.enabled: true")
+    P, G = c.P, c.G
+    tgbs = get(c.cfg, "model.init_args.train_global_batch_size")
+    if tgbs is not None and tgbs != P * G:
+        c.bad("model.init_args.train_global_batch_size", tgbs, f"one RL step is one batch of num_prompts_per_step "
+              f"x num_generations_per_prompt = {P} x {G} = {P * G} rows", f"set it to {P * G} or null (derived)")
+    vgbs = get(c.cfg, "model.init_args.value_train_global_batch_size")
+    if vgbs is not None and vgbs != P * G:
+        c.bad("model.init_args.value_train_global_batch_size", vgbs, f"the critic trains on the whole step: "
+              f"{P} x {G} = {P * G} rows", f"set it to {P * G} or null (derived)")
+
+
+def generation_rules(c: RuleContext) -> None:
+    gen, key = c.gen, "data.init_args.generation"
+    backend = gen.get("backend", "torch")
+    colocated = get(gen, "colocated.enabled", False)
+    if colocated and backend != "megatron":
+        c.bad(f"{key}.colocated.enabled", True, f"colocated generation is supported only with backend megatron "
+              f"(got {backend})", "set colocated.enabled: false and give generation its own resources")
+    if colocated and backend == "megatron" and c.min_groups != c.P:
+        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "colocated generation stands down for the "
+              "whole train step, so each step must be one full batch", f"set it to num_prompts_per_step ({c.P})")
+    workflow = gen.get("workflow")
+    workflow_error = workflow_problem(str(workflow)) if workflow is not None else None
+    if workflow_error is not None:
+        c.bad(f"{key}.workflow", workflow, workflow_error, "name an importable class with a run(items, generate) "
+              "method, e.g. screl.rollout.workflow.SingleTurnWorkflow")
+    if backend == "vllm" and not colocated and not gen.get("async_engine", True):
+        c.bad(f"{key}.async_engine", False, "non-colocated vLLM generation needs the async engine",
+              "set async_engine: true")
+    _sampling_rules(c)
+
+
+def _sampling_rules(c: RuleContext) -> None:
+    gen, key = c.gen, "data.init_args.generation"
+    if gen.get("temperature", 1.0) <= 0:
+        c.bad(f"{key}.temperature", gen.get("temperature"), "must be > 0 (logprobs of a greedy policy are "
+              "undefined for importance sampling)", "set temperature > 0")
+    top_p = gen.get("top_p", 1.0)
+    if not 0 < top_p <= 1:
+        c.bad(f"{key}.top_p", top_p, "must be in (0, 1]", "set top_p: 1.0")
+    if gen.get("min_new_tokens", 0) > gen.get("max_new_tokens", 16):
+        c.bad(f"{key}.min_new_tokens", gen.get("min_new_tokens"), f"exceeds max_new_tokens "
+              f"({gen.get('max_new_tokens')})", "set min_new_tokens <= max_new_tokens")
+    if gen.get("num_workers", 1) < 1:
+        c.bad(f"{key}.num_workers", gen.get("num_workers"), "must be >= 1", "set num_workers >= 1")
+    for k, value in ((f"{key}.num_threads", gen.get("num_threads")),
+                     ("data.init_args.train_num_threads", get(c.cfg, "data.init_args.train_num_threads"))):
+        if value is not None and value < 1:
+            c.bad(k, value, "must be >= 1 or null", f"set {k.rsplit('.', 1)[-1]}: null (automatic) or >= 1")
+
+
+def algorithm_pairing_rules(c: RuleContext) -> None:
+    """PPO needs a critic, GAE, in_order and full steps; GRPO has no critic."""
+    adv_name = get(c.algo, "adv_estimator.name", "gae" if c.algo_key == "ppo" else "grpo")
+    if c.algo_key != "ppo":
+        if adv_name != "grpo":
+            c.bad("grpo.adv_estimator.name", adv_name, "GRPO uses group-relative advantages",
+                  "set grpo.adv_estimator.name: grpo (GAE needs a critic: use ppo)")
+        for knob in ("value", "value_loss_fn"):
+            if get(c.cfg, f"model.init_args.{knob}") is not None:
+                c.bad(f"model.init_args.{knob}", "<set>", "a GRPO run has no critic", "remove it, or run PPO")
+        return
+    for knob in ("ppo_epochs", "critic_ppo_epochs"):
+        if c.algo.get(knob, 1) < 1:
+            c.bad(f"ppo.{knob}", c.algo.get(knob), "must be >= 1", f"set ppo.{knob} >= 1")
+    if adv_name != "gae":
+        c.bad("ppo.adv_estimator.name", adv_name, "PPO needs GAE advantages", "set ppo.adv_estimator.name: gae")
+    if get(c.cfg, "model.init_args.value") is None:
+        c.bad("model.init_args.value", None, "a PPO run needs a critic", "add model.init_args.value")
+    if get(c.cfg, "model.init_args.value_loss_fn") is None:
+        c.bad("model.init_args.value_loss_fn", None, "a PPO run needs a value loss",
+              "add model.init_args.value_loss_fn (screl.algos.ClippedValueLoss)")
+    if c.sampler is not None and c.sampler.name != "in_order":
+        c.bad("async_rl.sampler.name", c.sampler.name, "PPO runs support only the in_order sampler",
+              "set async_rl.sampler.name: in_order")
+    if c.min_groups != c.P:
+        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "PPO trains one full step per chunk (the "
+              "critic has no split train API)", f"set it to ppo.num_prompts_per_step ({c.P})")
+    for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+        if c.rf.get(knob, 0) != 0:
+            c.bad(f"async_rl.rollout_failure.{knob}", c.rf.get(knob), "a drop would shorten a PPO step that the "
+                  "critic shards against its configured batch size", "set it to 0")
+    if not get(c.cfg, "model.init_args.offload_optimizer_for_logprob", True):
+        c.bad("model.init_args.offload_optimizer_for_logprob", False, "PPO keeps the policy optimizer off the "
+              "device while the critic runs", "set it to true")
+
+
