@@ -25,10 +25,12 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from typing_extensions import override
 
@@ -97,6 +99,20 @@ def _fit_provider_to_policy(strategy: Any, hf_model: torch.nn.Module) -> None:
                 + ", ".join(bad)
                 + ". Drop model_provider (GRPO derives it from the policy) or fix these fields."
             )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What every micro-batch of a chunk shares: its size, masks, advantages and loss normalizers."""
+
+    rows: int
+    chunk_rows: int
+    chunk_groups: int
+    step_groups: int
+    sample_mask: Tensor
+    token_mask: Tensor
+    advantages: Tensor
+    valid_tokens: Tensor
 
 
 class GRPO(LightningModule):
@@ -209,11 +225,19 @@ class GRPO(LightningModule):
         opt = self.optimizers()
         assert not isinstance(opt, list), "GRPO configures exactly one optimizer"
         rows = batch["input_ids"].shape[0]
+        loss_total, metrics_acc = self._backward_chunk(batch, self._chunk_tensors(batch))
+        stepped = bool(batch["last_chunk"])
+        grad_norm = self._optimizer_step(opt) if stepped else None
+        if rows > 0:
+            self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped, grad_norm)
+        return loss_total
+
+    def _chunk_tensors(self, batch: dict[str, Any]) -> _Chunk:
+        """The chunk's masks, advantages and loss normalizers, shared by all of its micro-batches."""
+        rows = batch["input_ids"].shape[0]
         # rows of the whole chunk: a data-parallel replica holds a shard of it (RolloutDataModule)
         chunk_rows = int(batch.get("chunk_rows", rows))
         group_size = self.algo.num_generations_per_prompt
-        step_groups = int(batch["step_groups"])
-        chunk_groups = chunk_rows // group_size
         sample_mask = batch["sample_mask"].float()
         token_mask = batch["token_mask"].float()
         advantages = grpo_advantages(
@@ -226,63 +250,75 @@ class GRPO(LightningModule):
         valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
         if "chunk_valid_tokens" in batch:
             valid_tokens = torch.as_tensor(float(batch["chunk_valid_tokens"]), device=self.device).clamp_min(1.0)
-        megatron = self._megatron_strategy
+        return _Chunk(
+            rows=rows, chunk_rows=chunk_rows, chunk_groups=chunk_rows // group_size,
+            step_groups=int(batch["step_groups"]), sample_mask=sample_mask, token_mask=token_mask,
+            advantages=advantages, valid_tokens=valid_tokens,
+        )
+
+    def _backward_chunk(self, batch: dict[str, Any], chunk: _Chunk) -> tuple[Tensor, dict[str, list[Tensor]]]:
+        """Backpropagate the chunk micro-batch by micro-batch; returns its loss (summed over the data-parallel
+        shards of the chunk) and each micro-batch's metrics."""
         grad_scale = self._grad_scale(batch)
-        mb = self.micro_batch_size or max(rows, 1)
+        mb = self.micro_batch_size or max(chunk.rows, 1)
         loss_total = torch.zeros((), device=self.device)
         metrics_acc: dict[str, list[Tensor]] = {}
-        for lo in range(0, rows, mb):
-            sl = slice(lo, min(rows, lo + mb))
-            ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
-            if megatron is None:
-                curr = token_logprobs(self.model, ids, attention, self.temperature)
-            else:
-                curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
-            prev = curr.detach()
-            on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
-            gen = torch.where(on_policy, prev, batch["generation_logprobs"][sl].float())
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(
-                        self.reference, batch["input_ids"][sl], batch["attention_mask"][sl], self.temperature
-                    )
-            adv_tok = advantages[sl, None].expand_as(curr)
-            loss, metrics = self.loss_fn(
-                curr, prev, gen, adv_tok, token_mask[sl], sample_mask[sl], reference_logprobs=ref,
-                global_normalizer=valid_tokens if self.loss_fn.token_level_loss else None,
-            )
-            if not self.loss_fn.token_level_loss:
-                loss = loss * (sl.stop - sl.start) / chunk_rows
+        for lo in range(0, chunk.rows, mb):
+            sl = slice(lo, min(chunk.rows, lo + mb))
+            loss, metrics = self._micro_batch_loss(batch, chunk, sl)
             # A step streamed as several chunks: each chunk carries its share of the step's groups.
             if grad_scale == 1.0:
-                self.manual_backward(loss * (chunk_groups / step_groups))
+                self.manual_backward(loss * (chunk.chunk_groups / chunk.step_groups))
             else:
-                self.manual_backward(loss * (chunk_groups / step_groups) * grad_scale)
+                self.manual_backward(loss * (chunk.chunk_groups / chunk.step_groups) * grad_scale)
             loss_total = loss_total + loss.detach()
-            on_mask = on_policy & token_mask[sl].bool()
-            if on_mask.any():
-                mismatch = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()
-                metrics["logprob_mismatch"] = mismatch
             for k, v in metrics.items():
                 metrics_acc.setdefault(k, []).append(v.detach().float())
-        if megatron is not None and int(batch.get("dp_shards", 1)) > 1:  # the whole chunk's loss
+        if self._megatron_strategy is not None and int(batch.get("dp_shards", 1)) > 1:  # the whole chunk's loss
             from megatron.core import parallel_state
 
             torch.distributed.all_reduce(loss_total, group=parallel_state.get_data_parallel_group())
-        stepped = bool(batch["last_chunk"])
+        return loss_total, metrics_acc
+
+    def _micro_batch_loss(self, batch: dict[str, Any], chunk: _Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy loss of rows ``sl`` (scaled to the chunk) and its metrics, with ``logprob_mismatch``
+        over the on-policy tokens."""
+        ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+        megatron = self._megatron_strategy
+        if megatron is None:
+            curr = token_logprobs(self.model, ids, attention, self.temperature)
+        else:
+            curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
+        prev = curr.detach()
+        on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
+        gen = torch.where(on_policy, prev, batch["generation_logprobs"][sl].float())
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, ids, attention, self.temperature)
+        adv_tok = chunk.advantages[sl, None].expand_as(curr)
+        loss, metrics = self.loss_fn(
+            curr, prev, gen, adv_tok, chunk.token_mask[sl], chunk.sample_mask[sl], reference_logprobs=ref,
+            global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
+        )
+        if not self.loss_fn.token_level_loss:
+            loss = loss * (sl.stop - sl.start) / chunk.chunk_rows
+        on_mask = on_policy & chunk.token_mask[sl].bool()
+        if on_mask.any():
+            metrics["logprob_mismatch"] = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()
+        return loss, metrics
+
+    def _optimizer_step(self, opt: LightningOptimizer) -> Tensor | None:
+        """Clip (tensor-parallel aware under Megatron), step and zero the gradients; returns the norm clipped."""
         grad_norm: Tensor | None = None
-        if stepped:
-            if self.max_grad_norm is not None:
-                if megatron is not None:  # the norm over tensor-parallel shards, each counted once
-                    grad_norm = megatron.clip_gradients(self.max_grad_norm)
-                else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if rows > 0:
-            self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped, grad_norm)
-        return loss_total
+        if self.max_grad_norm is not None:
+            if self._megatron_strategy is not None:  # the norm over tensor-parallel shards, each counted once
+                grad_norm = self._megatron_strategy.clip_gradients(self.max_grad_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _log_chunk(
         self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], rows: int, t0: float,
