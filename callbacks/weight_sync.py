@@ -26,10 +26,7 @@ class WeightSync(Callback):
         if not (isinstance(batch, dict) and batch.get("last_chunk")):
             return
         dm = trainer.datamodule  # type: ignore[attr-defined]
-        export = getattr(pl_module, "export_weights", None)
-        if export is None:
-            raise TypeError(f"{type(pl_module).__name__} has no export_weights(): WeightSync cannot refit")
-        info = dm.complete_step(export())
+        info = dm.complete_step(_exported_weights(pl_module, dm))
         pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
 
     @override
@@ -40,3 +37,16 @@ class WeightSync(Callback):
                 dm.shutdown()
             except Exception as err:  # noqa: BLE001 - the original exception matters more
                 log.warning("screl: shutdown after %r failed: %r", exception, err)
+
+
+def _exported_weights(pl_module: LightningModule, dm: Any) -> Any:
+    """The module's bucketed export when it has one (the trainer then never holds a second full copy of the
+    weights; buckets of ``generation.refit_bucket_mb``), else its one-dict ``export_weights()``."""
+    module: Any = pl_module
+    if hasattr(module, "iter_export_weights"):
+        return module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20))
+    if hasattr(module, "export_weights"):
+        return module.export_weights()
+    raise TypeError(
+        f"{type(pl_module).__name__} has neither iter_export_weights() nor export_weights(): WeightSync cannot refit"
+    )

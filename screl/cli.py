@@ -189,6 +189,15 @@ class ScrelCLI(LightningCLI):
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 
+def _generation_line(cfg: dict[str, Any]) -> str:
+    from screl.controller.runtime import worker_resources
+
+    g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
+    res = worker_resources(g)
+    return (f"{g.num_workers} worker(s), backend {g.backend} on {g.device}, {res.num_cpus:g} CPU / {res.num_gpus:g} "
+            f"GPU each; refits in {g.refit_bucket_mb:g} MiB buckets")
+
+
 def _thread_plan(cfg: dict[str, Any], run: RunConfig) -> ThreadPlan:
     data = cfg["data"]["init_args"]
     generation = from_dict(GenerationConfig, data.get("generation") or {})
@@ -223,6 +232,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"max steps            {steps if steps is not None else 'epochs x batches / trainer.max_steps'}",
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
         f"torch threads        {_thread_plan(cfg, run).describe()}",
+        f"generation           {_generation_line(cfg)}",
     ]
     return "\n".join(lines)
 

@@ -252,10 +252,21 @@ class ColocatedConfig:
 class GenerationConfig:
     """The generation side (``policy.generation`` in the spec)."""
 
-    backend: Literal["torch", "vllm", "megatron"] = "torch"
-    """Engine: ``torch`` (HF model, CPU or GPU), ``vllm`` (GPU), ``megatron``."""
+    backend: str = "torch"
+    """Engine: ``torch`` (HF model, CPU or GPU), or the class path of your own engine (``package.module.Class``
+    implementing ``screl.rollout.GenerationEngine``; see docs/extending.md). ``vllm``/``megatron``: planned."""
+    backend_args: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific settings, passed to the backend's ``from_options`` as ``EngineOptions.args``."""
     num_workers: int = 1
     """Generation worker actors (each holds a copy of the policy)."""
+    num_cpus_per_worker: float = 1.0
+    """Logical CPUs Ray reserves for each worker."""
+    num_gpus_per_worker: float | None = None
+    """GPUs Ray reserves for each worker. None: ``colocated.resources`` (num_nodes x gpus_per_node) split
+    over the workers when ``device`` is cuda, else 0."""
+    refit_bucket_mb: float = 64.0
+    """Weights travel to the workers in buckets of about this many MiB (the trainer never serializes the whole
+    model as one object). Under ``MegatronStrategy`` its ``export_bucket_bytes`` sets the bucket size instead."""
     workflow: str = "screl.rollout.workflow.SingleTurnWorkflow"
     """Rollout workflow class (``package.module.Class``) each worker runs per sibling: generate, reward, build
     the row (see docs/extending.md). The default generates once and scores with the task."""

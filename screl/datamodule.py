@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -194,6 +194,10 @@ class RolloutDataModule(LightningDataModule):
         trainer: Any = self.trainer
         return int(trainer.world_size) if trainer is not None else 1
 
+    def _global_rank(self) -> int:
+        trainer: Any = self.trainer
+        return int(trainer.global_rank) if trainer is not None else 0
+
     def _on_rank_zero(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on global rank 0 and broadcast its result (CPU tensors, scalars) to every rank.
 
@@ -297,7 +301,10 @@ class RolloutDataModule(LightningDataModule):
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
-    def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Retire the finished step and refit the workers with ``weights`` (called by WeightSync on every
-        rank, after the weight export collective; only rank 0's weights go to the controller)."""
+    def complete_step(self, weights: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+        """Retire the finished step and refit the workers with ``weights``: a state dict, or the buckets of the
+        weight export (called by WeightSync on every rank; only rank 0's weights go to the controller)."""
+        if not isinstance(weights, Mapping) and self._world_size() > 1 and self._global_rank() != 0:
+            for _ in weights:  # a bucketed export is a collective: every rank takes part in each bucket
+                pass
         return self._on_rank_zero(lambda: self.runtime.complete_step(weights))

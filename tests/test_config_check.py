@@ -58,6 +58,7 @@ def test_capacity_plan_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "up to 2 chunk(s) per step" in out  # ceil(6 / 4)
     assert "IS correction        on" in out
     assert "for training" in out and "cores split" in out  # a staleness window: the phases overlap
+    assert "1 worker(s), backend torch on cpu, 1 CPU / 0 GPU each; refits in 64 MiB buckets" in out
 
 
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
@@ -203,6 +204,20 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "data.init_args.generation.workflow", "cannot import the workflow class"),
     ("workflow_no_run", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.envs.CountLetter"},
      "data.init_args.generation.workflow", "has no run(items, generate) method"),
+    ("backend_unknown", "grpo_tiny.yaml", {"data.init_args.generation.backend": "my_pkg.Nope"},
+     "data.init_args.generation.backend", "neither a built-in backend"),
+    ("backend_not_an_engine", "grpo_tiny.yaml", {"data.init_args.generation.backend": "screl.envs.CountLetter"},
+     "data.init_args.generation.backend", "does not implement the GenerationEngine protocol"),
+    ("backend_planned", "grpo_tiny.yaml", {"data.init_args.generation.backend": "vllm"},
+     "data.init_args.generation.backend", "not in this build yet"),
+    ("worker_cpus", "grpo_tiny.yaml", {"data.init_args.generation.num_cpus_per_worker": 0},
+     "data.init_args.generation.num_cpus_per_worker", "must be a number > 0"),
+    ("worker_gpus", "grpo_tiny.yaml", {"data.init_args.generation.num_gpus_per_worker": -1},
+     "data.init_args.generation.num_gpus_per_worker", "must be a number >= 0"),
+    ("refit_bucket", "grpo_tiny.yaml", {"data.init_args.generation.refit_bucket_mb": 0},
+     "data.init_args.generation.refit_bucket_mb", "must be a number > 0"),
+    ("gpus_idle_on_cpu", "grpo_tiny.yaml", {"data.init_args.generation.colocated.resources.gpus_per_node": 2},
+     "data.init_args.generation.device", "would sit idle"),
 ]
 
 

@@ -8,6 +8,7 @@ place outside the actors that talks to Ray.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
@@ -18,12 +19,21 @@ from screl.controller.controller import RolloutController
 from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
 from screl.envs import Task
 from screl.models import PolicySpec
-from screl.rollout.engine import SamplingParams
+from screl.rollout.backends import iter_buckets
+from screl.rollout.engine import EngineOptions, SamplingParams
 from screl.rollout.rows import ROW_FIELDS
-from screl.rollout.worker import spawn_workers
+from screl.rollout.worker import WorkerResources, spawn_workers
 from screl.threads import thread_plan
 
 log = logging.getLogger(__name__)
+
+
+WeightSource = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
+
+
+def put_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Any]:
+    """Object-store refs of the weights, one per bucket of about ``bucket_bytes``."""
+    return [ray.put(bucket) for bucket in iter_buckets(tensors, bucket_bytes)]
 
 
 def spawn_controller(
@@ -41,6 +51,44 @@ def spawn_controller(
         num_cpus=0, max_concurrency=1000
     )
     return actor.remote(run, task, generation, workers, dataplane, run_dir, seed, config_dict)
+
+
+def worker_resources(g: GenerationConfig) -> WorkerResources:
+    """What Ray reserves per generation worker: ``num_cpus_per_worker``, and ``num_gpus_per_worker`` or else
+    ``colocated.resources`` (num_nodes x gpus_per_node GPUs) split over the workers on a cuda device."""
+    res = g.colocated.resources
+    total_gpus = res.num_nodes * res.gpus_per_node
+    if g.num_gpus_per_worker is not None:
+        gpus = g.num_gpus_per_worker
+    elif g.device.startswith("cuda") and not g.colocated.enabled:
+        gpus = total_gpus / g.num_workers if total_gpus else 1.0
+    else:
+        gpus = 0.0
+    return WorkerResources(num_cpus=g.num_cpus_per_worker, num_gpus=gpus, spread=res.num_nodes > 1)
+
+
+def engine_options(g: GenerationConfig, run: RunConfig, seed: int) -> EngineOptions:
+    """How each worker builds its engine (worker ``i`` adds ``i`` to the seed)."""
+    return EngineOptions(device=g.device, num_threads=thread_plan(g, run).generation, max_batch_size=g.max_batch_size,
+                         recompute_kv_cache_after_weight_updates=run.async_rl.recompute_kv_cache_after_weight_updates,
+                         seed=seed, args=dict(g.backend_args))
+
+
+def check_cluster_fits(g: GenerationConfig, cluster: dict[str, float]) -> None:
+    """Fail before any actor starts when the cluster cannot hold the generation workers (Ray would otherwise
+    leave them pending forever); the message names the knobs."""
+    need = worker_resources(g)
+    problems = []
+    for kind, per_worker, knob in (("CPU", need.num_cpus, "num_cpus_per_worker"),
+                                   ("GPU", need.num_gpus, "num_gpus_per_worker")):
+        total = per_worker * g.num_workers
+        have = float(cluster.get(kind, 0.0))
+        if total > have:
+            problems.append(f"{g.num_workers} worker(s) x {per_worker:g} {kind} = {total:g} {kind}, the Ray cluster "
+                            f"has {have:g} (data.init_args.generation.{knob}, num_workers; ray.num_cpus for a local "
+                            "cluster)")
+    if problems:
+        raise RuntimeError("the generation workers do not fit the Ray cluster: " + "; ".join(problems))
 
 
 def sampling_params(g: GenerationConfig) -> SamplingParams:
@@ -61,6 +109,7 @@ class RolloutRuntime:
         self.dataplane: DataPlane | None = None
         self._ray_started = False
         self.events_path: str | None = None
+        self.refit_bucket_bytes = int(generation.refit_bucket_mb * 2**20)
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
@@ -75,15 +124,13 @@ class RolloutRuntime:
             # start-up in parallel: the workers boot (and load the weights) while TransferQueue starts,
             # and the controller boots while the workers finish
             g = self.generation
+            check_cluster_fits(g, ray.cluster_resources())
             self.workers = spawn_workers(
-                g.num_workers, policy, device=g.device, num_threads=thread_plan(g, self.run).generation,
-                max_batch_size=g.max_batch_size,
-                recompute_kv_cache_after_weight_updates=self.run.async_rl.recompute_kv_cache_after_weight_updates,
-                injected_latency_s=g.injected_latency_s, seed=seed, backend=g.backend,
-                batch_window_s=g.batch_window_s, task=task, sampling=sampling_params(g),
-                workflow=g.workflow,
+                g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
+                backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
+                task=task, sampling=sampling_params(g), workflow=g.workflow,
             )
-            weights = [ray.put(initial_weights)]
+            weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
             self.dataplane = DataPlane.start(
                 num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
@@ -114,10 +161,14 @@ class RolloutRuntime:
         assert self.dataplane is not None
         return self.dataplane.get(keys, list(ROW_FIELDS)) if keys else {}
 
-    def complete_step(self, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Retire the open step and refit the workers with ``weights``."""
-        ref = [ray.put(weights)]
-        return ray.get(self.controller.complete_step.remote(ref), timeout=self.timeout_s)  # type: ignore[no-any-return]
+    def complete_step(self, weights: WeightSource) -> dict[str, Any]:
+        """Retire the open step and refit the workers with ``weights`` (a state dict, or an iterable of buckets
+        as ``iter_export_weights`` yields them): each bucket goes to the object store on its own."""
+        if isinstance(weights, Mapping):
+            refs = put_buckets(weights.items(), self.refit_bucket_bytes)
+        else:
+            refs = [ray.put(bucket) for bucket in weights]
+        return ray.get(self.controller.complete_step.remote(refs), timeout=self.timeout_s)  # type: ignore[no-any-return]
 
     def snapshot_now(self) -> str:
         """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""

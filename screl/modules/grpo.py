@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
+from screl.rollout.backends import iter_buckets, merge_buckets
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
@@ -192,13 +194,21 @@ class GRPO(LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
 
     def export_weights(self) -> dict[str, Tensor]:
-        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU.
+        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU, in one dict.
 
         Under ``MegatronStrategy`` a collective that gathers the shards: call it on every rank.
         """
+        return merge_buckets(self.iter_export_weights())
+
+    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20) -> Iterator[dict[str, Tensor]]:
+        """The same weights bucket by bucket (what a refit sends): one CPU bucket of about ``bucket_bytes`` at a
+        time, so exporting never holds a second full copy. Under ``MegatronStrategy`` its own bucketed export
+        (``export_bucket_bytes``), a collective every rank must consume to the end."""
         if self._megatron_strategy is not None:
-            return {k: v.detach().to("cpu") for k, v in self._megatron_strategy.export_weights().items()}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            for bucket in self._megatron_strategy.iter_export_weights():
+                yield {k: v.detach().to("cpu") for k, v in bucket.items()}
+            return
+        yield from iter_buckets(self.model.state_dict().items(), bucket_bytes)
 
     def _grad_scale(self, batch: dict[str, Any]) -> float:
         """Undo the data-parallel gradient average when each replica trained a shard of the chunk.

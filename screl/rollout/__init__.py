@@ -6,6 +6,7 @@
 from typing import TYPE_CHECKING, Any
 
 from screl.rollout.engine import (
+    EngineOptions,
     FinishReason,
     GenerationEngine,
     GenerationRequest,
@@ -27,6 +28,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EngineOptions",
     "FinishReason",
     "GenerationEngine",
     "GenerationRequest",

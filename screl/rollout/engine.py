@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -109,13 +109,37 @@ class GenerationResult:
         return spans
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a generation worker tells the backend class it builds (from ``data.init_args.generation``)."""
+
+    device: str = "cpu"
+    """Torch device for the model (``cpu``, ``cuda``)."""
+    num_threads: int | None = 1
+    """Torch intra-op threads of the worker process (None: leave the setting alone)."""
+    max_batch_size: int | None = None
+    """Requests decoded together."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """Re-prefill in-flight sequences under new weights after a refit (else keep the old KV cache)."""
+    seed: int | None = None
+    """Seeds requests that carry no seed of their own."""
+    args: Mapping[str, Any] = field(default_factory=dict)
+    """Backend-specific settings (``generation.backend_args``), passed through untouched."""
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """What a generation worker drives: torch on HF models now, vLLM ``AsyncLLM`` later.
 
-    Thread safety: ``generate`` blocks; ``abort``, ``pause``, ``resume``, ``update_weights`` and
-    ``set_version`` may be called from other threads while it runs.
+    A worker builds its engine with ``Backend.from_options(policy, EngineOptions(...))`` (``generation.backend``
+    names the class). Thread safety: ``generate`` blocks; ``abort``, ``pause``, ``resume``, ``update_weights``
+    and ``set_version`` may be called from other threads while it runs.
     """
+
+    @classmethod
+    def from_options(cls, policy: Any, options: EngineOptions) -> GenerationEngine:
+        """Build the engine for ``policy`` (a :class:`~screl.models.PolicySpec`) as a worker configures it."""
+        ...
 
     @property
     def version(self) -> int:

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from screl.models.spec import PolicySpec
-from screl.rollout.engine import FinishReason, GenerationRequest, GenerationResult, PauseMode, SamplingParams
+from screl.rollout.engine import (
+    EngineOptions,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+    SamplingParams,
+)
 
 
 @dataclass
@@ -70,6 +77,22 @@ class TorchGenerationEngine:
         seed: Seeds the seeds of requests without ``SamplingParams.seed`` (``None``: nondeterministic).
         version: Initial weight version label.
     """
+
+    @classmethod
+    def from_options(cls, policy: PolicySpec, options: EngineOptions) -> TorchGenerationEngine:
+        """The engine a worker builds (``generation.backend: torch``); it takes no ``backend_args``."""
+        if options.args:
+            raise ValueError(
+                f"data.init_args.generation.backend_args={dict(options.args)!r}: the torch backend takes none"
+            )
+        return cls(
+            policy,
+            device=options.device,
+            num_threads=options.num_threads,
+            max_batch_size=options.max_batch_size,
+            recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+            seed=options.seed,
+        )
 
     def __init__(
         self,

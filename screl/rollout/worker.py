@@ -31,7 +31,8 @@ import torch
 from screl.data.core_types import Dispatch, SiblingReport
 from screl.envs import Task
 from screl.models import PolicySpec
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.backends import build_engine, merge_buckets
+from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutWorkflow, load_workflow
 
@@ -51,36 +52,22 @@ class GenerationWorker:
     def __init__(
         self,
         policy: PolicySpec,
-        device: str = "cpu",
-        num_threads: int = 1,
-        max_batch_size: int = 64,
-        recompute_kv_cache_after_weight_updates: bool = False,
-        injected_latency_s: float = 0.0,
-        seed: int = 0,
         backend: str = "torch",
+        options: EngineOptions | None = None,
+        *,
+        injected_latency_s: float = 0.0,
         batch_window_s: float = 0.01,
         task: Task | None = None,
         sampling: SamplingParams | None = None,
         workflow: str = DEFAULT_WORKFLOW,
         row_window_s: float = 0.005,
     ) -> None:
-        torch.set_num_threads(num_threads)
-        if backend != "torch":
-            raise NotImplementedError(
-                f"data.init_args.generation.backend={backend!r} is not available in this build: only 'torch' "
-                "runs here (vLLM needs a GPU machine and the screl[vllm] extra)"
-            )
-        from screl.rollout.torch_engine import TorchGenerationEngine
-
-        self.engine = TorchGenerationEngine(
-            policy,
-            device=device,
-            num_threads=num_threads,
-            max_batch_size=max_batch_size,
-            recompute_kv_cache_after_weight_updates=recompute_kv_cache_after_weight_updates,
-            seed=seed,
-        )
-        self.max_batch_size = max_batch_size
+        options = options or EngineOptions()
+        if options.num_threads is not None:
+            torch.set_num_threads(options.num_threads)
+        self.engine = build_engine(backend, policy, options)
+        self.max_batch_size = options.max_batch_size or 64
+        seed = options.seed or 0
         self.injected_latency_s = injected_latency_s
         self.batch_window_s = batch_window_s
         self._rng = random.Random(seed + 7919)
@@ -182,12 +169,11 @@ class GenerationWorker:
 
     # -- weights --------------------------------------------------------------------------------------
     async def update_weights(self, weights: list[Any], version: int) -> int:
-        """Load ``weights[0]`` (a state dict or an ObjectRef to one) as ``version``; returns the version."""
-        state = weights[0]
-        if isinstance(state, ray.ObjectRef):
-            state = await state
+        """Load the weights, given as buckets (state-dict pieces, or ObjectRefs to them), through the backend as
+        ``version``; returns the version."""
+        buckets = [await w if isinstance(w, ray.ObjectRef) else w for w in weights]
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.engine.update_weights, state, version)
+        await loop.run_in_executor(None, self.engine.update_weights, merge_buckets(buckets), version)
         return version
 
     async def version(self) -> int:
@@ -200,6 +186,10 @@ class GenerationWorker:
     async def num_threads(self) -> int:
         """Torch intra-op threads of this worker process."""
         return torch.get_num_threads()
+
+    async def assigned_resources(self) -> dict[str, float]:
+        """What Ray reserved for this worker (``num_cpus_per_worker``, ``num_gpus_per_worker``)."""
+        return dict(ray.get_runtime_context().get_assigned_resources())
 
     async def pid(self) -> int:
         return os.getpid()
@@ -279,19 +269,43 @@ def _set_exception(future: asyncio.Future[Any], err: BaseException) -> None:
         future.set_exception(err)
 
 
+@dataclass(frozen=True)
+class WorkerResources:
+    """What Ray reserves for each generation worker, and how workers spread over nodes."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    spread: bool = False
+    """Place workers on different nodes where possible (generation spans several nodes)."""
+
+    def actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.spread:
+            opts["scheduling_strategy"] = "SPREAD"
+        return opts
+
+
 def spawn_workers(
-    num_workers: int, policy: PolicySpec, *, namespace_prefix: str = "screl", **kwargs: Any
+    num_workers: int,
+    policy: PolicySpec,
+    *,
+    resources: WorkerResources | None = None,
+    namespace_prefix: str = "screl",
+    options: EngineOptions | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Start ``num_workers`` generation actors (restarted by Ray if their process dies)."""
+    """Start ``num_workers`` generation actors (restarted by Ray if their process dies); worker ``i`` seeds its
+    engine with ``options.seed + i``."""
     remote_cls = ray.remote(GenerationWorker)
-    seed = int(kwargs.pop("seed", 0))
+    options = options or EngineOptions()
+    base_seed = options.seed or 0
     return [
         remote_cls.options(  # type: ignore[attr-defined]
-            num_cpus=1,
+            **(resources or WorkerResources()).actor_options(),
             max_restarts=-1,
             max_task_retries=0,
             max_concurrency=64,
             name=f"{namespace_prefix}-generation-{i}-{os.getpid()}",
-        ).remote(policy, seed=seed + i, **kwargs)
+        ).remote(policy, options=dataclasses.replace(options, seed=base_seed + i), **kwargs)
         for i in range(num_workers)
     ]

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from screl.data.sampler_config import InOrderSamplerConfig
 from screl.data.sampler_factory import required_buffer_capacity
+from screl.rollout.backends import resolve_backend
 from screl.validation.context import (
     LEGACY_MIGRATION,
     RuleContext,
@@ -180,7 +181,31 @@ def generation_rules(c: RuleContext) -> None:
     if backend == "vllm" and not colocated and not gen.get("async_engine", True):
         c.bad(f"{key}.async_engine", False, "non-colocated vLLM generation needs the async engine",
               "set async_engine: true")
+    try:
+        resolve_backend(str(backend))
+    except ValueError as err:
+        why = str(err).removeprefix(f"{key}.backend={backend!r}").lstrip(": ")
+        c.bad(f"{key}.backend", backend, why, "use backend: torch, or the class path of an "
+              "engine implementing screl.rollout.GenerationEngine (see docs/extending.md)")
     _sampling_rules(c)
+    _resource_rules(c)
+
+
+def _resource_rules(c: RuleContext) -> None:
+    gen, key = c.gen, "data.init_args.generation"
+    for knob, default in (("num_cpus_per_worker", 1.0), ("refit_bucket_mb", 64.0)):
+        v = gen.get(knob, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            c.bad(f"{key}.{knob}", v, "must be a number > 0", f"set {knob} > 0")
+    g = gen.get("num_gpus_per_worker")
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
+        c.bad(f"{key}.num_gpus_per_worker", g, "must be a number >= 0 or null (derived)",
+              "set num_gpus_per_worker >= 0 or null")
+    gpus = (gen.get("num_gpus_per_worker") or 0) + get(gen, "colocated.resources.gpus_per_node", 0)
+    if gen.get("backend", "torch") == "torch" and gen.get("device", "cpu") == "cpu" and gpus > 0:
+        c.bad(f"{key}.device", "cpu", "GPUs are set aside for generation (num_gpus_per_worker or "
+              "colocated.resources.gpus_per_node) but the torch engine runs on the CPU: they would sit idle",
+              "set device: cuda, or set the GPU counts to 0")
 
 
 def _sampling_rules(c: RuleContext) -> None:

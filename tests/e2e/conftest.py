@@ -29,7 +29,9 @@ def base_config(run_dir: Path) -> dict[str, Any]:
     cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
     cfg["trainer"].update(max_steps=4, default_root_dir=str(run_dir), enable_progress_bar=False,
                           enable_model_summary=False)
-    cfg["data"]["init_args"]["generation"].update(max_new_tokens=8, min_new_tokens=8, injected_latency_s=0.3)
+    # refits travel in many small buckets (the tiny policy is ~0.4 MB), so every run checks bucketed refits
+    cfg["data"]["init_args"]["generation"].update(max_new_tokens=8, min_new_tokens=8, injected_latency_s=0.3,
+                                                  refit_bucket_mb=0.02)
     cfg["data"]["init_args"]["step_timeout_s"] = 120
     cfg["grpo"].update(num_prompts_per_step=4, num_generations_per_prompt=2, max_num_steps=4)
     cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)

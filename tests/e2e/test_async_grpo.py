@@ -39,8 +39,12 @@ class ThreadProbe(Callback):
     def __init__(self) -> None:
         self.seen: set[tuple[int, int]] = set()
 
+        self.worker_resources: list[dict[str, float]] = []
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         workers = trainer.datamodule.runtime.workers
+        if not self.worker_resources:
+            self.worker_resources = ray.get([w.assigned_resources.remote() for w in workers])
         self.seen.update((torch.get_num_threads(), n) for n in ray.get([w.num_threads.remote() for w in workers]))
 
 
@@ -57,8 +61,10 @@ def test_sampler_mode_end_to_end(mode: str, tmp_path: Path) -> None:
     cfg["model"]["init_args"]["loss_fn"]["init_args"][IS_KEY] = is_on
     if not is_on:
         del cfg["model"]["init_args"]["loss_fn"]["init_args"]["is_truncation"]
+    cfg["data"]["init_args"]["generation"]["num_cpus_per_worker"] = 1.5  # what Ray reserves comes from the config
     probe = ThreadProbe()
     run_dir = run_fit(cfg, tmp_path, callbacks=[probe])
+    assert probe.worker_resources == [{"CPU": 1.5}]
 
     # the thread budget: sync takes turns (every core for each phase), async splits the cores
     cores = available_cores()
