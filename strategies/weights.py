@@ -262,17 +262,7 @@ def iter_export_buckets(
     params = _local_params(module)
     param_device = params[0][1].device if params else torch.device("cpu")
     out_device = None if device is None else torch.device(device)
-    stages: list[tuple[int, list[_ParamMeta]]]
-    if pp == 1:
-        stages = [(0, [m for m, _ in params])]
-    else:
-        pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-        my_stage = parallel_state.get_pipeline_model_parallel_rank()
-        stages = []
-        for stage, src in enumerate(pp_ranks):
-            box: list[object] = [[m for m, _ in params] if stage == my_stage else None]
-            dist.broadcast_object_list(box, src=src, group=parallel_state.get_pipeline_model_parallel_group())
-            stages.append((src, box[0]))  # type: ignore[arg-type]
+    stages = _pipeline_stages([m for m, _ in params], pp)
     own = {m.name: t for m, t in params}
     rank = dist.get_rank()
     for src, metas in stages:
@@ -290,6 +280,20 @@ def iter_export_buckets(
             for m, t in zip(bucket, full, strict=True):
                 out.update(_rename(m, t, layout, naming))
             yield {k: (v if out_device is None else v.to(out_device)).clone() for k, v in out.items()}
+
+
+def _pipeline_stages(metas: list[_ParamMeta], pp: int) -> list[tuple[int, list[_ParamMeta]]]:
+    """(source rank, parameter metadata) of every pipeline stage: each stage broadcasts its own list."""
+    if pp == 1:
+        return [(0, metas)]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    stages: list[tuple[int, list[_ParamMeta]]] = []
+    for stage, src in enumerate(dist.get_process_group_ranks(group)):
+        box: list[object] = [metas if stage == my_stage else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        stages.append((src, box[0]))  # type: ignore[arg-type]
+    return stages
 
 
 def _rename(meta: _ParamMeta, full: Tensor, layout: _Layout, naming: Naming) -> dict[str, Tensor]:

@@ -12,6 +12,21 @@ from torch import Tensor
 __all__ = ["gae_advantages", "grpo_advantages", "masked_whiten", "terminal_token_rewards"]
 
 
+def _check_group_inputs(rewards: Tensor, group_size: int, sample_mask: Tensor | None) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"`grpo_advantages(rewards.shape={tuple(rewards.shape)})` is invalid: expected [B].")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"`grpo_advantages(group_size={group_size!r})` is invalid for {rewards.numel()} rows: "
+            "the row count must be a positive multiple of group_size."
+        )
+    if sample_mask is not None and sample_mask.shape != rewards.shape:
+        raise ValueError(
+            f"`grpo_advantages(sample_mask.shape={tuple(sample_mask.shape)})` is invalid: "
+            f"expected {tuple(rewards.shape)}, the shape of rewards."
+        )
+
+
 def grpo_advantages(
     rewards: Tensor,
     group_size: int,
@@ -51,18 +66,7 @@ def grpo_advantages(
     Returns:
         ``[B]`` advantages, same dtype as ``rewards``.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"`grpo_advantages(rewards.shape={tuple(rewards.shape)})` is invalid: expected [B].")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"`grpo_advantages(group_size={group_size!r})` is invalid for {rewards.numel()} rows: "
-            "the row count must be a positive multiple of group_size."
-        )
-    if sample_mask is not None and sample_mask.shape != rewards.shape:
-        raise ValueError(
-            f"`grpo_advantages(sample_mask.shape={tuple(sample_mask.shape)})` is invalid: "
-            f"expected {tuple(rewards.shape)}, the shape of rewards."
-        )
+    _check_group_inputs(rewards, group_size, sample_mask)
     r = rewards.reshape(-1, group_size)  # [N, G]
     valid = (
         torch.ones_like(r, dtype=torch.bool) if sample_mask is None else sample_mask.reshape(r.shape).bool()
