@@ -26,7 +26,9 @@ class WeightSync(Callback):
         if not (isinstance(batch, dict) and batch.get("last_chunk")):
             return
         dm = trainer.datamodule  # type: ignore[attr-defined]
-        info = dm.complete_step(_exported_weights(pl_module, dm))
+        # a step that left the policy unchanged (PPO critic warmup) refits nothing
+        refit = bool(getattr(pl_module, "refit_due", True))
+        info = dm.complete_step(_exported_weights(pl_module, dm) if refit else None)
         pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
 
     @override

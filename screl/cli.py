@@ -94,8 +94,15 @@ def build_run_config(
     }
 
 
-def _algo_for_model(grpo: Any, ppo: Any) -> dict[str, Any] | None:
-    return _algo_block(ppo) if ppo is not None else _algo_block(grpo)
+def _algo_for_model(grpo: Any, ppo: Any, checkpointing: Any) -> dict[str, Any] | None:
+    """The module's ``algo``: the algorithm block; a PPO warm start reads with the checkpoints' fsspec options
+    unless it names its own."""
+    if ppo is None:
+        return _algo_block(grpo)
+    algo = _algo_block(ppo)
+    if isinstance(algo, dict) and not algo.get("warm_start_storage_options"):
+        algo["warm_start_storage_options"] = dict((_plain(checkpointing) or {}).get("storage_options") or {})
+    return algo
 
 
 class ScrelCLI(LightningCLI):
@@ -119,7 +126,7 @@ class ScrelCLI(LightningCLI):
         parser.link_arguments(
             ("grpo", "ppo", *TOP_LEVEL_BLOCKS), "data.init_args.run", compute_fn=build_run_config
         )
-        parser.link_arguments(("grpo", "ppo"), "model.init_args.algo", compute_fn=_algo_for_model)
+        parser.link_arguments(("grpo", "ppo", "checkpointing"), "model.init_args.algo", compute_fn=_algo_for_model)
         parser.link_arguments("data.init_args.generation.temperature", "model.init_args.temperature")
 
     # -- validation before anything starts ---------------------------------------------------------

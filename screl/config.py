@@ -104,6 +104,8 @@ class AdvantageEstimatorConfig:
     """(gae) Discount factor."""
     lam: float = 0.95
     """(gae) GAE lambda."""
+    whiten_advantages: bool = True
+    """(gae) Whiten the step's advantages over its valid tokens (zero mean, unit variance)."""
 
 
 @dataclass
@@ -157,7 +159,13 @@ class PPOConfig(GRPOConfig):
     policy_training_start_step: int = 0
     """Critic warmup: for the first N steps the policy is neither trained nor refit."""
     warm_start_value_checkpoint: str | None = None
-    """Seed the critic from another run's checkpoint (path or fsspec URL) instead of warming it up online."""
+    """Seed the critic from another screl run's checkpoint instead of warming it up online: its checkpoint
+    directory (the newest complete bundle is used) or one bundle (``.../step_<n>``), a local path or fsspec URL."""
+    warm_start_storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for ``warm_start_value_checkpoint`` (empty: ``checkpointing.storage_options``)."""
+    reward_kl_coef: float = 0.0
+    """KL in the reward: each completion token's reward gets ``-coef * (log pi_gen - log pi_ref)`` against the
+    initial policy (0: off)."""
     async_ppo: dict[str, Any] | None = None
     """Legacy async-PPO block: must be null (port its knobs to ``async_rl``)."""
     async_grpo: dict[str, Any] | None = None

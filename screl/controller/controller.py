@@ -59,6 +59,7 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         max_num_steps=algo.max_num_steps, min_groups=run.min_groups,
         max_buffered_rollouts=run.max_buffered_rollouts, max_inflight_prompts=run.max_inflight_prompts,
         num_workers=num_workers, seed=seed, id_prefix=id_prefix,
+        policy_training_start_step=run.ppo.policy_training_start_step if run.ppo is not None else None,
         failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
     )
 
@@ -310,6 +311,17 @@ class RolloutController:
             elif isinstance(res, BaseException):
                 raise res
 
+    async def _relabel_workers(self, version: int) -> None:
+        """Tell every live worker its unchanged weights now serve ``version``; a dead one is refreshed later."""
+        import ray
+
+        results = await asyncio.gather(*(w.set_version.remote(version) for w in self.workers), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(
+                res, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+            ):
+                raise res
+
     async def complete_step(self, weights: list[Any] | None) -> dict[str, Any]:
         """The open step's optimizer update is done: retire it, bump the version, refit the workers."""
         await self._execute(self.core.complete_step())
@@ -317,7 +329,9 @@ class RolloutController:
         if weights is not None:
             self.latest_weights = weights
             await self._refit_workers(weights, self.core.trainer_version)
-        await self._execute(self.core.refit_done(time.perf_counter() - t0))
+        else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
+            await self._relabel_workers(self.core.trainer_version)
+        await self._execute(self.core.refit_done(time.perf_counter() - t0, refitted=weights is not None))
         return {"trainer_version": self.core.trainer_version, "aborted": self.core.last_aborted}
 
     async def snapshot_now(self) -> str:

@@ -161,10 +161,13 @@ class RolloutRuntime:
         assert self.dataplane is not None
         return self.dataplane.get(keys, list(ROW_FIELDS)) if keys else {}
 
-    def complete_step(self, weights: WeightSource) -> dict[str, Any]:
+    def complete_step(self, weights: WeightSource | None) -> dict[str, Any]:
         """Retire the open step and refit the workers with ``weights`` (a state dict, or an iterable of buckets
-        as ``iter_export_weights`` yields them): each bucket goes to the object store on its own."""
-        if isinstance(weights, Mapping):
+        as ``iter_export_weights`` yields them): each bucket goes to the object store on its own. None: the
+        policy did not change, the workers keep their weights."""
+        if weights is None:
+            refs = None
+        elif isinstance(weights, Mapping):
             refs = put_buckets(weights.items(), self.refit_bucket_bytes)
         else:
             refs = [ray.put(bucket) for bucket in weights]

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         SelectEvent,
         SnapshotEvent,
         TrainStepEvent,
+        WindowEvent,
         parse_event,
         read_events,
     )
@@ -85,6 +86,7 @@ _LAZY = {
     "FailEvent": "screl.data.events",
     "PromoteEvent": "screl.data.events",
     "RefitEvent": "screl.data.events",
+    "WindowEvent": "screl.data.events",
     "ReserveEvent": "screl.data.events",
     "RestoreEvent": "screl.data.events",
     "SelectEvent": "screl.data.events",
@@ -134,6 +136,7 @@ __all__ = [
     "ReadyFirstSamplerConfig",
     "RecoveryPolicy",
     "RefitEvent",
+    "WindowEvent",
     "ReplayBuffer",
     "ReplayBufferError",
     "ReserveEvent",

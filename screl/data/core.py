@@ -51,6 +51,7 @@ from screl.data.events import (
     ReserveEvent,
     SelectEvent,
     TrainStepEvent,
+    WindowEvent,
 )
 from screl.data.ledger import RecoveryPolicy, RolloutLedger, SiblingState
 from screl.data.samplers import PromptGroupSampler, call_admit
@@ -85,6 +86,7 @@ class RolloutCore:
         self.attempts: dict[str, tuple[str, int, int]] = {}  # live attempt -> (group, sibling, worker)
         self.load = [0] * s.num_workers
         self.refitting = False
+        self.window: int | None = None  # the sampler's gate window, when it retunes (PPO critic warmup)
         self.admission_closed = False
         self.last_aborted = 0
         self.metrics: dict[str, float] = {"evicted": 0, "aborted": 0, "dropped": 0, "retried": 0}
@@ -111,6 +113,7 @@ class RolloutCore:
     def pump(self, now: float = 0.0) -> Effects:
         """Admit and reserve as far as the sampler's gate, the buffer's bounds and the refit gate allow."""
         eff = Effects()
+        self._retune(eff)
         while not self.refitting:
             if self.admitted:
                 if not self.buffer.can_reserve():
@@ -119,6 +122,14 @@ class RolloutCore:
             elif not self._admit(eff):
                 break
         return eff
+
+    def _retune(self, eff: Effects) -> None:
+        """Let the sampler retune its gate for the trainer's version; log a ``window`` event when it changes."""
+        retune = getattr(self.sampler, "retune", None)
+        window = retune(self.trainer_version, self.settings.policy_training_start_step) if retune else None
+        if window is not None and window != self.window:
+            self.window = window
+            eff.events.append(WindowEvent(trainer_version=self.trainer_version, window=window))
 
     def epoch_order(self, epoch: int) -> list[int]:
         order = list(self.prompts)
@@ -384,9 +395,13 @@ class RolloutCore:
         self.last_aborted = len(stale)
         return eff
 
-    def refit_done(self, refit_s: float = 0.0) -> Effects:
-        """The workers now serve ``trainer_version``: new reservations start from it."""
+    def refit_done(self, refit_s: float = 0.0, refitted: bool = True) -> Effects:
+        """The workers now serve ``trainer_version``: new reservations start from it. ``refitted=False``: the
+        policy did not change this step (PPO critic warmup), the workers only relabel their version, and no
+        ``refit`` event is logged."""
         self.gen_version, self.refitting = self.trainer_version, False
+        if not refitted:
+            return Effects()
         return Effects(events=[RefitEvent(trainer_version=self.trainer_version,
                                           extra={"aborted": self.last_aborted, "refit_s": round(refit_s, 4)})])
 

@@ -77,6 +77,8 @@ class CoreSettings:
     seed: int = 0
     failure: FailureBudget = field(default_factory=FailureBudget)
     id_prefix: str = ""
+    policy_training_start_step: int | None = None
+    """(PPO) Critic warmup: the sampler may retune its window until the policy trains (``StalenessSampler.retune``)."""
 
 
 @dataclass(frozen=True)

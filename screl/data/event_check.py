@@ -49,6 +49,7 @@ from screl.data.events import (
     SelectEvent,
     SnapshotEvent,
     TrainStepEvent,
+    WindowEvent,
     parse_event,
     read_events,
 )
@@ -341,6 +342,13 @@ class _Checker:
         if e.trainer_version != self.version:
             self.flag("refit-version", f"refit to version {e.trainer_version} after {self.version} steps")
 
+    def on_window(self, e: WindowEvent) -> None:
+        if e.trainer_version != self.version:
+            self.flag("window-version", f"window change at version {e.trainer_version} after {self.version} steps")
+        peak = self.rules.peak_window if self.rules is not None else None
+        if peak is not None and e.window > peak:
+            self.flag("window-rule", f"window {e.window} is wider than the sampler's widest window {peak}")
+
     def on_anchor(self, e: CheckpointEvent | SnapshotEvent) -> None:
         if e.step != self.version:
             self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
@@ -434,6 +442,7 @@ _HANDLERS: dict[type[Event], str] = {
     DropEvent: "on_drop",
     TrainStepEvent: "on_train_step",
     RefitEvent: "on_refit",
+    WindowEvent: "on_window",
     CheckpointEvent: "on_anchor",
     SnapshotEvent: "on_anchor",
     RestoreEvent: "on_restore",

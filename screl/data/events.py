@@ -200,6 +200,16 @@ class RefitEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WindowEvent(Event):
+    """The sampler's gate window changed (PPO critic warmup: ``warmup_lookahead_versions`` shrinking to
+    ``max_lookahead_versions``); logged once at the start too, when the sampler retunes at all."""
+
+    name: ClassVar[str] = "window"
+    trainer_version: int
+    window: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointEvent(Event):
     name: ClassVar[str] = "checkpoint"
     step: int
@@ -238,6 +248,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DropEvent,
         TrainStepEvent,
         RefitEvent,
+        WindowEvent,
         CheckpointEvent,
         SnapshotEvent,
         RestoreEvent,

@@ -157,6 +157,11 @@ class StalenessSampler:
         correction; None when it stays on-policy (or, for a custom sampler, leaves it to the user)."""
         return None
 
+    def retune(self, trainer_version: int, policy_training_start_step: int | None) -> int | None:
+        """Adjust the gate for ``trainer_version`` (PPO critic warmup) and return the window now in force, or
+        None when this sampler's window never changes."""
+        return None
+
     def overlaps_training(self) -> bool:
         """Thread-plan hint: whether generation may run while the trainer computes."""
         return True

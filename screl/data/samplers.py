@@ -117,6 +117,11 @@ class InOrderSampler(GatedSampler):
     def peak_window(self) -> int:
         return max(self.max_lookahead_versions, self.warmup_lookahead_versions or 0, self._gate_window)
 
+    def retune(self, trainer_version: int, policy_training_start_step: int | None) -> int | None:
+        if self.warmup_lookahead_versions is None:
+            return None
+        return self.retune_lookahead(trainer_version, policy_training_start_step)
+
     def capacity_rule(self) -> str:
         knob = "max_lookahead_versions" if self.warmup_lookahead_versions is None else "warmup_lookahead_versions"
         return f"num_prompts_per_step x ({knob} {self.peak_window} + 1)"

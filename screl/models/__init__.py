@@ -12,6 +12,7 @@ from screl.models.tokenizer import (
     build_char_tokenizer,
     char_vocab,
 )
+from screl.models.value import ValueModel, critic_state
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -23,7 +24,9 @@ __all__ = [
     "HFCausalLM",
     "PolicySpec",
     "TinyCausalLM",
+    "ValueModel",
     "build_char_tokenizer",
     "char_vocab",
+    "critic_state",
     "resolve_dtype",
 ]

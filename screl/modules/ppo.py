@@ -1,29 +1,79 @@
-"""The PPO LightningModule (policy + critic). Configurable and validated today; training is not built yet."""
+"""The PPO LightningModule: a policy and a critic, GAE advantages, policy and critic epochs per RL step.
+
+One RL step is one chunk of ``num_prompts_per_step x num_generations_per_prompt`` rows (PPO requires
+``min_groups_for_streaming_train == num_prompts_per_step``). Per step:
+
+1. **value stage** (no grad): the critic's values, the policy's logprobs before any update (the ``prev``
+   of every epoch's ratio) and, with ``ppo.reward_kl_coef``, the reference policy's;
+2. **GAE** over token rewards (the sequence reward on the last completion token, minus the KL penalty);
+3. ``critic_ppo_epochs`` critic updates, then ``ppo_epochs`` policy updates, over that same batch.
+
+Importance-sampling correction is GRPO's: a token sampled by an older policy (its ``token_versions`` entry
+is below the trainer's version) carries its generation logprob as the behaviour policy.
+
+**Critic warmup** (``ppo.policy_training_start_step: N``): steps ``0 .. N-1`` train the critic only; the
+policy is neither updated nor refit (``refit_due`` is False, so no ``refit`` event), and the sampler's
+lookahead follows ``warmup_lookahead_versions`` (see ``screl.data.samplers.lookahead_schedule``).
+
+``trainer.global_step`` counts RL steps, as for GRPO: every update but the step's last goes through the
+plain torch optimizer, the last through Lightning's (which counts it).
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from screl.algos import ClippedPGLoss, ClippedValueLoss
-from screl.models import PolicySpec
-from screl.modules.grpo import GRPO
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import Tensor
+from typing_extensions import override
+
+from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, terminal_token_rewards
+from screl.config import PPOConfig, from_dict
+from screl.models import PolicySpec, ValueModel
+from screl.modules.grpo import GRPO, token_logprobs
+from screl.modules.warm_start import load_critic_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _StepData:
+    """What every epoch of one RL step shares (all detached)."""
+
+    token_mask: Tensor
+    sample_mask: Tensor
+    valid_tokens: Tensor
+    old_values: Tensor
+    old_logprobs: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    returns: Tensor
 
 
 class PPO(GRPO):
-    """PPO on the single controller: ``ppo.ppo_epochs`` policy and ``ppo.critic_ppo_epochs`` critic updates
-    per RL step over the same batch, GAE advantages from the critic.
+    """PPO on the single controller.
 
     Args:
         policy: The policy spec.
-        value: The critic's model spec (a causal LM whose hidden states feed a scalar value head).
+        value: The critic's spec: a causal LM whose last hidden states feed a scalar value head
+            (``screl.models.ValueModel``); it may differ from the policy.
         value_loss_fn: The critic loss (``screl.algos.ClippedValueLoss``).
         loss_fn: The policy loss.
         learning_rate: Policy AdamW learning rate.
         value_learning_rate: Critic AdamW learning rate.
-        offload_optimizer_for_logprob: Keep the policy optimizer off the device while the critic runs
-            (required on the single controller).
-        train_global_batch_size: Rows per policy update (None: derived).
-        value_train_global_batch_size: Rows per critic update; must equal the step's rows (None: derived).
+        value_lr_warmup_steps: The critic's learning rate ramps linearly over this many critic updates.
+        weight_decay: AdamW weight decay (both optimizers).
+        max_grad_norm: Clip the policy's gradient norm (None: no clipping).
+        value_max_grad_norm: Clip the critic's gradient norm (None: no clipping).
+        micro_batch_size: Rows per forward/backward (None: the whole step).
+        offload_optimizer_for_logprob: Move the policy optimizer's state off the accelerator while the value
+            stage runs (on CPU there is nothing to move).
+        train_global_batch_size: Rows per policy update: the step's rows (None: derived).
+        value_train_global_batch_size: Rows per critic update: the step's rows (None: derived).
         temperature: Sampling temperature (linked from generation).
         algo: The ``ppo`` block (linked by the CLI).
     """
@@ -36,13 +86,217 @@ class PPO(GRPO):
         loss_fn: ClippedPGLoss | None = None,
         learning_rate: float = 1e-3,
         value_learning_rate: float = 1e-3,
+        value_lr_warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        value_max_grad_norm: float | None = 1.0,
+        micro_batch_size: int | None = None,
         offload_optimizer_for_logprob: bool = True,
         train_global_batch_size: int | None = None,
         value_train_global_batch_size: int | None = None,
         temperature: float = 1.0,
         algo: dict[str, Any] | None = None,
     ) -> None:
-        raise NotImplementedError(
-            "PPO training on the single controller is not implemented yet: `screl check` validates PPO "
-            "configs, but `screl fit` runs GRPO only (model.class_path: screl.GRPO)"
-        )
+        super().__init__(policy, loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, micro_batch_size=micro_batch_size,
+                         train_global_batch_size=train_global_batch_size, temperature=temperature)
+        if value is None:
+            raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
+        self.ppo: PPOConfig = algo if isinstance(algo, PPOConfig) else from_dict(PPOConfig, algo)
+        self.algo = self.ppo
+        self.critic = ValueModel(value)
+        self.value_loss_fn = value_loss_fn if value_loss_fn is not None else ClippedValueLoss()
+        self.value_learning_rate = value_learning_rate
+        self.value_lr_warmup_steps = value_lr_warmup_steps
+        self.value_max_grad_norm = value_max_grad_norm
+        self.offload_optimizer_for_logprob = offload_optimizer_for_logprob
+        self.value_train_global_batch_size = value_train_global_batch_size
+        if self.ppo.reward_kl_coef > 0 and self.reference is None:
+            self.reference = self._frozen_copy()
+        self.refit_due = True
+        """Whether the step just trained changed the policy (WeightSync refits only then)."""
+        self.update_counts = {"policy": 0, "critic": 0}
+        """Policy and critic optimizer updates so far (kept in checkpoints)."""
+        self._said_nothing_to_offload = False
+        if self.ppo.warm_start_value_checkpoint:
+            load_critic_weights(self.critic, self.ppo.warm_start_value_checkpoint, self.ppo.warm_start_storage_options)
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        import copy
+
+        return copy.deepcopy(self.model).requires_grad_(False).eval()
+
+    @override
+    def configure_model(self) -> None:
+        if self._megatron() is not None:
+            raise NotImplementedError(
+                "trainer.strategy: PPO under MegatronStrategy is not built yet (its critic has no Megatron "
+                "model); run PPO with the default strategy"
+            )
+
+    @override
+    def configure_optimizers(self) -> Any:
+        policy_opt = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+        critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.value_learning_rate,
+                                       weight_decay=self.weight_decay)
+        warmup = max(0, self.value_lr_warmup_steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(critic_opt, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
+        return [policy_opt, critic_opt], [{"scheduler": schedule, "interval": "step"}]
+
+    # -- the step ------------------------------------------------------------------------------------
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        if batch.get("done"):
+            return torch.zeros((), device=self.device)
+        if not batch["last_chunk"]:
+            raise RuntimeError("PPO trains one full step per chunk: set async_rl.min_groups_for_streaming_train "
+                               "to ppo.num_prompts_per_step")
+        t0 = time.perf_counter()
+        self._step_started = t0
+        opts: Any = self.optimizers()
+        policy_opt, critic_opt = opts
+        data = self._value_stage(batch, policy_opt)
+        train_policy = int(batch["trainer_version"]) >= self.ppo.policy_training_start_step
+        critic_metrics = self._critic_epochs(batch, data, critic_opt, last_update=not train_policy)
+        policy_loss, policy_metrics = torch.zeros((), device=self.device), dict[str, list[Tensor]]()
+        if train_policy:
+            policy_loss, policy_metrics = self._policy_epochs(batch, data, policy_opt)
+        self.refit_due = train_policy
+        self._log_step(batch, data, policy_loss, policy_metrics, critic_metrics, train_policy, t0)
+        return policy_loss
+
+    def _slices(self, rows: int) -> list[slice]:
+        mb = self.micro_batch_size or max(rows, 1)
+        return [slice(lo, min(rows, lo + mb)) for lo in range(0, rows, mb)]
+
+    @torch.no_grad()
+    def _value_stage(self, batch: dict[str, Any], policy_opt: LightningOptimizer) -> _StepData:
+        """Critic values, pre-update policy (and reference) logprobs, token rewards, GAE."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        token_mask, sample_mask = batch["token_mask"].float(), batch["sample_mask"].float()
+        self._offload(policy_opt, "cpu")
+        slices = self._slices(ids.shape[0])
+        values = torch.cat([self.critic.token_values(ids[s], attention[s]) for s in slices])
+        old_lp = torch.cat([token_logprobs(self.model, ids[s], attention[s], self.temperature) for s in slices])
+        self._offload(policy_opt, self.device)
+        on_policy = batch["token_versions"] == int(batch["trainer_version"])
+        behaviour = torch.where(on_policy, old_lp, batch["generation_logprobs"].float())
+        mask = token_mask * sample_mask[:, None]
+        kl = None
+        if self.ppo.reward_kl_coef > 0:
+            assert self.reference is not None
+            ref = torch.cat([token_logprobs(self.reference, ids[s], attention[s], self.temperature) for s in slices])
+            kl = old_lp - ref
+        rewards = terminal_token_rewards(batch["rewards"].float(), mask, kl, self.ppo.reward_kl_coef)
+        est = self.ppo.adv_estimator
+        adv, ret = gae_advantages(rewards, values, mask, gamma=est.gamma, lam=est.lam, whiten=est.whiten_advantages)
+        return _StepData(token_mask=token_mask, sample_mask=sample_mask, valid_tokens=mask.sum().clamp_min(1.0),
+                         old_values=values, old_logprobs=old_lp, behaviour_logprobs=behaviour, advantages=adv,
+                         returns=ret)
+
+    def _offload(self, opt: LightningOptimizer, device: str | torch.device) -> None:
+        """Move the policy optimizer's state to ``device`` (``offload_optimizer_for_logprob``)."""
+        if not self.offload_optimizer_for_logprob:
+            return
+        if self.device.type == "cpu":
+            if not self._said_nothing_to_offload:
+                log.info("screl: offload_optimizer_for_logprob: training on CPU, nothing to offload")
+                self._said_nothing_to_offload = True
+            return
+        for state in opt.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    state[k] = v.to(device, non_blocking=True)
+
+    def _critic_epochs(
+        self, batch: dict[str, Any], data: _StepData, opt: LightningOptimizer, last_update: bool
+    ) -> dict[str, Tensor]:
+        """``critic_ppo_epochs`` updates; the metrics are those of the first epoch (the fit to new data)."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        first: dict[str, list[Tensor]] = {}
+        epochs = self.ppo.critic_ppo_epochs
+        for epoch in range(epochs):
+            for sl in self._slices(ids.shape[0]):
+                values = self.critic.token_values(ids[sl], attention[sl])
+                loss, metrics = self.value_loss_fn(values, data.old_values[sl], data.returns[sl], data.token_mask[sl],
+                                                   data.sample_mask[sl], global_normalizer=data.valid_tokens)
+                self.manual_backward(loss)
+                if epoch == 0:
+                    for k, v in metrics.items():
+                        first.setdefault(k, []).append(v.detach())
+            if self.value_max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.value_max_grad_norm)
+            self._update(opt, "critic", counted=last_update and epoch == epochs - 1)
+            scheduler = self.lr_schedulers()
+            assert scheduler is not None and not isinstance(scheduler, list)
+            scheduler.step()
+        out = {k: torch.stack(v).sum() if k == "value_loss" else torch.stack(v).mean() for k, v in first.items()}
+        return out
+
+    def _policy_epochs(
+        self, batch: dict[str, Any], data: _StepData, opt: LightningOptimizer
+    ) -> tuple[Tensor, dict[str, list[Tensor]]]:
+        """``ppo_epochs`` policy updates against the pre-update logprobs; returns the last epoch's loss."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        rows = ids.shape[0]
+        loss_total, metrics_acc = torch.zeros((), device=self.device), dict[str, list[Tensor]]()
+        for epoch in range(self.ppo.ppo_epochs):
+            loss_total, metrics_acc = torch.zeros((), device=self.device), {}
+            for sl in self._slices(rows):
+                curr = token_logprobs(self.model, ids[sl], attention[sl], self.temperature)
+                ref = None
+                if self.loss_fn.requires_reference_logprobs:
+                    assert self.reference is not None
+                    with torch.no_grad():
+                        ref = token_logprobs(self.reference, ids[sl], attention[sl], self.temperature)
+                loss, metrics = self.loss_fn(
+                    curr, data.old_logprobs[sl], data.behaviour_logprobs[sl], data.advantages[sl],
+                    data.token_mask[sl], data.sample_mask[sl], reference_logprobs=ref,
+                    global_normalizer=data.valid_tokens if self.loss_fn.token_level_loss else None,
+                )
+                if not self.loss_fn.token_level_loss:
+                    loss = loss * (sl.stop - sl.start) / rows
+                self.manual_backward(loss)
+                loss_total = loss_total + loss.detach()
+                for k, v in metrics.items():
+                    metrics_acc.setdefault(k, []).append(v.detach().float())
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self._update(opt, "policy", counted=epoch == self.ppo.ppo_epochs - 1)
+        return loss_total, metrics_acc
+
+    def _update(self, opt: LightningOptimizer, kind: str, counted: bool) -> None:
+        """One optimizer update; only the step's last goes through Lightning (``global_step`` = RL steps)."""
+        if counted:
+            opt.step()
+        else:
+            opt.optimizer.step()
+        opt.zero_grad(set_to_none=True)
+        self.update_counts[kind] += 1
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ppo_update_counts"] = dict(self.update_counts)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.update_counts = dict(checkpoint.get("ppo_update_counts", self.update_counts))
+
+    def _log_step(
+        self, batch: dict[str, Any], data: _StepData, policy_loss: Tensor, policy_metrics: dict[str, list[Tensor]],
+        critic_metrics: dict[str, Tensor], train_policy: bool, t0: float,
+    ) -> None:
+        rows = int(batch["input_ids"].shape[0])
+        mask = (data.token_mask * data.sample_mask[:, None]).bool()
+        adv, ret = data.advantages[mask], data.returns[mask]
+        logs: dict[str, Any] = {f"critic/{k}": v for k, v in critic_metrics.items()}
+        logs.update({
+            "ppo/advantages_mean": adv.mean(), "ppo/advantages_std": adv.std() if adv.numel() > 1 else adv.sum() * 0,
+            "ppo/advantages_min": adv.min(), "ppo/advantages_max": adv.max(),
+            "ppo/returns_mean": ret.mean(), "ppo/returns_std": ret.std() if ret.numel() > 1 else ret.sum() * 0,
+            "ppo/policy_frozen": float(not train_policy),
+            "ppo/policy_updates": float(self.update_counts["policy"]),
+            "ppo/critic_updates": float(self.update_counts["critic"]),
+        })
+        self.log_dict(logs, batch_size=rows)
+        self._log_chunk(batch, policy_loss, policy_metrics, rows, t0, stepped=True)

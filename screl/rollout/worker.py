@@ -176,6 +176,11 @@ class GenerationWorker:
         await loop.run_in_executor(None, self.engine.update_weights, merge_buckets(buckets), version)
         return version
 
+    async def set_version(self, version: int) -> int:
+        """Relabel the loaded weights as ``version`` (the policy did not change: PPO critic warmup)."""
+        self.engine.set_version(version)
+        return version
+
     async def version(self) -> int:
         return self.engine.version
 

@@ -28,6 +28,7 @@ from screl.data import (
     SelectEvent,
     SnapshotEvent,
     TrainStepEvent,
+    WindowEvent,
     check_events,
     parse_event,
 )
@@ -45,6 +46,7 @@ SAMPLE_EVENTS: list[Event] = [
     DropEvent(reason="data_error", prompt_id=9),
     TrainStepEvent(step=0, group_ids=("g0",), trainer_version=0),
     RefitEvent(trainer_version=1),
+    WindowEvent(trainer_version=1, window=2),
     CheckpointEvent(step=1),
     SnapshotEvent(step=1),
     RestoreEvent(step=1, group_ids=("g2",)),
