@@ -15,7 +15,9 @@ Training, either way:
   Megatron's schedule (a plain loop on CPU) including the backward passes, and returns the detached
   reported loss; the strategy then skips Lightning's backward for that step.
 
-Checkpoints are ``dist_checkpointing`` directories (see :mod:`screl.strategies.checkpoint`).
+Checkpoints are ``dist_checkpointing`` directories (see :mod:`screl.strategies.checkpoint`). Finding,
+wrapping and checkpointing the Megatron modules of the LightningModule is in
+:mod:`screl.strategies.module_state`, the gradient-buffer plumbing in :mod:`screl.strategies.grad_buffers`.
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import MegatronModule, param_is_not_shared
+from megatron.core.transformer.module import MegatronModule
 from screl.strategies import checkpoint as ckpt
-from screl.strategies import weights
+from screl.strategies import grad_buffers, weights
+from screl.strategies.module_state import (
+    load_template,
+    module_sharded_state,
+    optimizer_index,
+    outermost_megatron_modules,
+    set_submodule,
+    wrapped_state_dict,
+)
 from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
 from screl.strategies.provider import UNPADDED_VOCAB_ATTR, GPTModelProvider, ModelProvider
 from screl.strategies.schedule import ForwardStep, LossReduction, forward_backward, token_logprobs
@@ -54,24 +63,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 __all__ = ["MegatronStrategy"]
-
-
-def _outermost_megatron_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in root.named_modules():
-        if (
-            name
-            and isinstance(module, MegatronModule)
-            and not any(name.startswith(p + ".") for p, _ in found)
-        ):
-            found.append((name, module))
-    return found
-
-
-def _set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, attr, value)
 
 
 class MegatronStrategy(DDPStrategy):
@@ -213,7 +204,7 @@ class MegatronStrategy(DDPStrategy):
         assert module is not None
         found = [
             (p, m)
-            for p, m in _outermost_megatron_modules(module)
+            for p, m in outermost_megatron_modules(module)
             if not isinstance(m, DistributedDataParallel)
         ]
         if not found and not self._wrapped:
@@ -227,7 +218,7 @@ class MegatronStrategy(DDPStrategy):
             )
             wrapped.config.finalize_model_grads_func = finalize_model_grads
             wrapped.config.no_sync_func = wrapped.no_sync
-            _set_submodule(module, path, wrapped)
+            set_submodule(module, path, wrapped)
             self._wrapped[path] = wrapped
         return dict(self._wrapped)
 
@@ -239,7 +230,7 @@ class MegatronStrategy(DDPStrategy):
             return {}
         return {
             path: m.module if isinstance(m, DistributedDataParallel) else m
-            for path, m in _outermost_megatron_modules(module)
+            for path, m in outermost_megatron_modules(module)
         }
 
     @override
@@ -248,7 +239,7 @@ class MegatronStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             for path, wrapped in self._wrapped.items():
-                _set_submodule(module, path, wrapped.module)
+                set_submodule(module, path, wrapped.module)
         self._wrapped.clear()
         super().teardown()
 
@@ -327,31 +318,12 @@ class MegatronStrategy(DDPStrategy):
         if not self._grads_finalized:
             finalize_model_grads(list(self._wrapped.values()))
             self._grads_finalized = True
-        self._expose_grads()
-
-    def _expose_grads(self) -> None:
-        for p, grad in self._main_grads():
-            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
-
-    def _main_grads(self) -> Iterator[tuple[nn.Parameter, Tensor]]:
-        """Each trainable parameter with its Megatron gradient buffer (``main_grad``)."""
-        for wrapped in self._wrapped.values():
-            for p in wrapped.module.parameters():
-                grad = getattr(p, "main_grad", None)
-                if p.requires_grad and grad is not None:
-                    yield p, grad
+        grad_buffers.expose_grads(self._wrapped.values())
 
     def grad_norm(self) -> Tensor:
         """The global L2 norm of the finalized gradients (each shard counted once across TP and PP)."""
         self.finalize_gradients()
-        squares = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for p, grad in self._main_grads():
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                squares = squares + grad.float().pow(2).sum()
-        group = parallel_state.get_model_parallel_group()
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(squares, group=group)
-        return squares.sqrt()
+        return grad_buffers.global_grad_norm(self._wrapped.values(), self.root_device)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         """Scale the finalized gradients so their global norm is at most ``max_norm``; returns the norm before.
@@ -362,17 +334,13 @@ class MegatronStrategy(DDPStrategy):
         norm = self.grad_norm()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
-            for _, grad in self._main_grads():
-                grad.mul_(coef)
-            self._expose_grads()
+            grad_buffers.scale_grads_(self._wrapped.values(), coef)
+            grad_buffers.expose_grads(self._wrapped.values())
         return norm
 
     def zero_grad_buffers(self) -> None:
         """Zero Megatron's gradient buffers and drop the ``.grad`` aliases."""
-        for wrapped in self._wrapped.values():
-            wrapped.zero_grad_buffer()
-            for p in wrapped.module.parameters():
-                p.grad = None
+        grad_buffers.zero_grad_buffers(self._wrapped.values())
         self._grads_finalized = False
         self._backward_done = False
 
@@ -420,14 +388,7 @@ class MegatronStrategy(DDPStrategy):
     def _module_sharded_state(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        megatron = self.megatron_modules
-        state: dict[str, Any] = {}
-        for path, inner in megatron.items():
-            state.update(inner.sharded_state_dict(prefix=f"{path}."))
-        for key, value in module.state_dict().items():
-            if not any(key.startswith(path + ".") for path in megatron):
-                state[key] = value
-        return state
+        return module_sharded_state(module, self.megatron_modules)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -441,16 +402,10 @@ class MegatronStrategy(DDPStrategy):
         """The optimizer's state with parameter-shaped entries sharded like their parameters."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        index = self._optimizer_index(optimizer)
+        index = optimizer_index(self.optimizers, optimizer)
         return ckpt.optimizer_sharded_state(
             optimizer, self._module_sharded_state(), prefix=f"optimizer.{index}"
         )
-
-    def _optimizer_index(self, optimizer: Optimizer) -> int:
-        for i, opt in enumerate(self.optimizers):
-            if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
-                return i
-        raise ValueError("optimizer_state(): the optimizer is not one of this strategy's optimizers.")
 
     @override
     def save_checkpoint(
@@ -475,20 +430,7 @@ class MegatronStrategy(DDPStrategy):
         """Load a sharded checkpoint at this rank's sharding (any tensor-parallel size it was saved at)."""
 
         def template(common: Mapping[str, Any]) -> dict[str, Any]:
-            model_state = self._module_sharded_state()
-            out: dict[str, Any] = {"state_dict": model_state}
-            saved_opts = common.get("optimizer_states") or []
-            if saved_opts and self.optimizers:
-                out["optimizer_states"] = [
-                    ckpt.optimizer_template(
-                        opt._optimizer if isinstance(opt, LightningOptimizer) else opt,
-                        model_state,
-                        saved,
-                        prefix=f"optimizer.{i}",
-                    )
-                    for i, (opt, saved) in enumerate(zip(self.optimizers, saved_opts, strict=False))
-                ]
-            return out
+            return load_template(common, self._module_sharded_state(), self.optimizers)
 
         return ckpt.load_checkpoint(
             template,
@@ -503,11 +445,7 @@ class MegatronStrategy(DDPStrategy):
         """Copy loaded weights into the (wrapped) LightningModule."""
         module = self.lightning_module
         assert module is not None
-        state = {}
-        for key, value in checkpoint["state_dict"].items():
-            path = next((p for p in self._wrapped if key.startswith(p + ".")), None)
-            state[key if path is None else f"{path}.module.{key[len(path) + 1 :]}"] = value
-        module.load_state_dict(state, strict=strict)
+        module.load_state_dict(wrapped_state_dict(checkpoint["state_dict"], self._wrapped), strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -17,13 +17,17 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from screl.algos.stats import masked_mean, valid_mask, weight_stats
+from screl.algos.value_loss import ClippedValueLoss
+
 __all__ = ["ClippedPGLoss", "ClippedValueLoss", "KLEstimator", "PolicyLoss", "kl_estimate"]
 
 KLEstimator = Literal["k1", "k2", "k3"]
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 _IS_LEVELS = ("token", "sequence")
 _IS_MODES = ("truncate", "mask")
-_QUANTILES = (0.1, 0.5, 0.9)
+#: One hyperparameter check: ``(failed, argument, why, fix)``.
+_Check = tuple[bool, str, str, str]
 
 
 class PolicyLoss(Protocol):
@@ -154,8 +158,14 @@ class ClippedPGLoss(nn.Module):
 
     def _issues(self) -> list[str]:
         """Every invalid hyperparameter, each as ``(arg, why, fix)`` in one message line."""
-        trunc, lo = self.is_truncation, self.is_truncation_min
-        checks = [
+        return [
+            f"`ClippedPGLoss({arg}={getattr(self, arg)!r})` is invalid: {why}. {fix}."
+            for failed, arg, why, fix in self._clip_and_kl_checks() + self._is_checks()
+            if failed
+        ]
+
+    def _clip_and_kl_checks(self) -> list[_Check]:
+        return [
             (not 0.0 <= self.ratio_clip_min < 1.0, "ratio_clip_min", "must be in [0, 1)", "Use e.g. 0.2"),
             (not self.ratio_clip_max >= 0.0, "ratio_clip_max", "must be >= 0", "Use e.g. 0.2 or 0.28 (DAPO)"),
             (
@@ -188,6 +198,11 @@ class ClippedPGLoss(nn.Module):
                 "must be > 0",
                 "Use e.g. 10.0, or None for no clamp",
             ),
+        ]
+
+    def _is_checks(self) -> list[_Check]:
+        trunc, lo = self.is_truncation, self.is_truncation_min
+        return [
             (self.is_level not in _IS_LEVELS, "is_level", "unknown level", f"Use one of {_IS_LEVELS}"),
             (self.is_mode not in _IS_MODES, "is_mode", "unknown mode", f"Use one of {_IS_MODES}"),
             (
@@ -222,11 +237,6 @@ class ClippedPGLoss(nn.Module):
                 "Lower it",
             ),
         ]
-        return [
-            f"`ClippedPGLoss({arg}={getattr(self, arg)!r})` is invalid: {why}. {fix}."
-            for failed, arg, why, fix in checks
-            if failed
-        ]
 
     @property
     def requires_reference_logprobs(self) -> bool:
@@ -234,14 +244,8 @@ class ClippedPGLoss(nn.Module):
         return self.reference_policy_kl_penalty != 0.0
 
     def forward(
-        self,
-        curr_logprobs: Tensor,
-        prev_logprobs: Tensor,
-        generation_logprobs: Tensor,
-        advantages: Tensor,
-        token_mask: Tensor,
-        sample_mask: Tensor | None = None,
-        reference_logprobs: Tensor | None = None,
+        self, curr_logprobs: Tensor, prev_logprobs: Tensor, generation_logprobs: Tensor, advantages: Tensor,
+        token_mask: Tensor, sample_mask: Tensor | None = None, reference_logprobs: Tensor | None = None,
         global_normalizer: float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Compute the loss and its metrics.
@@ -268,58 +272,78 @@ class ClippedPGLoss(nn.Module):
             ``dual_clip_fraction``, ``is_oob_fraction`` (units outside the truncation bounds) and ``kl_ref``
             (mean KL estimate, whenever ``reference_logprobs`` is given) when those apply.
         """
+        self._check_reference(reference_logprobs)
+        mask = valid_mask(token_mask, sample_mask, curr_logprobs.shape)
+        curr, prev, gen, adv = _masked_inputs(
+            mask, curr_logprobs, prev_logprobs, generation_logprobs, advantages
+        )
+        m = mask.to(curr.dtype)
+        row_count = m.sum(-1)  # [B]
+        metrics: dict[str, Tensor] = {}
+        ratio, per_token = self._surrogate(curr, prev, adv, m, row_count, metrics)
+        weight = self._is_weight(prev - gen, m, row_count > 0, metrics)
+        policy_loss = self._reduce(weight * per_token, m, row_count, global_normalizer)
+        loss = policy_loss
+        if reference_logprobs is not None:
+            loss = self._add_kl(
+                loss, curr, reference_logprobs, mask, m, row_count, global_normalizer, metrics
+            )
+        metrics.update(self._diagnostics(curr, gen, ratio, m, policy_loss))
+        return loss, metrics
+
+    def _check_reference(self, reference_logprobs: Tensor | None) -> None:
         if self.requires_reference_logprobs and reference_logprobs is None:
             raise ValueError(
                 f"ClippedPGLoss(reference_policy_kl_penalty={self.reference_policy_kl_penalty!r}) needs "
                 "reference_logprobs in forward: pass them, or set reference_policy_kl_penalty=0."
             )
-        mask = _valid_mask(token_mask, sample_mask, curr_logprobs.shape)
-        zero = torch.zeros_like(curr_logprobs)
-        curr = torch.where(mask, curr_logprobs, zero)
-        prev = torch.where(mask, prev_logprobs.detach(), zero)
-        gen = torch.where(mask, generation_logprobs.detach(), zero)
-        adv = advantages.detach()
-        adv = torch.where(mask, adv[:, None].expand_as(curr) if adv.dim() == 1 else adv, zero)
-        m = mask.to(curr.dtype)
-        row_count = m.sum(-1)  # [B]
-        row_valid = row_count > 0
 
+    def _surrogate(
+        self, curr: Tensor, prev: Tensor, adv: Tensor, m: Tensor, row_count: Tensor,
+        metrics: dict[str, Tensor],
+    ) -> tuple[Tensor, Tensor]:
+        """The importance ratio (per token, or GSPO's per row) and the clipped, dual-clipped surrogate."""
         log_ratio = curr - prev
         if self.sequence_level_importance_ratios:
             log_ratio = ((log_ratio * m).sum(-1) / row_count.clamp(min=1.0))[:, None].expand_as(curr)
         ratio = torch.exp(log_ratio)
         clipped_ratio = ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
         per_token = torch.maximum(-adv * ratio, -adv * clipped_ratio)
-        metrics: dict[str, Tensor] = {}
         if self.ratio_clip_c is not None:
             dual = (adv < 0) & (per_token > -self.ratio_clip_c * adv)
             per_token = torch.where(dual, -self.ratio_clip_c * adv, per_token)
-            metrics["dual_clip_fraction"] = _masked_mean(dual.to(m.dtype), m)
+            metrics["dual_clip_fraction"] = masked_mean(dual.to(m.dtype), m)
+        return ratio, per_token
 
-        weight = self._is_weight(prev - gen, m, row_valid, metrics)
-        policy_loss = self._reduce(weight * per_token, m, row_count, global_normalizer)
-        loss = policy_loss
-        if reference_logprobs is not None:
-            ref = torch.where(mask, reference_logprobs.detach(), zero)
-            kl = kl_estimate(curr, ref, self.kl_estimator, output_clamp=self.kl_clamp)
-            metrics["kl_ref"] = _masked_mean(kl.detach(), m)
-            if self.requires_reference_logprobs:
-                score = torch.exp(curr - curr.detach())
-                kl_loss = self._reduce(score * kl, m, row_count, global_normalizer)
-                loss = loss + self.reference_policy_kl_penalty * kl_loss
+    def _add_kl(
+        self, loss: Tensor, curr: Tensor, reference_logprobs: Tensor, mask: Tensor, m: Tensor,
+        row_count: Tensor, normalizer: float | Tensor | None, metrics: dict[str, Tensor],
+    ) -> Tensor:
+        """Record ``kl_ref``; with the penalty on, add ``beta`` x the score-corrected KL term to ``loss``."""
+        ref = torch.where(mask, reference_logprobs.detach(), torch.zeros_like(curr))
+        kl = kl_estimate(curr, ref, self.kl_estimator, output_clamp=self.kl_clamp)
+        metrics["kl_ref"] = masked_mean(kl.detach(), m)
+        if not self.requires_reference_logprobs:
+            return loss
+        score = torch.exp(curr - curr.detach())
+        kl_loss = self._reduce(score * kl, m, row_count, normalizer)
+        return loss + self.reference_policy_kl_penalty * kl_loss
 
+    def _diagnostics(
+        self, curr: Tensor, gen: Tensor, ratio: Tensor, m: Tensor, policy_loss: Tensor
+    ) -> dict[str, Tensor]:
+        """``policy_loss``, ``clip_fraction``, ``ratio_mean``, ``gen_kl`` and ``num_valid_tokens``."""
         outside = (ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)
         gen_log_ratio = (curr - gen).detach()
         gen_finite = torch.isfinite(gen_log_ratio)  # a token the behaviour policy "could not" sample
         gen_log_ratio = torch.where(gen_finite, gen_log_ratio, torch.zeros_like(gen_log_ratio))
-        metrics.update(
-            policy_loss=policy_loss.detach(),
-            clip_fraction=_masked_mean(outside.to(m.dtype), m),
-            ratio_mean=_masked_mean(ratio.detach(), m),
-            gen_kl=_masked_mean(torch.expm1(gen_log_ratio) - gen_log_ratio, m * gen_finite.to(m.dtype)),
-            num_valid_tokens=m.sum(),
-        )
-        return loss, metrics
+        return {
+            "policy_loss": policy_loss.detach(),
+            "clip_fraction": masked_mean(outside.to(m.dtype), m),
+            "ratio_mean": masked_mean(ratio.detach(), m),
+            "gen_kl": masked_mean(torch.expm1(gen_log_ratio) - gen_log_ratio, m * gen_finite.to(m.dtype)),
+            "num_valid_tokens": m.sum(),
+        }
 
     def _is_weight(self, log_w: Tensor, m: Tensor, row_valid: Tensor, metrics: dict[str, Tensor]) -> Tensor:
         """Detached IS weight per token (1 when correction is off); records raw-weight statistics.
@@ -332,7 +356,7 @@ class ClippedPGLoss(nn.Module):
             log_w = row_log_w[:, None].expand_as(log_w)
         else:
             unit_log_w = log_w[m.bool()]
-        metrics.update(_weight_stats(unit_log_w))
+        metrics.update(weight_stats(unit_log_w))
         if not self.use_importance_sampling_correction:
             return torch.ones_like(log_w)
         if self.is_truncation is None:
@@ -365,139 +389,15 @@ class ClippedPGLoss(nn.Module):
         return total / normalizer
 
 
-class ClippedValueLoss(nn.Module):
-    """Clipped value loss for PPO's critic (PPO2 baselines; Schulman et al. 2017).
-
-    ``L = 0.5 * value_coef * sum_t M * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2) / N``
-    with ``eps = value_clip``; ``value_clip=None`` gives the plain squared error. ``N`` is the number of
-    valid tokens, or ``global_normalizer``.
-
-    Args:
-        value_clip: clip range around the old values; ``None`` disables clipping.
-        value_coef: scale of the loss.
-    """
-
-    def __init__(self, value_clip: float | None = 0.2, value_coef: float = 1.0) -> None:
-        super().__init__()
-        issues = []
-        if value_clip is not None and not value_clip > 0.0:
-            issues.append(
-                f"`ClippedValueLoss(value_clip={value_clip!r})` is invalid: must be > 0. "
-                "Use e.g. 0.2, or None for no clipping."
-            )
-        if not value_coef > 0.0:
-            issues.append(
-                f"`ClippedValueLoss(value_coef={value_coef!r})` is invalid: must be > 0. Use e.g. 1.0."
-            )
-        if issues:
-            raise ValueError("\n".join(issues))
-        self.value_clip = value_clip
-        self.value_coef = value_coef
-
-    def forward(
-        self,
-        values: Tensor,
-        old_values: Tensor,
-        returns: Tensor,
-        token_mask: Tensor,
-        sample_mask: Tensor | None = None,
-        global_normalizer: float | Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Compute the loss and its metrics.
-
-        Args:
-            values: ``[B, T]`` current critic values, with grad.
-            old_values: ``[B, T]`` critic values at the step's start; treated as data.
-            returns: ``[B, T]`` targets (e.g. from :func:`~screl.algos.gae_advantages`); treated as data.
-            token_mask: ``[B, T]`` bool or 0/1.
-            sample_mask: ``[B]`` bool or 0/1; ``None`` keeps every row.
-            global_normalizer: divide the summed loss by this instead of the local valid-token count.
-
-        Returns:
-            ``(loss, metrics)`` with ``value_loss``, ``vf_clip_fraction`` (tokens where the clipped term
-            is the larger one), ``value_mean``, ``returns_mean`` and ``explained_variance``
-            (``1 - Var(R - V) / Var(R)`` over valid tokens; 0 when ``Var(R) = 0``).
-        """
-        mask = _valid_mask(token_mask, sample_mask, values.shape)
-        zero = torch.zeros_like(values)
-        v = torch.where(mask, values, zero)
-        v_old = torch.where(mask, old_values.detach(), zero)
-        ret = torch.where(mask, returns.detach(), zero)
-        m = mask.to(v.dtype)
-        err = (v - ret) ** 2
-        if self.value_clip is None:
-            per_token = err
-            clipped = torch.zeros_like(mask)
-        else:
-            v_clipped = v_old + (v - v_old).clamp(-self.value_clip, self.value_clip)
-            err_clipped = (v_clipped - ret) ** 2
-            per_token = torch.maximum(err, err_clipped)
-            clipped = err_clipped > err
-        total = 0.5 * self.value_coef * (per_token * m).sum()
-        loss = total / (m.sum().clamp(min=1.0) if global_normalizer is None else global_normalizer)
-        vd, rd = v.detach(), ret
-        var_r = _masked_var(rd, m)
-        var_resid = _masked_var(rd - vd, m)
-        explained = torch.where(var_r > 0, 1.0 - var_resid / var_r.clamp(min=torch.finfo(m.dtype).tiny), 0.0)
-        metrics = {
-            "value_loss": loss.detach(),
-            "vf_clip_fraction": _masked_mean(clipped.to(m.dtype), m),
-            "value_mean": _masked_mean(vd, m),
-            "returns_mean": _masked_mean(rd, m),
-            "explained_variance": explained,
-        }
-        return loss, metrics
-
-
-def _valid_mask(token_mask: Tensor, sample_mask: Tensor | None, shape: torch.Size) -> Tensor:
-    if token_mask.shape != shape:
-        raise ValueError(f"token_mask has shape {tuple(token_mask.shape)}; expected {tuple(shape)}.")
-    mask = token_mask.bool()
-    if sample_mask is not None:
-        if sample_mask.shape != shape[:1]:
-            raise ValueError(f"sample_mask has shape {tuple(sample_mask.shape)}; expected ({shape[0]},).")
-        mask = mask & sample_mask.bool()[:, None]
-    return mask
-
-
-def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
-    return ((x * m).sum() / m.sum().clamp(min=1.0)).detach()
-
-
-def _masked_var(x: Tensor, m: Tensor) -> Tensor:
-    mean = _masked_mean(x, m)
-    return _masked_mean((x - mean) ** 2, m)
-
-
-def _weight_stats(log_w: Tensor) -> dict[str, Tensor]:
-    """Statistics of the raw IS weights ``exp(log_w)`` over a 1-D set of valid units (tokens or rows).
-
-    Non-finite log-weights count as weight 0. An empty set gives zeros. ESS is computed on weights
-    rescaled by their max, so it stays finite when a weight overflows.
-    """
-    log_w = log_w.detach()
-    names = ["is_weight_mean", "is_weight_min", "is_weight_max", "is_ess"]
-    names += [f"is_weight_p{round(q * 100)}" for q in _QUANTILES]
-    if log_w.numel() == 0:
-        return {name: log_w.new_zeros(()) for name in names}
-    log_w = torch.where(torch.isfinite(log_w), log_w, torch.full_like(log_w, -math.inf))
-    w = torch.exp(log_w)
-    scaled = torch.exp(log_w - log_w.max()) if torch.isfinite(log_w.max()) else torch.zeros_like(w)
-    denom = scaled.numel() * (scaled * scaled).sum()
-    ess = torch.where(denom > 0, scaled.sum() ** 2 / denom.clamp(min=torch.finfo(w.dtype).tiny), 0.0)
-    stats = {"is_weight_mean": w.mean(), "is_weight_min": w.min(), "is_weight_max": w.max(), "is_ess": ess}
-    quantiles = _quantiles(w, _QUANTILES)
-    for q, value in zip(_QUANTILES, quantiles, strict=True):
-        stats[f"is_weight_p{round(q * 100)}"] = value
-    return stats
-
-
-def _quantiles(x: Tensor, qs: tuple[float, ...]) -> list[Tensor]:
-    """Linear-interpolation quantiles (as ``torch.quantile``) without its input-size limit."""
-    s, _ = torch.sort(x)
-    out = []
-    for q in qs:
-        pos = q * (s.numel() - 1)
-        lo, hi = math.floor(pos), math.ceil(pos)
-        out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
-    return out
+def _masked_inputs(
+    mask: Tensor, curr_logprobs: Tensor, prev_logprobs: Tensor, generation_logprobs: Tensor,
+    advantages: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The inputs with invalid tokens zeroed, all but ``curr`` detached, advantages broadcast to [B, T]."""
+    zero = torch.zeros_like(curr_logprobs)
+    curr = torch.where(mask, curr_logprobs, zero)
+    prev = torch.where(mask, prev_logprobs.detach(), zero)
+    gen = torch.where(mask, generation_logprobs.detach(), zero)
+    adv = advantages.detach()
+    adv = torch.where(mask, adv[:, None].expand_as(curr) if adv.dim() == 1 else adv, zero)
+    return curr, prev, gen, adv

@@ -17,6 +17,10 @@ Publishing never exposes a half-written bundle:
 Selection (:meth:`CheckpointStore.scan`, :meth:`CheckpointStore.latest`) is read-only and picks the newest
 bundle whose manifest parses and whose listed parts are all present with the listed sizes; every skipped
 directory is reported with its reason. Readers verify each part's SHA-256 as they read it.
+
+The names and manifest format live in :mod:`screl.checkpoint.layout`, the writers in
+:mod:`screl.checkpoint.writer`; this module re-exports both, so ``from screl.checkpoint.store import ...``
+keeps working for every name it had.
 """
 
 from __future__ import annotations
@@ -25,20 +29,39 @@ import hashlib
 import io
 import json
 import os
-import re
-import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from types import TracebackType
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from screl.checkpoint.layout import (
+    BUNDLE_KIND,
+    BUNDLE_SCHEMA_VERSION,
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    RESERVED_TOP_LEVEL,
+    STEP_RE,
+    TMP_STEP_RE,
+    TRASH_STEP_RE,
+    BundleInfo,
+    BundleScan,
+    IncompleteError,
+    PartInfo,
+    PublishedDir,
+    canonical_json,
+    check_part_name,
+    lookup_part,
+    parse_parts,
+)
+from screl.checkpoint.writer import BundleWriter, StagedWriter, fsync_path
+
 __all__ = [
+    "BUNDLE_KIND",
     "BUNDLE_SCHEMA_VERSION",
     "MANIFEST_NAME",
+    "RESERVED_TOP_LEVEL",
     "BundleInfo",
     "BundleScan",
     "BundleWriter",
@@ -47,121 +70,9 @@ __all__ = [
     "PartInfo",
     "PublishedDir",
     "StagedWriter",
+    "check_part_name",
+    "parse_parts",
 ]
-
-MANIFEST_NAME = "manifest.json"
-BUNDLE_SCHEMA_VERSION = 1
-BUNDLE_KIND = "screl.checkpoint_bundle"
-#: Part names that a writer may not use: the manifest itself and the snapshot namespace of an anchor.
-RESERVED_TOP_LEVEL = frozenset({MANIFEST_NAME, "rollout_snapshots"})
-
-_CHUNK = 8 * 1024 * 1024
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_STEP_RE = re.compile(r"^tmp_step_(\d+)_[0-9a-f]+$")
-_TRASH_STEP_RE = re.compile(r"^trash_step_(\d+)_[0-9a-f]+$")
-
-
-class IncompleteError(FileNotFoundError):
-    """A published directory is missing, has no valid manifest, or lacks a listed part."""
-
-
-@dataclass(frozen=True)
-class PartInfo:
-    """One file of a published directory, as its manifest lists it."""
-
-    name: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class PublishedDir:
-    """A directory published with a manifest: a trainer bundle or a rollout snapshot."""
-
-    relpath: str
-    """Path relative to the store root (``step_3``, ``step_3/rollout_snapshots/snapshot_000002``)."""
-    url: str
-    """Full URL, for messages."""
-    parts: Mapping[str, PartInfo]
-    empty_dirs: tuple[str, ...]
-    metadata: Mapping[str, Any]
-    """The caller's metadata given at commit."""
-    manifest: Mapping[str, Any]
-    """The raw manifest."""
-
-
-@dataclass(frozen=True)
-class BundleInfo(PublishedDir):
-    """A complete trainer checkpoint bundle ``step_<n>/``."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class BundleScan:
-    """What :meth:`CheckpointStore.scan` found under the root."""
-
-    complete: tuple[BundleInfo, ...]
-    """Complete bundles, oldest first."""
-    skipped: tuple[tuple[str, str], ...]
-    """``(directory name, reason)`` for every ``step_<n>`` that is not selectable."""
-    temporaries: tuple[str, ...]
-    """Leftover ``tmp_step_*`` / ``trash_step_*`` directories (never selectable)."""
-
-    @property
-    def latest(self) -> BundleInfo | None:
-        return self.complete[-1] if self.complete else None
-
-
-# -- manifest helpers ----------------------------------------------------------------------------------
-def _check_int(manifest: Mapping[str, Any], key: str, minimum: int) -> int:
-    value = manifest.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"manifest field {key!r} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"manifest field {key!r} must be >= {minimum}, got {value}")
-    return value
-
-
-def parse_parts(manifest: Mapping[str, Any]) -> tuple[dict[str, PartInfo], tuple[str, ...]]:
-    """The ``parts`` and ``empty_dirs`` of a manifest, validated (ValueError names the problem)."""
-    raw = manifest.get("parts")
-    if not isinstance(raw, list):
-        raise ValueError("manifest field 'parts' must be a list")
-    parts: dict[str, PartInfo] = {}
-    for entry in raw:
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"manifest part entry must be an object, got {entry!r}")
-        name = entry.get("name")
-        if not isinstance(name, str):
-            raise ValueError(f"manifest part name must be a string, got {name!r}")
-        check_part_name(name)
-        size = _check_int(entry, "size", 0)
-        digest = entry.get("sha256")
-        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
-            raise ValueError(f"manifest part {name!r} has an invalid sha256 {digest!r}")
-        if name in parts:
-            raise ValueError(f"manifest lists part {name!r} twice")
-        parts[name] = PartInfo(name, size, digest)
-    dirs = manifest.get("empty_dirs", [])
-    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-        raise ValueError("manifest field 'empty_dirs' must be a list of strings")
-    metadata = manifest.get("metadata", {})
-    if not isinstance(metadata, Mapping):
-        raise ValueError("manifest field 'metadata' must be an object")
-    return parts, tuple(dirs)
-
-
-def check_part_name(name: str) -> None:
-    """A part name is a relative POSIX path without empty, ``.`` or ``..`` segments."""
-    segments = name.split("/")
-    if not name or name.startswith("/") or "\\" in name or any(seg in ("", ".", "..") for seg in segments):
-        raise ValueError(f"invalid part name {name!r}: expected a relative path like 'policy/weights.pt'")
-
-
-def _canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, indent=1, allow_nan=False).encode()
 
 
 class CheckpointStore:
@@ -249,7 +160,7 @@ class CheckpointStore:
 
     def write_json_atomic(self, relpath: str, obj: Any) -> None:
         """Write one small JSON file atomically: tmp + fsync + rename locally, a single PUT elsewhere."""
-        data = _canonical_json(obj)
+        data = canonical_json(obj)
         target = self.path(relpath)
         parent = target.rsplit("/", 1)[0]
         self.fs.makedirs(parent, exist_ok=True)
@@ -261,9 +172,9 @@ class CheckpointStore:
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)
-            _fsync_path(tmp)
+            fsync_path(tmp)
             os.replace(tmp, target)
-            _fsync_path(parent)
+            fsync_path(parent)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -287,7 +198,7 @@ class CheckpointStore:
             if os.path.exists(dst):
                 self.fs.rm(dst, recursive=True)
             os.rename(src, dst)
-            _fsync_path(dst.rsplit("/", 1)[0])
+            fsync_path(dst.rsplit("/", 1)[0])
             self.fs.rm(dst, recursive=True)
             return
         manifest = f"{relpath}/{MANIFEST_NAME}"
@@ -344,10 +255,10 @@ class CheckpointStore:
         skipped: list[tuple[str, str]] = []
         temporaries: list[str] = []
         for name in self.children():
-            if _TMP_STEP_RE.match(name) or _TRASH_STEP_RE.match(name):
+            if TMP_STEP_RE.match(name) or TRASH_STEP_RE.match(name):
                 temporaries.append(name)
                 continue
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if m is None:
                 continue
             try:
@@ -402,7 +313,7 @@ class CheckpointStore:
     def read_bytes(self, target: int | PublishedDir, name: str) -> bytes:
         """Part ``name`` of a bundle (by step) or of a published directory, SHA-256 verified."""
         published = self._resolve(target)
-        part = _lookup(published, name)
+        part = lookup_part(published, name)
         buf = io.BytesIO()
         self._copy_out(published, part, buf)
         return buf.getvalue()
@@ -418,7 +329,7 @@ class CheckpointStore:
     ) -> None:
         """Copy part ``name`` to ``local_path``, SHA-256 verified."""
         published = self._resolve(target)
-        part = _lookup(published, name)
+        part = lookup_part(published, name)
         os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
         with open(local_path, "wb") as out:
             self._copy_out(published, part, out)
@@ -448,7 +359,7 @@ class CheckpointStore:
         digest = hashlib.sha256()
         size = 0
         with self.fs.open(self.path(f"{published.relpath}/{part.name}"), "rb") as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(CHUNK_BYTES):
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
@@ -477,257 +388,13 @@ class CheckpointStore:
             self.remove_published(bundle.relpath, f"trash_step_{bundle.step}_{uuid.uuid4().hex}")
             removed.append(bundle.relpath)
         for name in found.temporaries:
-            m = _TMP_STEP_RE.match(name) or _TRASH_STEP_RE.match(name)
+            m = TMP_STEP_RE.match(name) or TRASH_STEP_RE.match(name)
             if m is not None and int(m.group(1)) <= latest.step:
                 self.remove_tree(name)
                 removed.append(name)
         for name, _reason in found.skipped:
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if m is not None and int(m.group(1)) < latest.step:
                 self.remove_published(name, f"trash_step_{m.group(1)}_{uuid.uuid4().hex}")
                 removed.append(name)
         return removed
-
-
-def _lookup(published: PublishedDir, name: str) -> PartInfo:
-    part = published.parts.get(name)
-    if part is None:
-        known = ", ".join(sorted(published.parts)[:10])
-        raise FileNotFoundError(f"{published.url} has no part {name!r} (parts: {known or 'none'})")
-    return part
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: str) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            _fsync_path(os.path.join(dirpath, name))
-        _fsync_path(dirpath)
-
-
-def _iter_file(path: str | os.PathLike[str]) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            yield chunk
-
-
-class StagedWriter:
-    """Writes parts under a temporary directory and publishes them under the final name with a manifest.
-
-    Use as a context manager: leaving the block with an exception (or without :meth:`commit`) aborts, and
-    after any failed write the writer refuses to commit.
-    """
-
-    def __init__(self, store: CheckpointStore, tmp_relpath: str, final_relpath: str) -> None:
-        self.store = store
-        self.tmp_relpath = tmp_relpath
-        self.final_relpath = final_relpath
-        self.parts: dict[str, PartInfo] = {}
-        self.empty_dirs: list[str] = []
-        self._state = "open"
-        self._broken: str | None = None
-
-    def __enter__(self) -> StagedWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._state == "open":
-            self.abort()
-
-    # -- writing ---------------------------------------------------------------------------------------
-    def _check_writable(self, name: str) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"writer for {self.final_relpath} is {self._state}")
-        if self._broken is not None:
-            raise RuntimeError(f"writer for {self.final_relpath} is broken: {self._broken}")
-        check_part_name(name)
-        if name.split("/", 1)[0] in RESERVED_TOP_LEVEL:
-            raise ValueError(f"part name {name!r} is reserved")
-        if name in self.parts:
-            raise ValueError(f"part {name!r} was already written")
-        clash = [p for p in self.parts if p.startswith(name + "/") or name.startswith(p + "/")]
-        if clash:
-            raise ValueError(
-                f"part {name!r} clashes with part {clash[0]!r} (a file cannot also be a directory)"
-            )
-
-    def _write_chunks(self, name: str, chunks: Iterable[bytes]) -> PartInfo:
-        self._check_writable(name)
-        target = self.store.path(f"{self.tmp_relpath}/{name}")
-        digest = hashlib.sha256()
-        size = 0
-        try:
-            self.store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            with self.store.fs.open(target, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-        except BaseException as exc:
-            self._broken = f"writing part {name!r} failed: {exc!r}"
-            raise
-        part = PartInfo(name, size, digest.hexdigest())
-        self.parts[name] = part
-        return part
-
-    def write_bytes(self, name: str, data: bytes) -> PartInfo:
-        """Write part ``name`` from memory."""
-        view = memoryview(data)
-        return self._write_chunks(
-            name, (bytes(view[i : i + _CHUNK]) for i in range(0, max(len(view), 1), _CHUNK))
-        )
-
-    def write_file(self, name: str, local_path: str | os.PathLike[str]) -> PartInfo:
-        """Upload the local file ``local_path`` as part ``name``."""
-        if not os.path.isfile(local_path):
-            raise FileNotFoundError(f"no such local file: {local_path}")
-        return self._write_chunks(name, _iter_file(local_path))
-
-    def write_dir(self, name: str, local_dir: str | os.PathLike[str]) -> list[PartInfo]:
-        """Upload every file under ``local_dir`` as parts ``name/<relative path>`` (empty dirs recorded)."""
-        if not os.path.isdir(local_dir):
-            raise FileNotFoundError(f"no such local directory: {local_dir}")
-        check_part_name(name)
-        if name.split("/", 1)[0] in RESERVED_TOP_LEVEL:
-            raise ValueError(f"part name {name!r} is reserved")
-        written: list[PartInfo] = []
-        for dirpath, dirnames, filenames in os.walk(local_dir):
-            dirnames.sort()
-            rel = os.path.relpath(dirpath, local_dir)
-            prefix = name if rel == "." else f"{name}/{rel.replace(os.sep, '/')}"
-            if not dirnames and not filenames:
-                self.empty_dirs.append(prefix)
-            for fname in sorted(filenames):
-                written.append(self.write_file(f"{prefix}/{fname}", os.path.join(dirpath, fname)))
-        return written
-
-    def write_torch(self, name: str, obj: Any) -> PartInfo:
-        """``torch.save`` ``obj`` as part ``name``."""
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return self.write_bytes(name, buf.getvalue())
-
-    # -- publishing ------------------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Discard the temporary directory (best effort; a leftover is never selectable)."""
-        if self._state == "committed":
-            raise RuntimeError(f"{self.final_relpath} is already committed")
-        self._state = "aborted"
-        try:
-            self.store.remove_tree(self.tmp_relpath)
-        except Exception:  # noqa: BLE001 - a leftover tmp dir is harmless and swept by retention
-            pass
-
-    def _manifest_body(self) -> dict[str, Any]:
-        return {
-            "parts": [
-                {"name": p.name, "size": p.size, "sha256": p.sha256}
-                for p in sorted(self.parts.values(), key=lambda p: p.name)
-            ],
-            "empty_dirs": sorted(self.empty_dirs),
-            "created_unix": time.time(),
-        }
-
-    def _publish(self, manifest: dict[str, Any]) -> None:
-        """Publish the staged parts with ``manifest`` (the manifest is the last thing to appear)."""
-        if self._state != "open":
-            raise RuntimeError(f"writer for {self.final_relpath} is {self._state}")
-        if self._broken is not None:
-            self.abort()
-            raise RuntimeError(f"refusing to publish {self.final_relpath}: {self._broken}")
-        try:
-            data = _canonical_json(manifest)
-            self._clear_incomplete_final()
-            if self.store.atomic_rename:
-                self._publish_rename(data)
-            else:
-                self._publish_copy(data)
-        except BaseException:
-            self.abort()
-            raise
-        self._state = "committed"
-
-    def _clear_incomplete_final(self) -> None:
-        """Remove a leftover final directory that was never published (else refuse to overwrite)."""
-        if not self.store.exists(self.final_relpath):
-            return
-        try:
-            self.store.load_published(self.final_relpath)
-        except IncompleteError:
-            leaf = self.final_relpath.rsplit("/", 1)
-            trash = f"trash_{leaf[-1]}_{uuid.uuid4().hex}"
-            self.store.remove_published(self.final_relpath, trash if len(leaf) == 1 else f"{leaf[0]}/{trash}")
-            return
-        raise FileExistsError(f"{self.store.url(self.final_relpath)} is already published")
-
-    def _write_manifest(self, relpath: str, data: bytes) -> None:
-        with self.store.fs.open(self.store.path(f"{relpath}/{MANIFEST_NAME}"), "wb") as f:
-            f.write(data)
-
-    def _publish_rename(self, data: bytes) -> None:
-        tmp = self.store.path(self.tmp_relpath)
-        final = self.store.path(self.final_relpath)
-        os.makedirs(tmp, exist_ok=True)
-        self._write_manifest(self.tmp_relpath, data)
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        _fsync_path(final.rsplit("/", 1)[0])
-
-    def _publish_copy(self, data: bytes) -> None:
-        fs = self.store.fs
-        for name in sorted(self.parts):
-            fs.copy(
-                self.store.path(f"{self.tmp_relpath}/{name}"), self.store.path(f"{self.final_relpath}/{name}")
-            )
-        present = self.store.files(self.final_relpath)
-        for part in self.parts.values():
-            if present.get(part.name) != part.size:
-                raise OSError(
-                    f"copy of part {part.name!r} to {self.store.url(self.final_relpath)} is incomplete"
-                )
-        try:
-            self._write_manifest(self.final_relpath, data)
-        except BaseException:
-            try:  # the PUT may have landed: withdraw it so a failed commit never becomes selectable
-                fs.rm(self.store.path(f"{self.final_relpath}/{MANIFEST_NAME}"))
-            except Exception:  # noqa: BLE001
-                pass
-            raise
-        try:
-            self.store.remove_tree(self.tmp_relpath)
-        except Exception:  # noqa: BLE001 - swept later by retention
-            pass
-
-
-class BundleWriter(StagedWriter):
-    """Writes one trainer checkpoint bundle; :meth:`commit` publishes it."""
-
-    def __init__(self, store: CheckpointStore, step: int, tmp_relpath: str) -> None:
-        super().__init__(store, tmp_relpath, f"step_{step}")
-        self.step = step
-
-    def __enter__(self) -> BundleWriter:
-        return self
-
-    def commit(self, metadata: Mapping[str, Any] | None = None) -> BundleInfo:
-        """Publish the bundle; ``metadata`` (JSON) lands in the manifest (e.g. ``trainer_version``)."""
-        manifest = {
-            "schema_version": BUNDLE_SCHEMA_VERSION,
-            "kind": BUNDLE_KIND,
-            "step": self.step,
-            **self._manifest_body(),
-            "metadata": dict(metadata or {}),
-        }
-        self._publish(manifest)
-        return self.store.open(self.step)

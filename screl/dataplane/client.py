@@ -23,15 +23,16 @@ TQ quirks handled here: it silently returns an empty or short batch for missing 
 check and raise); its controller RPCs have no timeout (every call here has one); ``tq.close()`` in an
 attached process kills the shared controller (attached processes only drop their client); its put/get
 resets ``torch.set_num_threads`` to the value seen when TQ was imported (we restore the caller's).
+
+The process-wide TQ client (connect, start, stop) lives in :mod:`screl.dataplane.tq_client`, the row <->
+column conversion in :mod:`screl.dataplane.columns`, the errors in :mod:`screl.dataplane.errors`; this
+module re-exports the names it had.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
-import threading
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,28 +46,65 @@ import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from transfer_queue import interface as _tqi  # noqa: E402
+
+from screl.dataplane.columns import Column, check_keys, from_batch, to_batch  # noqa: E402
+from screl.dataplane.columns import column_samples as _samples  # noqa: E402, F401 - tests import it from here
+from screl.dataplane.columns import to_column as _to_column  # noqa: E402, F401 - tests import it from here
+from screl.dataplane.errors import DataPlaneError, DataPlaneKeyError, DataPlaneTimeoutError  # noqa: E402
+from screl.dataplane.tq_client import (  # noqa: E402
+    CONTROLLER_NAME,
+    CONTROLLER_NAMESPACE,
+    STORAGE_UNIT_PREFIX,
+    TorchThreads,
+    bounded_wait,
+    connect,
+    current_client,
+    find_controller,
+    in_daemon_thread,
+    is_connected,
+    release_client,
+    start_tq,
+    stop_tq,
+    tq_actors_alive,
+)
+
+__all__ = [
+    "CONTROLLER_NAME",
+    "CONTROLLER_NAMESPACE",
+    "DEFAULT_TIMEOUT_S",
+    "STORAGE_UNIT_PREFIX",
+    "Column",
+    "DataPlane",
+    "DataPlaneError",
+    "DataPlaneHandle",
+    "DataPlaneKeyError",
+    "DataPlaneTimeoutError",
+    "tq_actors_alive",
+]
 
 T = TypeVar("T")
 
-CONTROLLER_NAME = "TransferQueueController"
-CONTROLLER_NAMESPACE = "transfer_queue"
-STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
 DEFAULT_TIMEOUT_S = 60.0
 
-Column = torch.Tensor | Sequence[torch.Tensor]
 
-
-class DataPlaneError(RuntimeError):
-    """The data plane is missing, misused, or a request could not be served."""
-
-
-class DataPlaneTimeoutError(DataPlaneError, TimeoutError):
-    """A data-plane call did not finish within its timeout."""
-
-
-class DataPlaneKeyError(DataPlaneError):
-    """Requested keys or fields are not (or not yet) in the data plane."""
+def _check_can_start(num_storage_units: int) -> None:
+    """Refuse to start TQ without Ray, with a second controller, or with too few free CPUs."""
+    if not ray.is_initialized():
+        raise DataPlaneError("Ray is not initialised: call screl.dataplane.start_local_ray() first.")
+    if num_storage_units < 1:
+        raise ValueError(f"num_storage_units={num_storage_units} must be >= 1.")
+    if find_controller() is not None:
+        raise DataPlaneError(
+            f"A TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) already runs in this "
+            f"Ray cluster and TQ allows one per cluster: attach to it with DataPlane.attach(handle) or "
+            f"shut it down first."
+        )
+    need, free = 1 + num_storage_units, ray.available_resources().get("CPU", 0.0)
+    if free < need:
+        raise DataPlaneError(
+            f"TransferQueue needs {need} free logical CPUs (controller + {num_storage_units} storage "
+            f"units, num_cpus=1 each) but Ray has {free:g}: start Ray with more num_cpus."
+        )
 
 
 @dataclass(frozen=True)
@@ -77,219 +115,6 @@ class DataPlaneHandle:
     controller_actor_id: str
     """Ray actor id (hex) of the TQ controller; a handle outlives a restarted TQ only to fail clearly."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-
-
-# ---------------------------------------------------------------- process-wide TQ client state
-
-_LOCK = threading.RLock()
-_connected_to: str | None = None  # controller actor id the process's TQ client talks to
-_started_here: str | None = None  # controller actor id of a TQ this process started and has not shut down
-
-
-def _find_controller() -> Any | None:
-    try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
-    except ValueError:
-        return None
-
-
-def _actor_id(handle: Any) -> str:
-    return str(handle._actor_id.hex())
-
-
-def _drop_client() -> None:
-    """Forget this process's TQ client without touching any actor (``tq.close()`` would kill them)."""
-    global _connected_to
-    client = _tqi._TQ_CLIENT
-    _tqi._TQ_CLIENT = None
-    _tqi._TQ_CONTROLLER = None
-    _connected_to = None
-    if client is not None:
-        try:
-            client.close()
-        except Exception:  # a client of a dead TQ may fail to close; it is garbage either way
-            pass
-
-
-def _tq_named_actors() -> list[tuple[str, str]]:
-    """``(namespace, name)`` of every live TQ actor (controller and storage units) in the cluster."""
-    return [
-        (a["namespace"], a["name"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"] == CONTROLLER_NAME or a["name"].startswith(STORAGE_UNIT_PREFIX)
-    ]
-
-
-def tq_actors_alive() -> list[str]:
-    """Names of the TransferQueue actors alive in this Ray cluster (empty after a clean shutdown)."""
-    return sorted(f"{ns}/{name}" for ns, name in _tq_named_actors())
-
-
-def _kill_tq_actors() -> None:
-    for namespace, name in _tq_named_actors():
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except ValueError:  # died meanwhile
-            pass
-
-
-def _in_daemon_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-    """Run a blocking call in a daemon thread (a hung TQ call must not block interpreter exit)."""
-    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="screl-dataplane", daemon=True).start()
-    return fut
-
-
-def _wait(fut: concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
-    try:
-        return fut.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        fut.cancel()
-        raise DataPlaneTimeoutError(
-            f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
-            f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
-        ) from None
-
-
-def _connect(expected_controller: str | None, timeout_s: float) -> None:
-    """Make this process's TQ client talk to the running controller (idempotent, thread-safe)."""
-    global _connected_to
-    with _LOCK:
-        controller = _find_controller()
-        if controller is None:
-            raise DataPlaneError(
-                f"No TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) runs in this Ray "
-                f"cluster: call DataPlane.start() in the driver first (and connect to the same Ray cluster)."
-            )
-        cid = _actor_id(controller)
-        if expected_controller is not None and cid != expected_controller:
-            raise DataPlaneError(
-                f"This data-plane handle refers to TransferQueue controller {expected_controller}, but "
-                f"{cid} runs now (TransferQueue was restarted): get a fresh handle from the new DataPlane."
-            )
-        if _tqi._TQ_CLIENT is not None and _connected_to == cid:
-            return
-        _drop_client()  # stale client of an earlier TQ (e.g. in a reused Ray worker)
-        deadline = time.monotonic() + timeout_s
-        while True:  # the controller stores its config at the end of start(); wait for it, bounded
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DataPlaneTimeoutError(
-                    f"TransferQueue controller {cid} did not publish its config within {timeout_s:g}s."
-                )
-            try:
-                conf = ray.get(controller.get_config.remote(), timeout=remaining)
-            except ray.exceptions.GetTimeoutError:
-                continue
-            if conf is not None:
-                break
-            time.sleep(0.1)
-        _tqi._TQ_CONTROLLER = controller
-        tq.init()  # finds the controller above and builds this process's client from its config
-        if _tqi._TQ_CLIENT is None:
-            raise DataPlaneError(f"transfer_queue.init() did not create a client for controller {cid}.")
-        _connected_to = cid
-
-
-# ---------------------------------------------------------------- row conversion
-
-
-def _to_column(name: str, value: Column, n: int) -> torch.Tensor:
-    """Per-sample values of one field -> a TQ column: regular ``(B,)`` or jagged ``(B, j, ...)``."""
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:
-            if value.size(0) != n:
-                raise ValueError(f"field {name!r}: nested tensor holds {value.size(0)} samples, keys {n}.")
-            return value.detach().cpu()
-        if value.dim() == 0 or value.shape[0] != n:
-            raise ValueError(
-                f"field {name!r}: tensor of shape {tuple(value.shape)} does not start with {n} (keys)."
-            )
-        samples = list(value.detach().cpu().unbind(0))
-    else:
-        samples = list(value)
-        if len(samples) != n:
-            raise ValueError(f"field {name!r}: {len(samples)} values for {n} keys.")
-        if not all(isinstance(t, torch.Tensor) for t in samples):
-            raise TypeError(f"field {name!r}: every per-sample value must be a torch.Tensor.")
-        samples = [t.detach().cpu() for t in samples]
-    dtypes = {t.dtype for t in samples}
-    if len(dtypes) != 1:
-        raise TypeError(f"field {name!r}: mixed dtypes {sorted(map(str, dtypes))}.")
-    shapes = {tuple(t.shape) for t in samples}
-    if len(shapes) == 1:  # regular (B, ...): one buffer, one ZMQ frame, no nested-tensor bookkeeping
-        return torch.stack(samples)
-    dims = {len(shape) for shape in shapes}
-    if 0 in dims or len(dims) != 1 or len({shape[1:] for shape in shapes}) != 1:
-        raise ValueError(
-            f"field {name!r}: per-sample shapes {[tuple(t.shape) for t in samples]} differ beyond the first "
-            f"dim (only the first dim may vary; all samples must be 0-d or all >= 1-d)."
-        )
-    # jagged: built from one concatenated buffer and its offsets (``nested_tensor(list)`` costs ~10x more)
-    lengths = torch.tensor([0] + [t.shape[0] for t in samples], dtype=torch.int64)
-    return torch.nested.nested_tensor_from_jagged(torch.cat(samples), offsets=lengths.cumsum(0))
-
-
-def _to_batch(keys: Sequence[str], rows: Mapping[str, Column]) -> TensorDict:
-    return TensorDict(
-        {name: _to_column(name, v, len(keys)) for name, v in rows.items()}, batch_size=[len(keys)]
-    )
-
-
-def _check_keys(keys: Sequence[str]) -> list[str]:
-    keys = list(keys)
-    if not keys:
-        raise ValueError("keys must not be empty.")
-    if not all(isinstance(k, str) and k for k in keys):
-        raise TypeError("keys must be non-empty strings.")
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"duplicate keys: {dup[:8]}.")
-    return keys
-
-
-def _from_batch(td: TensorDict, keys: list[str], fields: list[str]) -> dict[str, list[torch.Tensor]]:
-    out: dict[str, list[torch.Tensor]] = {}
-    for f in fields:
-        v = td.get(f)
-        if not isinstance(v, torch.Tensor):
-            raise DataPlaneError(f"field {f!r} came back as {type(v).__name__}, not a tensor.")
-        out[f] = _samples(v.cpu())
-    return out
-
-
-def _samples(column: torch.Tensor) -> list[torch.Tensor]:
-    """A TQ column -> its per-sample tensors (views): a jagged column is split in one op, not unbound
-    through the nested-tensor dispatch (~10x slower)."""
-    if not column.is_nested:
-        return list(column.unbind(0))
-    values, offsets = getattr(column, "_values", None), getattr(column, "_offsets", None)
-    if column.layout == torch.jagged and getattr(column, "_lengths", 0) is None and values is not None \
-            and offsets is not None:
-        # the private buffers: the public values()/offsets() go through the nested-tensor dispatch too
-        return list(values.split_with_sizes(offsets.diff().tolist()))
-    return list(column.unbind())
-
-
-class _Threads:
-    """Restore torch's intra-op thread count that TQ's put/get resets to its import-time value."""
-
-    def __enter__(self) -> None:
-        self.n = torch.get_num_threads()
-
-    def __exit__(self, *exc: object) -> None:
-        if torch.get_num_threads() != self.n:
-            torch.set_num_threads(self.n)
-
-
-# ---------------------------------------------------------------- the data plane
 
 
 class DataPlane:
@@ -331,22 +156,7 @@ class DataPlane:
             DataPlaneError: Ray is not initialised, a TQ already runs in this cluster, or too few CPUs.
             DataPlaneTimeoutError: TQ did not come up within ``timeout_s`` (its actors are killed).
         """
-        if not ray.is_initialized():
-            raise DataPlaneError("Ray is not initialised: call screl.dataplane.start_local_ray() first.")
-        if num_storage_units < 1:
-            raise ValueError(f"num_storage_units={num_storage_units} must be >= 1.")
-        if _find_controller() is not None:
-            raise DataPlaneError(
-                f"A TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) already runs in this "
-                f"Ray cluster and TQ allows one per cluster: attach to it with DataPlane.attach(handle) or "
-                f"shut it down first."
-            )
-        need, free = 1 + num_storage_units, ray.available_resources().get("CPU", 0.0)
-        if free < need:
-            raise DataPlaneError(
-                f"TransferQueue needs {need} free logical CPUs (controller + {num_storage_units} storage "
-                f"units, num_cpus=1 each) but Ray has {free:g}: start Ray with more num_cpus."
-            )
+        _check_can_start(num_storage_units)
         conf = OmegaConf.create(
             {
                 "backend": {
@@ -358,23 +168,8 @@ class DataPlane:
                 }
             }
         )
-        global _connected_to, _started_here
-        with _LOCK:
-            _drop_client()
-            _tqi._TQ_STORAGE = None  # storage handles of an earlier TQ started (and lost) by this process
-            fut = _in_daemon_thread(lambda: tq.init(conf))
-            try:
-                _wait(fut, timeout_s, f"Starting TransferQueue ({num_storage_units} storage units)")
-            except BaseException:
-                _kill_tq_actors()
-                _drop_client()
-                _tqi._TQ_STORAGE = None
-                raise
-            controller = _find_controller()
-            if controller is None:
-                raise DataPlaneError("transfer_queue.init() returned but no controller is registered.")
-            _connected_to = _started_here = _actor_id(controller)
-        return cls(DataPlaneHandle(partition_id, _connected_to, timeout_s), _owner=True)
+        cid = start_tq(conf, timeout_s, f"Starting TransferQueue ({num_storage_units} storage units)")
+        return cls(DataPlaneHandle(partition_id, cid, timeout_s), _owner=True)
 
     @classmethod
     def attach(cls, handle: DataPlaneHandle) -> DataPlane:
@@ -410,9 +205,9 @@ class DataPlane:
     def _ensure_connected(self) -> None:
         if self._closed:
             raise DataPlaneError("This DataPlane was closed or shut down.")
-        if _tqi._TQ_CLIENT is None or _connected_to != self._handle.controller_actor_id:
-            _wait(
-                _in_daemon_thread(lambda: _connect(self._handle.controller_actor_id, self._handle.timeout_s)),
+        if not is_connected(self._handle.controller_actor_id):
+            bounded_wait(
+                in_daemon_thread(lambda: connect(self._handle.controller_actor_id, self._handle.timeout_s)),
                 self._handle.timeout_s + 5.0,
                 "Attaching to TransferQueue",
             )
@@ -420,9 +215,9 @@ class DataPlane:
     async def _aensure_connected(self) -> None:
         if self._closed:
             raise DataPlaneError("This DataPlane was closed or shut down.")
-        if _tqi._TQ_CLIENT is None or _connected_to != self._handle.controller_actor_id:
-            fut = _in_daemon_thread(
-                lambda: _connect(self._handle.controller_actor_id, self._handle.timeout_s)
+        if not is_connected(self._handle.controller_actor_id):
+            fut = in_daemon_thread(
+                lambda: connect(self._handle.controller_actor_id, self._handle.timeout_s)
             )
             await self._await(
                 asyncio.wrap_future(fut), self._handle.timeout_s + 5.0, "Attaching to TransferQueue"
@@ -431,19 +226,19 @@ class DataPlane:
     def _run(self, make: Callable[[], Awaitable[T]], timeout_s: float | None, what: str) -> T:
         """Run a TQ coroutine on TQ's client loop (thread) and wait for it, bounded."""
         self._ensure_connected()
-        client = _tqi._TQ_CLIENT
+        client = current_client()
 
         async def call() -> T:
             return await make()
 
-        with _Threads():
+        with TorchThreads():
             fut = asyncio.run_coroutine_threadsafe(call(), client._loop)
-            return _wait(fut, self._timeout(timeout_s), what)
+            return bounded_wait(fut, self._timeout(timeout_s), what)
 
     async def _arun(self, make: Callable[[], Awaitable[T]], timeout_s: float | None, what: str) -> T:
         """Await a TQ coroutine on the caller's event loop, bounded."""
         await self._aensure_connected()
-        with _Threads():
+        with TorchThreads():
             return await self._await(make(), self._timeout(timeout_s), what)
 
     @staticmethod
@@ -461,12 +256,12 @@ class DataPlane:
     def _put_coro(
         self, keys: Sequence[str], rows: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
     ) -> Callable[[], Awaitable[Any]]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if not rows and tags is None:
             raise ValueError("put needs rows or tags.")
         if tags is not None and len(tags) != len(keys):
             raise ValueError(f"{len(tags)} tags for {len(keys)} keys.")
-        batch = _to_batch(keys, rows) if rows else None
+        batch = to_batch(keys, rows) if rows else None
         tag_list = [dict(t) for t in tags] if tags is not None else None
         return lambda: tq.async_kv_batch_put(
             keys=keys, partition_id=self.partition_id, fields=batch, tags=tag_list
@@ -537,7 +332,7 @@ class DataPlane:
         Raises:
             DataPlaneKeyError: A key is not in the partition or a field is not written for every key.
         """
-        keys, fields = _check_keys(keys), list(fields)
+        keys, fields = check_keys(keys), list(fields)
         if not fields:
             raise ValueError("fields must not be empty.")
         get = self._get_coro(keys, fields)
@@ -548,13 +343,13 @@ class DataPlane:
             return td
 
         td = self._run(checked, timeout_s, f"get of {len(keys)} rows")
-        return _from_batch(td, keys, fields)
+        return from_batch(td, keys, fields)
 
     async def aget(
         self, keys: Sequence[str], fields: Sequence[str], *, timeout_s: float | None = None
     ) -> dict[str, list[torch.Tensor]]:
         """Async :meth:`get`."""
-        keys, fields = _check_keys(keys), list(fields)
+        keys, fields = check_keys(keys), list(fields)
         if not fields:
             raise ValueError("fields must not be empty.")
         get = self._get_coro(keys, fields)
@@ -565,16 +360,16 @@ class DataPlane:
             return td
 
         td = await self._arun(checked, timeout_s, f"get of {len(keys)} rows")
-        return _from_batch(td, keys, fields)
+        return from_batch(td, keys, fields)
 
     def clear(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
         """Delete the rows ``keys`` (keys not present are ignored)."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         self._run(lambda: tq.async_kv_clear(keys=keys, partition_id=self.partition_id), timeout_s, "clear")
 
     async def aclear(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:
         """Async :meth:`clear`."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         await self._arun(
             lambda: tq.async_kv_clear(keys=keys, partition_id=self.partition_id), timeout_s, "clear"
         )
@@ -623,9 +418,9 @@ class DataPlane:
         path = self._local(local_dir)
         self._ensure_connected()
         meta = dict(metadata or {})
-        with _Threads():
-            _wait(
-                _in_daemon_thread(lambda: tq.save_checkpoint(path, metadata=meta)),
+        with TorchThreads():
+            bounded_wait(
+                in_daemon_thread(lambda: tq.save_checkpoint(path, metadata=meta)),
                 self._timeout(timeout_s),
                 f"TransferQueue save to {path}",
             )
@@ -646,9 +441,9 @@ class DataPlane:
                 f"TransferQueue load needs a freshly started data plane, but it holds rows {nonempty}: "
                 f"shut it down and DataPlane.start() a new one with the same num_storage_units."
             )
-        with _Threads():
-            _wait(
-                _in_daemon_thread(lambda: tq.load_checkpoint(path)),
+        with TorchThreads():
+            bounded_wait(
+                in_daemon_thread(lambda: tq.load_checkpoint(path)),
                 self._timeout(timeout_s),
                 f"TransferQueue load of {path}",
             )
@@ -663,9 +458,7 @@ class DataPlane:
         if self._closed:
             return
         self._closed = True
-        with _LOCK:  # the owner in this process (if any) keeps using the shared client
-            if _connected_to == self._handle.controller_actor_id and _started_here != _connected_to:
-                _drop_client()
+        release_client(self._handle.controller_actor_id)  # the owner in this process keeps it
 
     def shutdown(self, *, timeout_s: float | None = None) -> None:
         """Stop TQ: kill its storage units and controller and close the client; idempotent (owner only).
@@ -681,24 +474,7 @@ class DataPlane:
             return
         self._closed = True
         timeout = self._timeout(timeout_s)
-        global _started_here
-        with _LOCK:
-            _started_here = None
-            try:  # graceful: storage units' shutdown(), then ray.kill of units and controller
-                _wait(_in_daemon_thread(tq.close), timeout, "TransferQueue close")
-            except DataPlaneTimeoutError:
-                pass
-            finally:
-                _kill_tq_actors()
-                _drop_client()
-                _tqi._TQ_STORAGE = None
-            deadline = time.monotonic() + timeout
-            while tq_actors_alive():  # ray.kill is asynchronous: wait until the names are released
-                if time.monotonic() > deadline:
-                    raise DataPlaneError(
-                        f"TransferQueue actors still alive after shutdown: {tq_actors_alive()}"
-                    )
-                time.sleep(0.05)
+        stop_tq(timeout)
 
     def __enter__(self) -> DataPlane:
         return self
