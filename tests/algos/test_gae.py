@@ -113,3 +113,16 @@ def test_terminal_token_rewards() -> None:
         terminal_token_rewards(scores, m, kl=kl, kl_coef=0.5),
         [[-0.05, 0.9, 0.0], [-0.05, 0.0, 1.85], [0.0, 0.0, 0.0]],
     )
+
+
+def test_lambda_one_is_discounted_return_minus_value_and_lambda_zero_is_td() -> None:
+    # gamma = 0.9, rewards [0.2, 0, 1] on 3 valid tokens, V = [0.5, 0.6, 0.7]
+    # lambda = 1: A_t = sum_k 0.9^k r_{t+k} - V_t: G = [0.2 + 0.81, 0.9, 1.0] = [1.01, 0.9, 1.0]
+    r = torch.tensor([[0.2, 0.0, 1.0]])
+    adv, ret = gae_advantages(r, V, M, gamma=0.9, lam=1.0)
+    close(adv, [[1.01 - 0.5, 0.9 - 0.6, 1.0 - 0.7]])
+    close(ret, [[1.01, 0.9, 1.0]])
+    # lambda = 0: A_t = delta_t = r_t + 0.9 V_{t+1} - V_t = [0.2 + 0.54 - 0.5, 0.63 - 0.6, 1 - 0.7]
+    adv0, ret0 = gae_advantages(r, V, M, gamma=0.9, lam=0.0)
+    close(adv0, [[0.24, 0.03, 0.3]])
+    close(ret0, [[0.74, 0.63, 1.0]])

@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def recovery_config(base: Path, checkpoint_dir: str, *, steps: int, sampler: dict[str, Any] | None = None,
-                    storage_options: dict[str, Any] | None = None) -> Path:
-    """A small checkpointed run: 4 prompts x 2 generations, a bundle every step, one shared events log."""
-    cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
+                    storage_options: dict[str, Any] | None = None, source: str = "grpo_tiny.yaml") -> Path:
+    """A small checkpointed run of ``configs/<source>``: 4 prompts x 2 generations, a bundle every step, one
+    shared events log."""
+    cfg = yaml.safe_load((ROOT / "configs" / source).read_text())
+    algo = "ppo" if "ppo" in cfg else "grpo"
     cfg["trainer"].update(max_steps=steps, default_root_dir=str(base / "root"), enable_progress_bar=False,
                           enable_model_summary=False)
     cfg["data"]["init_args"]["generation"].update(max_new_tokens=8, min_new_tokens=8, injected_latency_s=0.2)
     cfg["data"]["init_args"].update(step_timeout_s=120, run_dir=str(base / "run"))
-    cfg["grpo"].update(num_prompts_per_step=4, num_generations_per_prompt=2, max_num_steps=steps)
+    cfg[algo].update(num_prompts_per_step=4, num_generations_per_prompt=2, max_num_steps=steps)
     cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
     if sampler is not None:
         cfg["async_rl"]["sampler"] = sampler

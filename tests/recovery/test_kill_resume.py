@@ -89,6 +89,45 @@ def test_kill9_at_ten_seeded_points_loses_no_group(seed: int, tmp_path: Path) ->
     assert [p.name for p in ck_root.iterdir() if p.name.startswith("tmp_step_")] == []
 
 
+PPO_SAMPLER = {"name": "in_order", "max_lookahead_versions": 1, "warmup_lookahead_versions": 2}
+
+
+def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path) -> None:
+    """The kill chain on PPO: kills land in the critic warmup and after it; the resumed run trains every step
+    once, its critic and both optimizers come back, and warmup steps are never refit."""
+    rng = random.Random(1)
+    ck_root = tmp_path / "bundles"
+    steps = 14
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=PPO_SAMPLER,
+                                            source="ppo_tiny.yaml"))
+    log, run_dir = tmp_path / "fit.log", tmp_path / "run"
+    kills = []
+    for point in ["generation", "mid_step", "checkpoint_write", "snapshot_write", "mid_step"]:
+        proc = start_fit(config, log)
+        if not _kill_at(point, proc, run_dir, ck_root, rng):
+            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+            break
+        kills.append(point)
+    final = start_fit(config, log)
+    assert final.wait(timeout=900) == 0, log.read_text()[-3000:]
+    assert len(kills) >= 3, f"only {len(kills)} kills landed before the run finished: {kills}"
+    _final_outcome(run_dir, steps, PPO_SAMPLER)
+    events = [parse_event(line) for _, line in read_events(run_dir)]
+    start = 3  # configs/ppo_tiny.yaml's ppo.policy_training_start_step
+    assert all(e.trainer_version > start for e in events if e.name == "refit"), "a critic-warmup step was refit"
+    latest = CheckpointStore(str(ck_root)).latest()
+    assert latest is not None and latest.step == steps
+    import io
+
+    import torch
+
+    ckpt = torch.load(io.BytesIO(CheckpointStore(str(ck_root)).read_bytes(latest, "lightning.ckpt")),
+                      weights_only=False)
+    assert len(ckpt["optimizer_states"]) == 2 and any(k.startswith("critic.") for k in ckpt["state_dict"])
+    # every update of every incarnation up to the last bundle is counted once: none lost, none repeated
+    assert ckpt["ppo_update_counts"] == {"policy": (steps - start) * 2, "critic": steps * 2}
+
+
 PARITY_KEYS = ("train/loss", "reward", "train/grad_norm")
 
 
