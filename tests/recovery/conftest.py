@@ -28,6 +28,8 @@ def recovery_config(base: Path, checkpoint_dir: str, *, steps: int, sampler: dic
     cfg["data"]["init_args"].update(step_timeout_s=120, run_dir=str(base / "run"))
     cfg[algo].update(num_prompts_per_step=4, num_generations_per_prompt=2, max_num_steps=steps)
     cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
+    if algo == "ppo":  # the critic warmup looks further ahead: room for its window
+        cfg["async_rl"].update(max_inflight_prompts=12, max_buffered_rollouts=12)
     if sampler is not None:
         cfg["async_rl"]["sampler"] = sampler
         if sampler.get("max_lookahead_versions", sampler.get("max_staleness_versions", 1)) == 0:
