@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", message="LightningCLI's args parameter is inte
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from typing_extensions import override  # noqa: E402
 
 #: Top-level blocks and their types (None default = optional block).
 TOP_LEVEL_BLOCKS: dict[str, type] = {
@@ -118,6 +119,7 @@ class ScrelCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(LightningModule, LightningDataModule, *args, **kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument("--grpo", type=GRPOConfig | None, default=None, help="GRPO step settings.")
         parser.add_argument("--ppo", type=PPOConfig | None, default=None, help="PPO step settings.")
@@ -139,16 +141,19 @@ class ScrelCLI(LightningCLI):
     def config_dict(self) -> dict[str, Any]:
         return _plain(self.current_config())  # type: ignore[no-any-return]
 
+    @override
     def before_instantiate_classes(self) -> None:
         problems = config_problems(self.config_dict())
         if problems:
             raise ConfigError(problems)
 
+    @override
     def instantiate_classes(self) -> None:
         if self.check_only:
             return
         super().instantiate_classes()
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         if trainer_cfg.get("logger") in (None, True) and "logger" not in kwargs:
@@ -168,6 +173,7 @@ class ScrelCLI(LightningCLI):
                 callbacks.append(DataPlaneCheckpoint(run.checkpointing))
         return trainer
 
+    @override
     def before_fit(self) -> None:
         """With ``checkpointing.enabled`` and a bundle in ``checkpoint_dir``: resume from it."""
         run = getattr(self.datamodule, "run", None)

@@ -48,12 +48,9 @@ def grpo_advantages(
       ``A_i /= (s_i + eps)``; where the set has fewer than two rows or zero spread, ``A_i`` is left
       unnormalized (so an all-equal group gives exactly 0).
 
-    Masked rows are **excluded**: they count neither toward their group's baseline nor its std, and
-    their own advantage is 0. (NeMo-RL lets masked rows into the baseline; excluding them keeps a
-    filtered sample, e.g. a truncated one, from shifting its siblings' advantages.) A group with at
-    most one valid row gives advantage 0 for every row (no baseline to compare against).
-
-    Shapes are ``[B]`` for the inputs and the result; broadcast to tokens with ``adv[:, None]``.
+    Masked rows are **excluded** from their group's baseline and std, and their own advantage is 0 (so a
+    filtered sample, e.g. a truncated one, cannot shift its siblings' advantages). A group with at most one
+    valid row gives 0 for every row. Broadcast the ``[B]`` result to tokens with ``adv[:, None]``.
 
     Args:
         rewards: ``[B]`` scalar reward per row, ``B`` a multiple of ``group_size``.
@@ -63,8 +60,7 @@ def grpo_advantages(
         normalize_std: divide by the group std (see above).
         eps: added to a positive std before dividing.
 
-    Returns:
-        ``[B]`` advantages, same dtype as ``rewards``.
+    Returns ``[B]`` advantages, same dtype as ``rewards``.
     """
     _check_group_inputs(rewards, group_size, sample_mask)
     r = rewards.reshape(-1, group_size)  # [N, G]
@@ -73,6 +69,15 @@ def grpo_advantages(
     )
     m = valid.to(r.dtype)
     r = torch.where(valid, r, torch.zeros_like(r))  # masked rewards may be NaN or garbage
+    adv = _relative_to_baseline(r, m, leave_one_out, normalize_std, eps)
+    n_valid = m.sum(-1, keepdim=True)  # [N, 1]
+    keep = valid & (n_valid > 1.0)
+    return torch.where(keep, adv, torch.zeros_like(adv)).reshape(rewards.shape)
+
+
+def _relative_to_baseline(r: Tensor, m: Tensor, leave_one_out: bool, normalize_std: bool, eps: float) -> Tensor:
+    """``[N, G]`` rewards minus each row's baseline, over its baseline set, std-normalized where it can be."""
+    group_size = r.shape[1]
     # member[n, i, j] = 1 if row j belongs to row i's baseline set.
     member = m[:, None, :].expand(-1, group_size, -1)
     if leave_one_out:
@@ -85,9 +90,7 @@ def grpo_advantages(
         std = (sq_dev.sum(-1) / (k - 1.0).clamp(min=1.0)).sqrt()
         normalize = (k > 1.0) & (std > 0)
         adv = torch.where(normalize, adv / (std + eps), adv)
-    n_valid = m.sum(-1, keepdim=True)  # [N, 1]
-    keep = valid & (n_valid > 1.0)
-    return torch.where(keep, adv, torch.zeros_like(adv)).reshape(rewards.shape)
+    return adv
 
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
