@@ -173,7 +173,6 @@ class ScrelCLI(LightningCLI):
                 callbacks.append(DataPlaneCheckpoint(run.checkpointing))
         return trainer
 
-    @override
     def before_fit(self) -> None:
         """With ``checkpointing.enabled`` and a bundle in ``checkpoint_dir``: resume from it."""
         run = getattr(self.datamodule, "run", None)
