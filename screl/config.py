@@ -41,6 +41,8 @@ __all__ = [
     "PPOConfig",
     "RayConfig",
     "ReadyFirstSamplerConfig",
+    "RewardScalingConfig",
+    "RewardShapingConfig",
     "RewardTransformConfig",
     "RolloutCheckpointingConfig",
     "RolloutFailureConfig",
@@ -109,11 +111,34 @@ class AdvantageEstimatorConfig:
 
 
 @dataclass
-class RewardTransformConfig:
-    """Reward shaping/scaling: not implemented in screl; enabling it is rejected at setup."""
+class RewardShapingConfig:
+    """Reward shaping on the workers, before advantages (see ``screl.rollout.reward_transform``)."""
 
     enabled: bool = False
-    """Must stay false: screl would otherwise silently skip the transform."""
+    """Apply the overlong penalty and/or ``class_path``."""
+    overlong_buffer_length: int = 0
+    """DAPO's soft overlong penalty: its buffer zone in tokens before ``max_response_length`` (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty at ``max_response_length`` (it grows linearly over the buffer zone)."""
+    max_response_length: int | None = None
+    """``L_max`` of the penalty (None: ``generation.max_new_tokens``)."""
+    class_path: str | None = None
+    """Your shaping, ``package.module.fn`` with ``fn(reward, response_length, finish_reason) -> float`` (or a
+    class built without arguments whose instances are such callables); applied after the overlong penalty."""
+
+
+@dataclass
+class RewardScalingConfig:
+    """Clip rewards into ``[source_min, source_max]`` and map that range linearly onto ``[target_min, target_max]``."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+RewardTransformConfig = RewardShapingConfig  # the old name
 
 
 @dataclass
@@ -130,6 +155,9 @@ class GRPOConfig:
     """Stop after this many RL steps (None: bounded by epochs x batches and ``trainer.max_steps``)."""
     adv_estimator: AdvantageEstimatorConfig = field(default_factory=AdvantageEstimatorConfig)
     """Advantage estimator (``name: grpo``)."""
+    overlong_filtering: bool = False
+    """Exclude truncated completions (finish reason ``length``) from the loss through ``sample_mask``; they stay in
+    their group's advantage baseline (see docs/async-and-is.md)."""
     val_period: int = 0
     """Validation every N steps: not supported on the single controller; must be 0."""
     val_at_start: bool = False
@@ -138,10 +166,10 @@ class GRPOConfig:
     """Validation after training: not supported; must be false."""
     use_dynamic_sampling: bool = False
     """Dynamic sampling (drop zero-variance groups and refill): not implemented; must be false."""
-    reward_shaping: RewardTransformConfig = field(default_factory=RewardTransformConfig)
-    """Reward shaping: not implemented; ``enabled`` must be false."""
-    reward_scaling: RewardTransformConfig = field(default_factory=RewardTransformConfig)
-    """Reward scaling: not implemented; ``enabled`` must be false."""
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    """Reward shaping on the workers: DAPO's overlong penalty and/or your function (docs/async-and-is.md)."""
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    """Reward scaling after shaping: clip and map into a range."""
     async_grpo: dict[str, Any] | None = None
     """Legacy async-GRPO block: must be null (port its knobs to ``async_rl``)."""
 

@@ -13,6 +13,7 @@ from screl.datamodule import collate_chunk
 from screl.models import TinyCausalLM
 from screl.modules.grpo import GRPO, token_logprobs
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.torch_engine import TorchGenerationEngine
 
 torch.set_num_threads(1)
@@ -31,14 +32,8 @@ def _rollouts(n_groups: int, temperature: float, version: int = 0) -> tuple[dict
         for i, p in enumerate(prompts) for s in range(G)
     ]
     results = engine.generate(reqs)
-    data: dict[str, list[torch.Tensor]] = {k: [] for k in
-                                           ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward")}
-    for i, res in enumerate(results):
-        data["input_ids"].append(torch.tensor(list(res.prompt_token_ids) + res.token_ids))
-        data["prompt_len"].append(torch.tensor([len(res.prompt_token_ids)]))
-        data["generation_logprobs"].append(torch.tensor(res.logprobs, dtype=torch.float32))
-        data["token_versions"].append(torch.tensor(res.weight_versions))
-        data["reward"].append(torch.tensor([float(i % 3)]))
+    rows = [ROW_SCHEMA.build(res, float(i % 3)) for i, res in enumerate(results)]
+    data = ROW_SCHEMA.merge(rows)
     meta = {"keys": [r.request_id for r in reqs], "trainer_version": version, "step_groups": n_groups,
             "last_chunk": True, "start_weight": [version] * len(reqs)}
     return meta, data
@@ -131,3 +126,33 @@ def test_a_step_streamed_in_two_chunks_equals_one_chunk() -> None:
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(p, q) for p, q in zip(one.model.parameters(), SPEC.build_model().parameters(),
                                                      strict=True))
+
+
+def test_overlong_filtering_masks_truncated_rows_from_the_loss_only() -> None:
+    from screl.modules.grpo import loss_sample_mask, mask_metrics
+
+    meta, data = _rollouts(2, temperature=1.0)
+    data["finish_reason"] = [torch.tensor([c]) for c in (1, 0, 1, 1)]  # length, stop, length, length
+    data["sample_mask"] = [torch.tensor([m]) for m in (1.0, 1.0, 0.0, 1.0)]  # the task masked row 2
+    batch = collate_chunk(meta, data, pad_id=0)
+    assert loss_sample_mask(batch, overlong_filtering=False).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert loss_sample_mask(batch, overlong_filtering=True).tolist() == [0.0, 1.0, 0.0, 0.0]
+    m = mask_metrics(batch, overlong_filtering=True)
+    assert float(m["train/masked_fraction"]) == 0.75 and float(m["train/truncated_fraction"]) == 0.75
+    # the baseline keeps every row: the advantages do not depend on the masks
+    plain = _module()._chunk_tensors(batch).advantages
+    filtered = _module()
+    filtered.algo.overlong_filtering = True
+    assert torch.equal(filtered._chunk_tensors(batch).advantages, plain)
+
+
+def test_a_step_whose_every_sample_is_filtered_fails_and_never_steps() -> None:
+    import pytest
+
+    meta, data = _rollouts(4, temperature=1.0)
+    data["sample_mask"] = [torch.tensor([0.0]) for _ in data["sample_mask"]]
+    model = _module()
+    before = {k: v.clone() for k, v in model.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"step 0: every sample is filtered out of the loss \(8 masked"):
+        _fit(model, [collate_chunk(meta, data, pad_id=0)])
+    assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())

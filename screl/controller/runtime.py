@@ -21,6 +21,7 @@ from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.backends import iter_buckets
 from screl.rollout.engine import EngineOptions, SamplingParams
+from screl.rollout.reward_transform import reward_transform
 from screl.rollout.rows import ROW_FIELDS
 from screl.rollout.worker import WorkerResources, spawn_workers
 from screl.threads import thread_plan
@@ -129,6 +130,7 @@ class RolloutRuntime:
                 g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
                 backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
                 task=task, sampling=sampling_params(g), workflow=g.workflow,
+                reward_transform=reward_transform(self.run.algo, g.max_new_tokens),
             )
             weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]

@@ -75,6 +75,11 @@ class Task(ABC):
             raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
         return [float(self.reward(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
+    def masked(self, prompt: PromptRecord, completion: str) -> bool:
+        """Flag a sample to be excluded from the loss (a malformed tool call, an unparseable answer): it keeps its
+        reward in its group's baseline, but no gradient comes from it. Default: nothing is masked."""
+        return False
+
     def prompt(self, prompt_id: int) -> PromptRecord:
         """Look a prompt up by id."""
         by_id: dict[int, PromptRecord] | None = self.__dict__.get("_by_id")

@@ -39,6 +39,7 @@ from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
 from screl.rollout.backends import iter_buckets, merge_buckets
+from screl.rollout.rows import FINISH_CODES
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
@@ -103,6 +104,38 @@ def _fit_provider_to_policy(strategy: Any, hf_model: torch.nn.Module) -> None:
             )
 
 
+def loss_sample_mask(batch: dict[str, Any], overlong_filtering: bool) -> Tensor:
+    """``[rows]`` 1 where the loss trains on the row: the task's or environment's mask, and with
+    ``overlong_filtering`` not truncated (finish reason ``length``)."""
+    mask = batch["sample_mask"].float()
+    if overlong_filtering and "finish_reason" in batch:
+        mask = mask * (batch["finish_reason"] != FINISH_CODES["length"]).float()
+    return mask
+
+
+def mask_metrics(batch: dict[str, Any], overlong_filtering: bool) -> dict[str, Tensor]:
+    """The chunk's masked, truncated and raw-reward figures (``train/*``)."""
+    out = {"train/masked_fraction": 1.0 - loss_sample_mask(batch, overlong_filtering).mean()}
+    if "finish_reason" in batch:
+        out["train/truncated_fraction"] = (batch["finish_reason"] == FINISH_CODES["length"]).float().mean()
+    if "raw_rewards" in batch:
+        out["train/raw_reward"] = batch["raw_rewards"].float().mean()
+    return out
+
+
+class AllFilteredStepError(RuntimeError):
+    """A step in which the loss would see no row: never skipped silently, the optimizer does not step."""
+
+    def __init__(self, step: int, batch: dict[str, Any]) -> None:
+        truncated = int((batch.get("finish_reason", torch.zeros(0)) == FINISH_CODES["length"]).sum())
+        masked = int((batch["sample_mask"] == 0).sum())
+        super().__init__(
+            f"step {step}: every sample is filtered out of the loss ({masked} masked by the task or environment, "
+            f"{truncated} truncated with grpo/ppo.overlong_filtering on, in the step's last chunk): nothing to train "
+            "on. Raise generation.max_new_tokens, turn overlong_filtering off, or fix the task's masks"
+        )
+
+
 @dataclass(frozen=True)
 class _Chunk:
     """What every micro-batch of a chunk shares: its size, masks, advantages and loss normalizers."""
@@ -161,6 +194,7 @@ class GRPO(LightningModule):
         if self.loss_fn.requires_reference_logprobs:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self._step_started: float | None = None
+        self._step_trained_rows = 0.0  # rows of the open step that the loss sees (sample_mask)
         self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
 
     def _megatron(self) -> Any:
@@ -235,12 +269,28 @@ class GRPO(LightningModule):
         opt = self.optimizers()
         assert not isinstance(opt, list), "GRPO configures exactly one optimizer"
         rows = batch["input_ids"].shape[0]
-        loss_total, metrics_acc = self._backward_chunk(batch, self._chunk_tensors(batch))
+        chunk = self._chunk_tensors(batch)
+        self._step_trained_rows += float(chunk.sample_mask.sum())
+        loss_total, metrics_acc = self._backward_chunk(batch, chunk)
         stepped = bool(batch["last_chunk"])
+        if stepped:
+            trained, self._step_trained_rows = self._step_trained_rows_everywhere(batch), 0.0
+            if trained == 0:
+                raise AllFilteredStepError(int(batch["trainer_version"]), batch)
         grad_norm = self._optimizer_step(opt) if stepped else None
         if rows > 0:
             self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped, grad_norm)
         return loss_total
+
+    def _step_trained_rows_everywhere(self, batch: dict[str, Any]) -> float:
+        """Rows of the step the loss saw, over every data-parallel shard (all ranks then agree to raise)."""
+        if self._megatron_strategy is None or int(batch.get("dp_shards", 1)) <= 1:
+            return self._step_trained_rows
+        from megatron.core import parallel_state
+
+        total = torch.tensor(self._step_trained_rows, device=self.device)
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return float(total)
 
     def _chunk_tensors(self, batch: dict[str, Any]) -> _Chunk:
         """The chunk's masks, advantages and loss normalizers, shared by all of its micro-batches."""
@@ -248,12 +298,13 @@ class GRPO(LightningModule):
         # rows of the whole chunk: a data-parallel replica holds a shard of it (RolloutDataModule)
         chunk_rows = int(batch.get("chunk_rows", rows))
         group_size = self.algo.num_generations_per_prompt
-        sample_mask = batch["sample_mask"].float()
+        sample_mask = loss_sample_mask(batch, self.algo.overlong_filtering)
         token_mask = batch["token_mask"].float()
+        # every row stays in its group's baseline: a masked row's reward still says how hard the prompt is
         advantages = grpo_advantages(
             batch["rewards"].float(),
             group_size,
-            sample_mask,
+            None,
             leave_one_out=self.algo.adv_estimator.use_leave_one_out_baseline,
             normalize_std=self.algo.adv_estimator.normalize_rewards,
         )
@@ -344,6 +395,7 @@ class GRPO(LightningModule):
             "train/loss": loss,
             "train/response_length": resp_len.mean(),
             "train/staleness_max": staleness.max(),
+            **mask_metrics(batch, self.algo.overlong_filtering),
         }
         if grad_norm is not None:
             logs["train/grad_norm"] = grad_norm

@@ -21,9 +21,13 @@ Kind = Literal["sequence", "prompt_len", "per_completion_token", "scalar"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 _SEQUENCE_DERIVED = ("attention_mask", "token_mask")  # from the sequence and the prompt length
-_CHUNK_DERIVED = ("sample_mask", "start_weight")  # from the chunk's metadata
+_CHUNK_DERIVED = ("start_weight",)  # from the chunk's metadata
+_DEFAULT_MASK = "sample_mask"  # all ones when no field collates to it
 #: Per-row tensors of a collated chunk that no field names.
 DERIVED_KEYS = _SEQUENCE_DERIVED + _CHUNK_DERIVED
+
+#: ``finish_reason`` codes in a row (and in a collated chunk's ``finish_reason``).
+FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ class RowSchema:
     @property
     def collated_keys(self) -> tuple[str, ...]:
         """Per-row tensors of a collated chunk (what a data-parallel shard slices), in ``collate``'s order."""
-        return tuple(k for f in self.fields for k in f.collated) + _CHUNK_DERIVED
+        own = tuple(k for f in self.fields for k in f.collated)
+        return own + (() if _DEFAULT_MASK in own else (_DEFAULT_MASK,)) + _CHUNK_DERIVED
 
     def of_kind(self, kind: Kind) -> RowField:
         """The schema's one field of ``kind`` (``sequence`` or ``prompt_len``)."""
@@ -169,6 +174,9 @@ class RowSchema:
             "generation_logprobs": result.logprobs,
             "token_versions": result.weight_versions,
             "reward": [reward],
+            "raw_reward": [reward],
+            "finish_reason": [FINISH_CODES[result.finish_reason]],
+            "sample_mask": [1.0],
             **(extra or {}),
         }
         missing = [name for name in self.names if name not in values]
@@ -197,7 +205,7 @@ class RowSchema:
         out: dict[str, torch.Tensor] = {}
         for f in self.fields:
             out.update(_COLLATE[f.kind](f, columns[f.name], chunk))
-        out["sample_mask"] = torch.ones(rows)
+        out.setdefault(_DEFAULT_MASK, torch.ones(rows))
         out["start_weight"] = torch.tensor(meta["start_weight"] if rows else [], dtype=torch.long)
         return out
 
@@ -209,7 +217,11 @@ ROW_SCHEMA = RowSchema((
              "per_completion_token", fill=0.0),
     RowField("token_versions", torch.int64, "weight version that sampled each completion token",
              "per_completion_token", fill="trainer_version"),
-    RowField("reward", torch.float32, "[reward]", "scalar", collate_as="rewards"),
+    RowField("reward", torch.float32, "[reward] (after reward shaping and scaling)", "scalar", collate_as="rewards"),
+    RowField("raw_reward", torch.float32, "[the task's reward, before shaping and scaling]", "scalar",
+             collate_as="raw_rewards"),
+    RowField("finish_reason", torch.int64, "[FINISH_CODES: 0 stop, 1 length, 2 abort]", "scalar"),
+    RowField("sample_mask", torch.float32, "[1: trains; 0: masked by the task or environment]", "scalar"),
 ))
 
 #: Fields of every rollout row in the data plane.

@@ -33,6 +33,7 @@ from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutWorkflow, load_workflow
 
@@ -61,6 +62,7 @@ class GenerationWorker:
         sampling: SamplingParams | None = None,
         workflow: str = DEFAULT_WORKFLOW,
         row_window_s: float = 0.005,
+        reward_transform: RewardTransform | None = None,
     ) -> None:
         options = options or EngineOptions()
         if options.num_threads is not None:
@@ -83,6 +85,7 @@ class GenerationWorker:
             self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA)
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self.rows = RowSink(row_window_s)
+        self.reward_transform = reward_transform
 
     # -- rollouts -------------------------------------------------------------------------------------
     def set_data_plane(self, dataplane: Any) -> None:
@@ -108,10 +111,21 @@ class GenerationWorker:
         except asyncio.CancelledError:  # aborted while queued
             return [SiblingReport(d.attempt, "abort", finish_reason="abort") for d in dispatches]
         sealed = [o for o in outcomes if o.status == "sealed" and o.row is not None]
+        if self.reward_transform is not None:
+            for o in sealed:
+                self._shape(o)
         if sealed:
             await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
         return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
                               o.finish_reason, o.detail) for o in outcomes]
+
+    def _shape(self, outcome: Any) -> None:
+        """Reward shaping and scaling of a sealed sibling: its row's ``reward`` and its report change, its
+        ``raw_reward`` keeps the task's."""
+        assert self.reward_transform is not None and outcome.row is not None
+        shaped = self.reward_transform(float(outcome.reward), int(outcome.response_len), str(outcome.finish_reason))
+        outcome.row["reward"] = torch.tensor([shaped], dtype=outcome.row["reward"].dtype)
+        outcome.reward = shaped
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -86,21 +86,34 @@ class SingleTurnWorkflow:
         done = [(i, r) for i, r in zip(items, results, strict=True) if r.finish_reason != "abort"]
         completions = [decode_completion(self.tokenizer, r.token_ids) for _, r in done]
         loop = asyncio.get_running_loop()
-        scores = await loop.run_in_executor(None, self.score, [i.prompt for i, _ in done], completions)
-        by_attempt = {i.attempt: (r, s) for (i, r), s in zip(done, scores, strict=True)}
+        prompts = [i.prompt for i, _ in done]
+        scores = await loop.run_in_executor(None, self.score, prompts, completions)
+        masked = await loop.run_in_executor(None, self.masks, prompts, completions)
+        by_attempt = {i.attempt: (r, s, m) for (i, r), s, m in zip(done, scores, masked, strict=True)}
         out = []
         for item, res in zip(items, results, strict=True):
             if item.attempt not in by_attempt:
                 out.append(RolloutOutcome(item.attempt, "abort", finish_reason="abort"))
                 continue
-            _, score = by_attempt[item.attempt]
+            _, score, is_masked = by_attempt[item.attempt]
             outcome = RolloutOutcome(item.attempt, "sealed", end_version=res.end_version,
                                      response_len=len(res.token_ids), finish_reason=res.finish_reason)
             if isinstance(score, BaseException):
                 outcome.status, outcome.detail = "data_error", repr(score)[:200]
             else:
-                outcome.row, outcome.reward = self.schema.build(res, score), score
+                outcome.row = self.schema.build(res, score, extra={"sample_mask": [0.0 if is_masked else 1.0]})
+                outcome.reward = score
             out.append(outcome)
+        return out
+
+    def masks(self, prompts: list[PromptRecord], completions: list[str]) -> list[bool]:
+        """``Task.masked`` for each sample (a mask that raises counts as masked: the sample cannot be trusted)."""
+        out = []
+        for p, c in zip(prompts, completions, strict=True):
+            try:
+                out.append(bool(self.task.masked(p, c)))
+            except Exception:  # noqa: BLE001 - an unjudgeable sample trains nothing
+                out.append(True)
         return out
 
     def score(self, prompts: list[PromptRecord], completions: list[str]) -> list[float | BaseException]:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from screl.data.sampler_config import InOrderSamplerConfig
 from screl.data.sampler_factory import required_buffer_capacity
 from screl.rollout.backends import resolve_backend
+from screl.rollout.reward_transform import load_shaping_fn
 from screl.validation.context import (
     LEGACY_MIGRATION,
     RuleContext,
@@ -62,11 +63,31 @@ def _unsupported_algorithm_knobs(c: RuleContext) -> None:
             what = "dynamic sampling is not implemented" if knob == "use_dynamic_sampling" else (
                 "validation is not supported on the single controller")
             c.bad(f"{key}.{knob}", True, what, f"set {key}.{knob}: false")
-    for knob in ("reward_shaping", "reward_scaling"):
-        if get(algo, f"{knob}.enabled", False):
-            c.bad(f"{key}.{knob}.enabled", True, f"{knob.replace('_', ' ')} is not implemented (it would be "
-                  "silently skipped)", f"set {key}.{knob}.enabled: false and shape rewards in the task's "
-                  "reward function")
+    _reward_transform_rules(c)
+
+
+def _reward_transform_rules(c: RuleContext) -> None:
+    key, sh, sc = c.algo_key, c.algo.get("reward_shaping") or {}, c.algo.get("reward_scaling") or {}
+    if sh.get("enabled"):
+        buf, fn = sh.get("overlong_buffer_length", 0), sh.get("class_path")
+        if not (isinstance(buf, int) and buf >= 0):
+            c.bad(f"{key}.reward_shaping.overlong_buffer_length", buf, "must be an integer >= 0", "set it >= 0")
+        if not buf and not fn:
+            c.bad(f"{key}.reward_shaping.enabled", True, "shaping is on but shapes nothing",
+                  "set overlong_buffer_length > 0 and/or class_path, or enabled: false")
+        length = sh.get("max_response_length") or get(c.gen, "max_new_tokens", 16)
+        if isinstance(buf, int) and buf > length:
+            c.bad(f"{key}.reward_shaping.overlong_buffer_length", buf, f"exceeds the penalty's max_response_length "
+                  f"({length})", f"set it <= {length}")
+        if fn:
+            try:
+                load_shaping_fn(str(fn), f"{key}.reward_shaping.class_path")
+            except ValueError as err:
+                c.bad(f"{key}.reward_shaping.class_path", fn, str(err).split(": ", 1)[-1],
+                      "name an importable fn(reward, response_length, finish_reason)")
+    if sc.get("enabled") and not sc.get("source_max", 1.0) > sc.get("source_min", 0.0):
+        c.bad(f"{key}.reward_scaling.source_max", sc.get("source_max"), f"must exceed source_min "
+              f"({sc.get('source_min', 0.0)})", "give a non-empty source range")
 
 
 def sampler_block_rules(c: RuleContext) -> None:

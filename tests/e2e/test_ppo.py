@@ -15,7 +15,7 @@ from screl.data.events import parse_event, read_events
 
 from .conftest import ROOT, column, metrics, run_fit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 class _PolicyAtWarmupEnd(Callback):

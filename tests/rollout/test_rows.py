@@ -9,7 +9,7 @@ import torch
 
 from screl.datamodule import ROW_KEYS, collate_chunk, shard_groups
 from screl.rollout.engine import GenerationResult
-from screl.rollout.rows import DERIVED_KEYS, ROW_FIELDS, ROW_SCHEMA, RowField, RowSchema
+from screl.rollout.rows import DERIVED_KEYS, FINISH_CODES, ROW_FIELDS, ROW_SCHEMA, RowField, RowSchema
 
 # two rows: prompt [5, 6] + completion [7, 8, 9]; prompt [11, 12, 13] + completion [14]
 RESULTS = [
@@ -37,9 +37,10 @@ def _data(schema: RowSchema = ROW_SCHEMA, extra: list[dict[str, list[float]]] | 
 
 
 def test_the_row_fields_and_collated_keys() -> None:
-    assert ROW_FIELDS == ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward")
+    assert ROW_FIELDS == ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward",
+                          "raw_reward", "finish_reason", "sample_mask")
     assert ROW_KEYS == ("input_ids", "attention_mask", "token_mask", "generation_logprobs", "token_versions",
-                        "rewards", "sample_mask", "start_weight")
+                        "rewards", "raw_rewards", "finish_reason", "sample_mask", "start_weight")
     assert ROW_KEYS == ROW_SCHEMA.collated_keys
     assert set(DERIVED_KEYS) <= set(ROW_KEYS)
 
@@ -52,6 +53,12 @@ def test_build_writes_the_rows_fields() -> None:
     _exact(row["generation_logprobs"], torch.tensor([-2.0]))
     _exact(row["token_versions"], torch.tensor([4]))
     _exact(row["reward"], torch.tensor([-0.5]))
+    _exact(row["raw_reward"], torch.tensor([-0.5]))
+    _exact(row["finish_reason"], torch.tensor([FINISH_CODES["stop"]]))
+    _exact(row["sample_mask"], torch.tensor([1.0]))
+    masked = ROW_SCHEMA.build(RESULTS[0], 1.0, extra={"sample_mask": [0.0]})
+    _exact(masked["sample_mask"], torch.tensor([0.0]))
+    _exact(masked["finish_reason"], torch.tensor([FINISH_CODES["length"]]))
 
 
 def test_collate_two_rows_exactly() -> None:
@@ -67,6 +74,8 @@ def test_collate_two_rows_exactly() -> None:
     # the trainer's version (5) where no completion token is predicted
     _exact(batch["token_versions"], torch.tensor([[5, 3, 4, 4], [5, 5, 4, 5]]))
     _exact(batch["rewards"], torch.tensor([1.0, -0.5]))
+    _exact(batch["raw_rewards"], torch.tensor([1.0, -0.5]))
+    _exact(batch["finish_reason"], torch.tensor([1, 0]))  # length, stop
     _exact(batch["sample_mask"], torch.tensor([1.0, 1.0]))
     _exact(batch["start_weight"], torch.tensor([2, 3]))
 
@@ -81,6 +90,8 @@ def test_collate_an_empty_chunk(data: dict[str, Any]) -> None:
     for key in ("token_mask", "generation_logprobs"):
         _exact(batch[key], empty_float)
     _exact(batch["rewards"], torch.zeros(0))
+    _exact(batch["raw_rewards"], torch.zeros(0))
+    _exact(batch["finish_reason"], torch.zeros(0, dtype=torch.long))
     _exact(batch["sample_mask"], torch.zeros(0))
     _exact(batch["start_weight"], torch.zeros(0, dtype=torch.long))
 
@@ -88,13 +99,13 @@ def test_collate_an_empty_chunk(data: dict[str, Any]) -> None:
 def test_a_new_per_completion_token_field_collates_aligned_and_shards() -> None:
     schema = RowSchema((*ROW_SCHEMA.fields, VALUES))
     assert schema.names == (*ROW_FIELDS, "values")
-    assert schema.collated_keys == (*ROW_KEYS[:6], "old_values", "sample_mask", "start_weight")
+    assert schema.collated_keys == (*ROW_KEYS[:-1], "old_values", "start_weight")
     data = _data(schema, extra=[{"values": [0.5, 0.25, 0.125]}, {"values": [2.0]}])
     batch = collate_chunk(META, data, PAD, schema=schema)
     assert "values" not in batch
     _exact(batch["old_values"], torch.tensor([[-1.0, 0.5, 0.25, 0.125], [-1.0, -1.0, 2.0, -1.0]]))
     plain = collate_chunk(META, _data(), PAD)
-    assert list(batch) == [*list(plain)[:-2], "old_values", "sample_mask", "start_weight"]
+    assert list(batch) == [*list(plain)[:-1], "old_values", "start_weight"]
     for key in ROW_KEYS:
         _exact(batch[key], plain[key])  # the other tensors are unchanged
     second = shard_groups(batch, group_size=1, num_shards=2, shard=1, schema=schema)
@@ -107,7 +118,7 @@ def test_a_scalar_field_collates_stacked_under_its_own_name() -> None:
     schema = RowSchema((*ROW_SCHEMA.fields, RowField("turns", torch.int64, "[turns]", "scalar")))
     batch = collate_chunk(META, _data(schema, extra=[{"turns": [1]}, {"turns": [3]}]), PAD, schema=schema)
     _exact(batch["turns"], torch.tensor([1, 3]))
-    assert schema.collated_keys[-3:] == ("turns", "sample_mask", "start_weight")
+    assert schema.collated_keys[-2:] == ("turns", "start_weight")
 
 
 def test_build_needs_every_fields_values() -> None:

@@ -1,0 +1,45 @@
+"""Reward shaping/scaling and loss masks end to end: figures from metrics.csv and events.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from screl.data.event_check import check_events
+from screl.data.events import parse_event, read_events
+from screl.dataplane import tq_actors_alive
+
+from .conftest import base_config, column, metrics, run_fit
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+
+def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path / "run")
+    cfg["trainer"].update(max_steps=3)
+    cfg["grpo"].update(max_num_steps=3,
+                       reward_shaping={"enabled": True, "overlong_buffer_length": 4, "overlong_penalty_factor": 0.5},
+                       reward_scaling={"enabled": True, "source_min": -1.0, "source_max": 1.0})
+    run_dir = run_fit(cfg, tmp_path)
+    rows = metrics(run_dir)
+    shaped, raw = column(rows, "reward"), column(rows, "train/raw_reward")
+    assert len(shaped) == len(raw) == 3
+    # every completion is 8 tokens = max_new_tokens: the full penalty -0.5, then [-1, 1] -> [0, 1]
+    for s, r in zip(shaped, raw, strict=True):
+        assert s == pytest.approx((r - 0.5 + 1.0) / 2.0, abs=1e-6)
+    assert column(rows, "train/truncated_fraction") == [1.0, 1.0, 1.0]
+    assert check_events(run_dir, cfg["async_rl"]["sampler"], final=True).ok
+
+
+def test_a_run_whose_every_completion_is_filtered_stops_naming_the_step(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path / "run")
+    cfg["grpo"]["overlong_filtering"] = True  # min_new_tokens = max_new_tokens: every completion is truncated
+    with pytest.raises(RuntimeError, match=r"step 0: every sample is filtered out of the loss \(0 masked by the "
+                                           r"task or environment, 8 truncated"):
+        run_fit(cfg, tmp_path)
+    assert tq_actors_alive() == [], "TransferQueue actors leaked"
+    assert [a for a in ray.util.list_named_actors(all_namespaces=True) if "screl" in str(a)] == []
+    run_dir = next((tmp_path / "run").rglob("events.jsonl")).parent
+    assert [e for _, line in read_events(run_dir) if (e := parse_event(line)).name == "train_step"] == []
