@@ -8,6 +8,7 @@ from screl.strategies.megatron import MegatronStrategy
 from screl.strategies.parallel import ParallelismConfig
 from screl.strategies.provider import GPTModelProvider, ModelProvider
 from screl.strategies.schedule import ForwardStep, LossReduction, token_logprobs
+from screl.strategies.value import MegatronValueModel
 from screl.strategies.weights import export_weights, iter_export_buckets, load_hf_weights
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "GPTModelProvider",
     "LossReduction",
     "MegatronStrategy",
+    "MegatronValueModel",
     "ModelProvider",
     "ParallelismConfig",
     "export_weights",

@@ -51,6 +51,7 @@ from screl.strategies.module_state import (
     load_template,
     module_sharded_state,
     optimizer_index,
+    optimizer_modules,
     outermost_megatron_modules,
     set_submodule,
     wrapped_state_dict,
@@ -121,7 +122,8 @@ class MegatronStrategy(DDPStrategy):
         self.export_bucket_bytes = export_bucket_bytes
         self._wrapped: dict[str, DistributedDataParallel] = {}
         self._backward_done = False
-        self._grads_finalized = False
+        self._finalized: set[str] = set()
+        """Paths of the wrapped modules whose gradients are reduced for the coming optimizer step."""
 
     # ----------------------------------------------------------------------------------- set-up
     @property
@@ -166,13 +168,17 @@ class MegatronStrategy(DDPStrategy):
             "rank": parallel_state.get_data_parallel_rank(),
         }
 
-    def build_model(self) -> MegatronModule:
-        """This rank's model shard from the model provider, on this rank's device (call in ``configure_model``)."""
+    def build_model(self, provider: ModelProvider | None = None) -> MegatronModule:
+        """This rank's model shard, on this rank's device (call in ``configure_model``).
+
+        ``provider``: build another model than the strategy's (e.g. a critic beside the policy); default: the
+        strategy's ``model_provider``.
+        """
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError(
                 "MegatronStrategy.build_model() runs after setup_environment() (in configure_model())."
             )
-        module = self.model_provider(
+        module = (provider or self.model_provider)(
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
@@ -265,19 +271,20 @@ class MegatronStrategy(DDPStrategy):
         for this step. Returns the detached reported loss, the same on every rank. ``module``: the
         path of the Megatron module (default: the only one).
         """
-        if not forward_only and self._grads_finalized:
+        path = self._path(module)
+        if not forward_only and path in self._finalized:
             raise RuntimeError(
                 "MegatronStrategy.forward_backward() ran twice before an optimizer step: the second call would "
                 "reduce the gradients across data parallel again. Pass all of the step's microbatches to one "
                 "call (and keep Trainer(accumulate_grad_batches=1) with it)."
             )
-        model = self._module(module)
+        model = self._module(path)
         loss = forward_backward(
             model, microbatches, forward_step, loss_reduction, forward_only, seq_length, micro_batch_size
         )
         if not forward_only:
             self._backward_done = True
-            self._grads_finalized = True
+            self._finalized.add(path)
         return loss
 
     def _path(self, path: str | None) -> str:
@@ -313,35 +320,52 @@ class MegatronStrategy(DDPStrategy):
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def finalize_gradients(self) -> None:
-        """Reduce gradients across data parallel (once per step) and expose ``main_grad`` as ``.grad``."""
-        if not self._grads_finalized:
-            finalize_model_grads(list(self._wrapped.values()))
-            self._grads_finalized = True
-        grad_buffers.expose_grads(self._wrapped.values())
+    def _selected(self, modules: Sequence[str] | None) -> dict[str, DistributedDataParallel]:
+        """The wrapped modules at ``modules`` (paths in the LightningModule); ``None``: all of them."""
+        if modules is None:
+            return dict(self._wrapped)
+        unknown = [m for m in modules if m not in self._wrapped]
+        if unknown:
+            raise ValueError(f"MegatronStrategy: no wrapped Megatron module at {unknown} ({sorted(self._wrapped)}).")
+        return {m: self._wrapped[m] for m in modules}
 
-    def grad_norm(self) -> Tensor:
+    def finalize_gradients(self, modules: Sequence[str] | None = None) -> None:
+        """Reduce gradients across data parallel (once per step) and expose ``main_grad`` as ``.grad``.
+
+        ``modules``: the paths of the Megatron modules to finalize (default: all); each is reduced on its own.
+        """
+        chosen = self._selected(modules)
+        for path, wrapped in chosen.items():
+            if path not in self._finalized:
+                finalize_model_grads([wrapped])
+                self._finalized.add(path)
+        grad_buffers.expose_grads(chosen.values())
+
+    def grad_norm(self, modules: Sequence[str] | None = None) -> Tensor:
         """The global L2 norm of the finalized gradients (each shard counted once across TP and PP)."""
-        self.finalize_gradients()
-        return grad_buffers.global_grad_norm(self._wrapped.values(), self.root_device)
+        self.finalize_gradients(modules)
+        return grad_buffers.global_grad_norm(self._selected(modules).values(), self.root_device)
 
-    def clip_gradients(self, max_norm: float) -> Tensor:
+    def clip_gradients(self, max_norm: float, modules: Sequence[str] | None = None) -> Tensor:
         """Scale the finalized gradients so their global norm is at most ``max_norm``; returns the norm before.
 
         Use this rather than ``Trainer(gradient_clip_val=...)`` (whose norm ignores tensor parallelism):
-        in manual optimization before ``opt.step()``, else in ``on_before_optimizer_step``.
+        in manual optimization before ``opt.step()``, else in ``on_before_optimizer_step``. ``modules``: clip
+        these Megatron modules' gradients by their joint norm (default: all of them), e.g. ``["critic"]``.
         """
-        norm = self.grad_norm()
+        norm = self.grad_norm(modules)
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
-            grad_buffers.scale_grads_(self._wrapped.values(), coef)
-            grad_buffers.expose_grads(self._wrapped.values())
+            chosen = self._selected(modules).values()
+            grad_buffers.scale_grads_(chosen, coef)
+            grad_buffers.expose_grads(chosen)
         return norm
 
-    def zero_grad_buffers(self) -> None:
-        """Zero Megatron's gradient buffers and drop the ``.grad`` aliases."""
-        grad_buffers.zero_grad_buffers(self._wrapped.values())
-        self._grads_finalized = False
+    def zero_grad_buffers(self, modules: Sequence[str] | None = None) -> None:
+        """Zero Megatron's gradient buffers and drop the ``.grad`` aliases (of ``modules``; default: all)."""
+        chosen = self._selected(modules)
+        grad_buffers.zero_grad_buffers(chosen.values())
+        self._finalized.difference_update(chosen)
         self._backward_done = False
 
     @override
@@ -352,15 +376,17 @@ class MegatronStrategy(DDPStrategy):
         model: LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the closure, finalize the gradients, step, then zero Megatron's gradient buffers."""
+        """Run the closure, finalize the gradients of the modules ``optimizer`` updates, step, then zero their
+        gradient buffers (a second optimizer's modules, e.g. a critic's, keep theirs)."""
+        paths = optimizer_modules(optimizer, self._wrapped)
 
         def closure_then_finalize() -> Any:
             result = closure()
-            self.finalize_gradients()
+            self.finalize_gradients(paths)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)  # type: ignore[arg-type]
-        self.zero_grad_buffers()
+        self.zero_grad_buffers(paths)
         return output
 
     # ------------------------------------------------------------------------------- weights

@@ -18,6 +18,7 @@ __all__ = [
     "load_template",
     "module_sharded_state",
     "optimizer_index",
+    "optimizer_modules",
     "outermost_megatron_modules",
     "set_submodule",
     "wrapped_state_dict",
@@ -92,3 +93,10 @@ def optimizer_index(optimizers: Sequence[Any], optimizer: Optimizer) -> int:
         if opt is optimizer or getattr(opt, "_optimizer", None) is optimizer:
             return i
     raise ValueError("optimizer_state(): the optimizer is not one of this strategy's optimizers.")
+
+
+def optimizer_modules(optimizer: Optimizer | LightningOptimizer, wrapped: Mapping[str, nn.Module]) -> list[str]:
+    """The paths (keys of ``wrapped``) of the modules whose parameters ``optimizer`` updates."""
+    inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    ids = {id(p) for group in inner.param_groups for p in group["params"]}
+    return [path for path, m in wrapped.items() if any(id(p) in ids for p in m.parameters())]

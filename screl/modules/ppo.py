@@ -17,12 +17,21 @@ lookahead follows ``warmup_lookahead_versions`` (see ``screl.data.samplers.looka
 
 ``trainer.global_step`` counts RL steps, as for GRPO: every update but the step's last goes through the
 plain torch optimizer, the last through Lightning's (which counts it).
+
+Under ``trainer.strategy: screl.strategies.MegatronStrategy`` (tensor parallelism; data-parallel size 1)
+``configure_model`` swaps the policy for this rank's Megatron shard exactly as GRPO does, and the critic for a
+``screl.strategies.MegatronValueModel``: a second ``GPTModel`` shard built from the value spec's Hugging Face
+config and weights, whose final-normed hidden states feed the (replicated) value head. Policy logprobs come
+from vocabulary-parallel logits; each optimizer's gradients are clipped by their tensor-parallel-aware norm,
+its own module's only; ``export_weights()`` gathers the policy (never the critic) for the refit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +43,53 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, terminal_token_rewards
 from screl.config import PPOConfig, from_dict
 from screl.models import PolicySpec, ValueModel
-from screl.modules.grpo import GRPO, token_logprobs
+from screl.modules.grpo import _ARCH_FIELDS, GRPO, token_logprobs
 from screl.modules.warm_start import load_critic_weights
 
 log = logging.getLogger(__name__)
+
+POLICY, CRITIC = "model", "critic"
+"""The policy's and the critic's paths in the module (their Megatron modules' names under MegatronStrategy)."""
+
+
+def _right_padded_positions(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Positions ``0 .. len - 1`` for a Megatron forward; rows must be right-padded (as ``collate_chunk`` makes
+    them), so that under the causal mask the real tokens' outputs equal the unpadded ones."""
+    mask = attention_mask.bool()
+    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError("PPO under MegatronStrategy needs right-padded rows (attention_mask 1...1 0...0); "
+                         "got a row with padding before a real token")
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+
+def _check_megatron_layout(strategy: Any) -> None:
+    """PPO under MegatronStrategy: tensor parallelism only, for now (every problem named at once)."""
+    par = strategy.parallelism
+    bad = []
+    if strategy.data_parallel_size > 1:
+        bad.append(f"data-parallel size {strategy.data_parallel_size} (GAE whitening and the loss normalizers are "
+                   "not reduced over data-parallel replicas yet: set tensor_model_parallel_size to the device count)")
+    if par.pipeline_model_parallel_size > 1 or par.context_parallel_size > 1:
+        bad.append("pipeline_model_parallel_size or context_parallel_size > 1 (every rank runs the whole sequence "
+                   "through the whole model)")
+    if par.sequence_parallel:
+        bad.append("sequence_parallel (the critic's value head needs the full hidden states)")
+    if bad:
+        raise ValueError("trainer.strategy.init_args.parallelism: PPO under MegatronStrategy does not support "
+                         + "; ".join(bad))
+
+
+def _critic_provider(strategy: Any, hf_trunk: torch.nn.Module) -> Any:
+    """The critic trunk's ``GPTModelProvider``: the value spec's architecture, the policy provider's other knobs
+    (layer spec, vocabulary padding, seed, ...)."""
+    from screl.strategies import GPTModelProvider
+
+    dtype = str(next(hf_trunk.parameters()).dtype).removeprefix("torch.")
+    arch = GPTModelProvider.from_hf_config(hf_trunk.config, params_dtype=dtype)
+    policy = strategy.model_provider
+    if not isinstance(policy, GPTModelProvider):
+        return arch
+    return dataclasses.replace(policy, params_dtype=dtype, **{k: getattr(arch, k) for k in _ARCH_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -104,7 +156,8 @@ class PPO(GRPO):
             raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
         self.ppo: PPOConfig = algo if isinstance(algo, PPOConfig) else from_dict(PPOConfig, algo)
         self.algo = self.ppo
-        self.critic = ValueModel(value)
+        self.critic: Any = ValueModel(value)
+        """``ValueModel``; under MegatronStrategy a ``MegatronValueModel`` (see ``configure_model``)."""
         self.value_loss_fn = value_loss_fn if value_loss_fn is not None else ClippedValueLoss()
         self.value_learning_rate = value_learning_rate
         self.value_lr_warmup_steps = value_lr_warmup_steps
@@ -128,11 +181,61 @@ class PPO(GRPO):
 
     @override
     def configure_model(self) -> None:
-        if self._megatron() is not None:
-            raise NotImplementedError(
-                "trainer.strategy: PPO under MegatronStrategy is not built yet (its critic has no Megatron "
-                "model); run PPO with the default strategy"
-            )
+        """Under ``MegatronStrategy``: the policy becomes this rank's Megatron shard (GRPO's ``configure_model``),
+        the critic a Megatron trunk of the value spec with the same value head, both holding the Hugging Face
+        weights they had (a warm-started critic's included)."""
+        strategy = self._megatron()
+        if strategy is None or self._megatron_strategy is not None:
+            return
+        _check_megatron_layout(strategy)
+        super().configure_model()
+        from screl.strategies import MegatronValueModel
+
+        hf_critic = self.critic
+        trunk = strategy.build_model(_critic_provider(strategy, hf_critic.trunk))
+        self.critic = MegatronValueModel.from_hf(trunk, hf_critic.trunk.state_dict(), hf_critic.head)
+
+    @override
+    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20) -> Iterator[dict[str, Tensor]]:
+        """The policy's weights for the refit (never the critic's); see ``GRPO.iter_export_weights``."""
+        if self._megatron_strategy is None:
+            yield from super().iter_export_weights(bucket_bytes)
+            return
+        for bucket in self._megatron_strategy.iter_export_weights(POLICY):
+            yield {k: v.detach().to("cpu") for k, v in bucket.items()}
+
+    def export_critic_weights(self) -> dict[str, Tensor]:
+        """The critic's full weights on CPU in ``ValueModel``'s naming (under MegatronStrategy a collective)."""
+        critic: Any = self.critic
+        if self._megatron_strategy is None:
+            return {k: v.detach().to("cpu").clone() for k, v in critic.state_dict().items()}
+        inner = self._megatron_strategy.megatron_modules[CRITIC]
+        return inner.export_hf_state()  # type: ignore[no-any-return]
+
+    def _values(self, ids: Tensor, attention: Tensor) -> Tensor:
+        """``[rows, len - 1]`` critic values, aligned with ``token_mask``."""
+        if self._megatron_strategy is None:
+            return self.critic.token_values(ids, attention)  # type: ignore[no-any-return]
+        return self.critic(ids, _right_padded_positions(ids, attention), None)[:, :-1]  # type: ignore[no-any-return]
+
+    def _logprobs(self, ids: Tensor, attention: Tensor) -> Tensor:
+        """``[rows, len - 1]`` policy logprobs of the next tokens (vocabulary-parallel under Megatron)."""
+        strategy = self._megatron_strategy
+        if strategy is None:
+            return token_logprobs(self.model, ids, attention, self.temperature)
+        logits = self.model(ids, _right_padded_positions(ids, attention), None)[:, :-1]
+        if self.temperature != 1.0:
+            logits = logits.float() / self.temperature
+        return strategy.token_logprobs(logits, ids[:, 1:], POLICY)  # type: ignore[no-any-return]
+
+    def _clip(self, path: str, max_norm: float | None) -> Tensor | None:
+        """Clip the gradients of the policy or the critic (``path``), under Megatron by their TP-aware norm;
+        returns the norm before clipping (None: no clipping)."""
+        if max_norm is None:
+            return None
+        if self._megatron_strategy is not None:
+            return self._megatron_strategy.clip_gradients(max_norm, modules=[path])  # type: ignore[no-any-return]
+        return torch.nn.utils.clip_grad_norm_(self.get_submodule(path).parameters(), max_norm)
 
     @override
     def configure_optimizers(self) -> Any:
@@ -176,8 +279,8 @@ class PPO(GRPO):
         token_mask, sample_mask = batch["token_mask"].float(), batch["sample_mask"].float()
         self._offload(policy_opt, "cpu")
         slices = self._slices(ids.shape[0])
-        values = torch.cat([self.critic.token_values(ids[s], attention[s]) for s in slices])
-        old_lp = torch.cat([token_logprobs(self.model, ids[s], attention[s], self.temperature) for s in slices])
+        values = torch.cat([self._values(ids[s], attention[s]) for s in slices])
+        old_lp = torch.cat([self._logprobs(ids[s], attention[s]) for s in slices])
         self._offload(policy_opt, self.device)
         on_policy = batch["token_versions"] == int(batch["trainer_version"])
         behaviour = torch.where(on_policy, old_lp, batch["generation_logprobs"].float())
@@ -217,15 +320,16 @@ class PPO(GRPO):
         epochs = self.ppo.critic_ppo_epochs
         for epoch in range(epochs):
             for sl in self._slices(ids.shape[0]):
-                values = self.critic.token_values(ids[sl], attention[sl])
+                values = self._values(ids[sl], attention[sl])
                 loss, metrics = self.value_loss_fn(values, data.old_values[sl], data.returns[sl], data.token_mask[sl],
                                                    data.sample_mask[sl], global_normalizer=data.valid_tokens)
                 self.manual_backward(loss)
                 if epoch == 0:
                     for k, v in metrics.items():
                         first.setdefault(k, []).append(v.detach())
-            if self.value_max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.value_max_grad_norm)
+            norm = self._clip(CRITIC, self.value_max_grad_norm)
+            if epoch == 0 and norm is not None:
+                first["grad_norm"] = [norm.detach()]
             self._update(opt, "critic", counted=last_update and epoch == epochs - 1)
             scheduler = self.lr_schedulers()
             assert scheduler is not None and not isinstance(scheduler, list)
@@ -243,7 +347,7 @@ class PPO(GRPO):
         for epoch in range(self.ppo.ppo_epochs):
             loss_total, metrics_acc = torch.zeros((), device=self.device), {}
             for sl in self._slices(rows):
-                curr = token_logprobs(self.model, ids[sl], attention[sl], self.temperature)
+                curr = self._logprobs(ids[sl], attention[sl])
                 ref = None
                 if self.loss_fn.requires_reference_logprobs:
                     assert self.reference is not None
@@ -260,17 +364,27 @@ class PPO(GRPO):
                 loss_total = loss_total + loss.detach()
                 for k, v in metrics.items():
                     metrics_acc.setdefault(k, []).append(v.detach().float())
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            norm = self._clip(POLICY, self.max_grad_norm)
+            if norm is not None:
+                metrics_acc["grad_norm"] = [norm.detach().float()]
             self._update(opt, "policy", counted=epoch == self.ppo.ppo_epochs - 1)
         return loss_total, metrics_acc
 
     def _update(self, opt: LightningOptimizer, kind: str, counted: bool) -> None:
-        """One optimizer update; only the step's last goes through Lightning (``global_step`` = RL steps)."""
+        """One optimizer update; only the step's last goes through Lightning (``global_step`` = RL steps).
+
+        Lightning's step reduces and zeroes Megatron's gradient buffers of the optimizer's module; the plain
+        torch step gets the same around it, for that module (``kind``) only.
+        """
+        megatron, path = self._megatron_strategy, POLICY if kind == "policy" else CRITIC
         if counted:
             opt.step()
-        else:
+        elif megatron is None:
             opt.optimizer.step()
+        else:
+            megatron.finalize_gradients([path])
+            opt.optimizer.step()
+            megatron.zero_grad_buffers([path])
         opt.zero_grad(set_to_none=True)
         self.update_counts[kind] += 1
 
