@@ -127,3 +127,15 @@ def test_the_step_must_be_one_chunk() -> None:
     batch["last_chunk"] = False
     with pytest.raises(RuntimeError, match=r"PPO trains one full step per chunk: set async_rl.min_groups_for_"):
         _fit(_ppo(), [batch])
+
+
+def test_overlong_filtering_reaches_the_critic_and_an_all_filtered_step_fails() -> None:
+    batches = _batches(1)
+    batches[0]["finish_reason"] = torch.ones_like(batches[0]["finish_reason"])  # every row truncated
+    model = _ppo(overlong_filtering=True)
+    critic0 = _params(model.critic)
+    with pytest.raises(RuntimeError, match=r"step 0: every sample is filtered out of the loss \(0 masked by the "
+                                           r"task or environment, 6 truncated"):
+        _fit(model, batches)
+    assert all(torch.equal(v, critic0[k]) for k, v in model.critic.state_dict().items())
+    assert model.update_counts == {"policy": 0, "critic": 0}

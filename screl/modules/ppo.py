@@ -43,7 +43,13 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, terminal_token_rewards
 from screl.config import PPOConfig, from_dict
 from screl.models import PolicySpec, ValueModel
-from screl.modules.grpo import _ARCH_FIELDS, GRPO, token_logprobs
+from screl.modules.grpo import (
+    _ARCH_FIELDS,
+    GRPO,
+    AllFilteredStepError,
+    loss_sample_mask,
+    token_logprobs,
+)
 from screl.modules.warm_start import load_critic_weights
 
 log = logging.getLogger(__name__)
@@ -259,6 +265,8 @@ class PPO(GRPO):
         opts: Any = self.optimizers()
         policy_opt, critic_opt = opts
         data = self._value_stage(batch, policy_opt)
+        if float(data.sample_mask.sum()) == 0:  # one chunk per step: nothing for the critic or the policy
+            raise AllFilteredStepError(int(batch["trainer_version"]), batch)
         train_policy = int(batch["trainer_version"]) >= self.ppo.policy_training_start_step
         critic_metrics = self._critic_epochs(batch, data, critic_opt, last_update=not train_policy)
         policy_loss, policy_metrics = torch.zeros((), device=self.device), dict[str, list[Tensor]]()
@@ -276,7 +284,7 @@ class PPO(GRPO):
     def _value_stage(self, batch: dict[str, Any], policy_opt: LightningOptimizer) -> _StepData:
         """Critic values, pre-update policy (and reference) logprobs, token rewards, GAE."""
         ids, attention = batch["input_ids"], batch["attention_mask"]
-        token_mask, sample_mask = batch["token_mask"].float(), batch["sample_mask"].float()
+        token_mask, sample_mask = batch["token_mask"].float(), loss_sample_mask(batch, self.ppo.overlong_filtering)
         self._offload(policy_opt, "cpu")
         slices = self._slices(ids.shape[0])
         values = torch.cat([self._values(ids[s], attention[s]) for s in slices])

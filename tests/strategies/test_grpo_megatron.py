@@ -218,6 +218,7 @@ def _chunk(groups: int, group_size: int) -> dict[str, Any]:
         "input_ids": torch.arange(rows * 6).reshape(rows, 6), "attention_mask": torch.ones(rows, 6),
         "token_mask": token_mask, "generation_logprobs": torch.zeros(rows, 5),
         "token_versions": torch.zeros(rows, 5, dtype=torch.long), "rewards": torch.arange(rows).float(),
+        "raw_rewards": torch.arange(rows).float() - 1.0, "finish_reason": torch.arange(rows) % 3,
         "sample_mask": torch.ones(rows), "start_weight": torch.zeros(rows, dtype=torch.long),
     }
 
