@@ -61,18 +61,12 @@ def _final_outcome(run_dir: Path, steps: int, sampler: dict[str, Any]) -> None:
     assert after == list(range(resumed_at, steps))
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_kill9_at_ten_seeded_points_loses_no_group(seed: int, tmp_path: Path) -> None:
-    rng = random.Random(seed)
-    ck_root = tmp_path / "bundles"
-    steps = 40  # long enough that every incarnation reaches its kill point
-    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
-    log = tmp_path / "fit.log"
-    run_dir = tmp_path / "run"
-    points = ["generation", "mid_step", "checkpoint_write", "snapshot_write"] * 3
-    rng.shuffle(points)
+def _kill_chain(config: Path, points: list[str], run_dir: Path, ck_root: Path, rng: random.Random) -> list[str]:
+    """SIGKILL a fresh `screl fit` at each point in turn, then let a last one finish; returns the kills that
+    landed (a run that finishes before its point ends the chain)."""
+    log = config.parent / "fit.log"
     kills = []
-    for point in points[:10]:
+    for point in points:
         proc = start_fit(config, log)
         if not _kill_at(point, proc, run_dir, ck_root, rng):
             assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
@@ -80,6 +74,19 @@ def test_kill9_at_ten_seeded_points_loses_no_group(seed: int, tmp_path: Path) ->
         kills.append(point)
     final = start_fit(config, log)
     assert final.wait(timeout=900) == 0, log.read_text()[-3000:]
+    return kills
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_kill9_at_ten_seeded_points_loses_no_group(seed: int, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    ck_root = tmp_path / "bundles"
+    steps = 40  # long enough that every incarnation reaches its kill point
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
+    run_dir = tmp_path / "run"
+    points = ["generation", "mid_step", "checkpoint_write", "snapshot_write"] * 3
+    rng.shuffle(points)
+    kills = _kill_chain(config, points[:10], run_dir, ck_root, rng)
     assert len(kills) >= 5, f"only {len(kills)} kills landed before the run finished: {kills}"
     _final_outcome(run_dir, steps, IN_ORDER)
     store = CheckpointStore(str(ck_root))
@@ -100,16 +107,9 @@ def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path)
     steps = 14
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=PPO_SAMPLER,
                                             source="ppo_tiny.yaml"))
-    log, run_dir = tmp_path / "fit.log", tmp_path / "run"
-    kills = []
-    for point in ["generation", "mid_step", "checkpoint_write", "snapshot_write", "mid_step"]:
-        proc = start_fit(config, log)
-        if not _kill_at(point, proc, run_dir, ck_root, rng):
-            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-            break
-        kills.append(point)
-    final = start_fit(config, log)
-    assert final.wait(timeout=900) == 0, log.read_text()[-3000:]
+    run_dir = tmp_path / "run"
+    points = ["generation", "mid_step", "checkpoint_write", "snapshot_write", "mid_step"]
+    kills = _kill_chain(config, points, run_dir, ck_root, rng)
     assert len(kills) >= 3, f"only {len(kills)} kills landed before the run finished: {kills}"
     _final_outcome(run_dir, steps, PPO_SAMPLER)
     events = [parse_event(line) for _, line in read_events(run_dir)]
