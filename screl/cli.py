@@ -13,6 +13,7 @@ algorithm block into the model (``model.init_args.algo``), so nothing is written
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -165,6 +166,7 @@ class ScrelCLI(LightningCLI):
         from screl.callbacks import DataPlaneCheckpoint, WeightSync
 
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        _count_rl_steps(callbacks, trainer_cfg)
         if not any(isinstance(cb, WeightSync) for cb in callbacks):
             callbacks.append(WeightSync())
         run = getattr(self.datamodule, "run", None)
@@ -199,6 +201,21 @@ class ScrelCLI(LightningCLI):
             if resume.ckpt_path is not None:
                 fit_cfg["ckpt_path"] = resume.ckpt_path
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
+
+
+def _count_rl_steps(callbacks: list[Any], trainer_cfg: Any) -> None:
+    """Swap Lightning's default progress bar (no total: ``Epoch 0/0 12/--``) for one over RL steps, unless the
+    config names a progress bar of its own."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from screl.callbacks import rl_progress_bar
+
+    if "ProgressBar" in str(trainer_cfg.get("callbacks") or ""):
+        return
+    for i, cb in enumerate(callbacks):
+        if type(cb) in (RichProgressBar, TQDMProgressBar):
+            callbacks[i] = rl_progress_bar()
+            return
 
 
 def _generation_line(cfg: dict[str, Any]) -> str:
@@ -273,6 +290,19 @@ LightningCLI's own help follows.
 """
 
 
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip:")
+
+
+def quiet_third_party() -> None:
+    """Drop Lightning's product tips and the pytree deprecation warning its own code triggers on every run
+    (neither is about the user's config)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_NoTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -288,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from screl.data.events import main as events_main
 
         return int(events_main(args[1:]) or 0)
+    quiet_third_party()
     try:
         ScrelCLI(args=args)
     except ConfigError as err:

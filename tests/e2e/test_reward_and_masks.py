@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
+from lightning.pytorch import Callback
 
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
@@ -16,13 +18,27 @@ from .conftest import base_config, column, metrics, run_fit
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
+class _BarProbe(Callback):
+    """What the progress bar shows when training ends: its class, label, count and total."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[str, str, float, float | None] | None = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        bar = trainer.progress_bar_callback
+        task = bar.progress.tasks[bar.train_progress_bar_id]
+        self.seen = (type(bar).__name__, task.description, task.completed, task.total)
+
+
 def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(tmp_path: Path) -> None:
     cfg = base_config(tmp_path / "run")
-    cfg["trainer"].update(max_steps=3)
+    cfg["trainer"].update(max_steps=3, enable_progress_bar=True)  # the bar counts RL steps against a total
     cfg["grpo"].update(max_num_steps=3,
                        reward_shaping={"enabled": True, "overlong_buffer_length": 4, "overlong_penalty_factor": 0.5},
                        reward_scaling={"enabled": True, "source_min": -1.0, "source_max": 1.0})
-    run_dir = run_fit(cfg, tmp_path)
+    probe = _BarProbe()
+    run_dir = run_fit(cfg, tmp_path, callbacks=[probe])
+    assert probe.seen == ("RichRLProgressBar", "RL steps", 3, 3)
     rows = metrics(run_dir)
     shaped, raw = column(rows, "reward"), column(rows, "train/raw_reward")
     assert len(shaped) == len(raw) == 3
