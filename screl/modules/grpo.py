@@ -192,10 +192,14 @@ class GRPO(LightningModule):
         self.algo: GRPOConfig = from_dict(GRPOConfig, algo) if not isinstance(algo, GRPOConfig) else algo
         self.reference: torch.nn.Module | None = None
         if self.loss_fn.requires_reference_logprobs:
-            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+            self.reference = self._frozen_copy()
         self._step_started: float | None = None
         self._step_trained_rows = 0.0  # rows of the open step that the loss sees (sample_mask)
         self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        """The reference policy: a frozen copy of the initial one."""
+        return copy.deepcopy(self.model).requires_grad_(False).eval()
 
     def _megatron(self) -> Any:
         """The ``MegatronStrategy`` training this module, or None (checked without importing megatron)."""

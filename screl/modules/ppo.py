@@ -180,11 +180,6 @@ class PPO(GRPO):
         if self.ppo.warm_start_value_checkpoint:
             load_critic_weights(self.critic, self.ppo.warm_start_value_checkpoint, self.ppo.warm_start_storage_options)
 
-    def _frozen_copy(self) -> torch.nn.Module:
-        import copy
-
-        return copy.deepcopy(self.model).requires_grad_(False).eval()
-
     @override
     def configure_model(self) -> None:
         """Under ``MegatronStrategy``: the policy becomes this rank's Megatron shard (GRPO's ``configure_model``),
