@@ -38,7 +38,8 @@ _T = TypeVar("_T")
 
 
 #: Chunk metadata a collated chunk carries along (scalars, not per row).
-CHUNK_META = ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight", "generation_s")
+CHUNK_META = ("trainer_version", "step_groups", "last_chunk", "buffer_fill", "inflight", "generation_s", "filtered",
+              "replaced")
 
 
 def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad_id: int,

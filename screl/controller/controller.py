@@ -39,6 +39,7 @@ from screl.data.core_types import (
 )
 from screl.data.events import Event, EventLogWriter, RestoreEvent
 from screl.data.ledger import RecoveryPolicy
+from screl.data.reserve import ReservePolicy
 from screl.envs import Task
 from screl.rollout.rows import ROW_FIELDS
 
@@ -61,6 +62,9 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         num_workers=num_workers, seed=seed, id_prefix=id_prefix,
         policy_training_start_step=run.ppo.policy_training_start_step if run.ppo is not None else None,
         failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
+        dynamic_sampling=algo.use_dynamic_sampling, step_may_shrink=run.ppo is None,
+        reserve=ReservePolicy(enabled=f.on_dropped_prompt == "replace", size=f.replacement_reserve_prompts,
+                              max_per_slot=f.max_replacement_attempts),
     )
 
 
@@ -285,7 +289,8 @@ class RolloutController:
                         "start_weight": list(plan.start_weight), "end_weight": list(plan.end_weight),
                         "trainer_version": plan.trainer_version, "step_groups": plan.step_groups,
                         "last_chunk": plan.last_chunk, "buffer_fill": b.num_buffered, "inflight": b.num_inflight,
-                        "generation_s": self.core.metrics.get("generation_s", 0.0)}
+                        "generation_s": self.core.metrics.get("generation_s", 0.0),
+                        "filtered": self.core.metrics["filtered"], "replaced": self.core.metrics["replaced"]}
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(

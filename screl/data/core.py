@@ -23,11 +23,10 @@ the same seed after a restore (under a new attempt key, the orphan is cleared on
 from __future__ import annotations
 
 import collections
-import math
 import random
 from typing import Any
 
-from screl.data import core_state
+from screl.data import core_drops, core_state
 from screl.data.buffer import ReplayBuffer
 from screl.data.core_types import (
     ChunkPlan,
@@ -36,7 +35,6 @@ from screl.data.core_types import (
     Dispatch,
     Effects,
     GroupRun,
-    RolloutFailure,
     SiblingReport,
     seed_for,
 )
@@ -54,6 +52,7 @@ from screl.data.events import (
     WindowEvent,
 )
 from screl.data.ledger import RecoveryPolicy, RolloutLedger, SiblingState
+from screl.data.reserve import ReplacementReserve
 from screl.data.samplers import PromptGroupSampler, call_admit
 
 
@@ -76,7 +75,9 @@ class RolloutCore:
         self.max_steps = min(limit, s.max_num_steps) if s.max_num_steps else limit
         self.trainer_version = self.gen_version = self.train_steps = 0
         self.epoch = self.batch_index = 0
-        self.admitted: collections.deque[tuple[int, int | None, int]] = collections.deque()
+        # admitted, not yet reserved: (prompt, target step, epoch, replacements its slot has had)
+        self.admitted: collections.deque[tuple[int, int | None, int, int]] = collections.deque()
+        self.reserve = ReplacementReserve(s.reserve)
         self.skipped_prompts = self.consecutive_drops = self.mutation_version = 0
         self.shortfall: dict[int, int] = {}
         self.step_claims: list[str] = []
@@ -89,7 +90,8 @@ class RolloutCore:
         self.window: int | None = None  # the sampler's gate window, when it retunes (PPO critic warmup)
         self.admission_closed = False
         self.last_aborted = 0
-        self.metrics: dict[str, float] = {"evicted": 0, "aborted": 0, "dropped": 0, "retried": 0}
+        self.metrics: dict[str, float] = {"evicted": 0, "aborted": 0, "dropped": 0, "retried": 0, "filtered": 0,
+                                          "replaced": 0}
         self._cursor = 0
         self._restored: list[GroupRun] = []
 
@@ -136,31 +138,47 @@ class RolloutCore:
         random.Random(seed_for(self.settings.seed, "epoch", epoch)).shuffle(order)
         return order
 
-    def _admit(self, eff: Effects) -> bool:
+    def _loader_open(self) -> bool:
+        """Whether the dataloader has a batch left (moving on to the next epoch when this one is done)."""
         if self.batch_index >= self.batches_per_epoch:
             self.epoch, self.batch_index = self.epoch + 1, 0
-        if self.epoch >= self.settings.max_num_epochs:
+        return self.epoch < self.settings.max_num_epochs
+
+    def _loader_batch(self) -> list[int]:
+        batch = self.epoch_order(self.epoch)[self.batch_index * self.P:(self.batch_index + 1) * self.P]
+        self.batch_index += 1
+        return batch
+
+    def _admit(self, eff: Effects) -> bool:
+        """Admit the next batch: the dataloader's (after holding back batches while the replacement reserve is
+        short), or once it is exhausted a step's worth of spares."""
+        while self._loader_open() and self.reserve.wants_batch():
+            eff.events.append(self.reserve.hold(self._loader_batch(), self.epoch, self.trainer_version))
+        from_loader = self._loader_open()
+        if not from_loader and len(self.reserve) < self.P:
             self.admission_closed = True
             return False
         adm = call_admit(self.sampler, self.trainer_version, outstanding_groups=self.outstanding)
         if not adm.allowed:
             return False
-        batch = self.epoch_order(self.epoch)[self.batch_index * self.P:(self.batch_index + 1) * self.P]
-        self.batch_index += 1
-        self.admitted.extend((pid, adm.target_step, self.epoch) for pid in batch)
+        spares = None if from_loader else self.reserve.take_batch(self.P)
+        batch = [(pid, self.epoch) for pid in self._loader_batch()] if spares is None else spares
+        self.reserve.started = True
+        self.admitted.extend((pid, adm.target_step, epoch, 0) for pid, epoch in batch)
         eff.events.append(AdmitEvent(
             trainer_version=self.trainer_version, step=self.sampler.dispatch_index, target_step=adm.target_step,
-            extra={"epoch": self.epoch, "prompt_ids": list(batch)},
+            prompt_ids=tuple(pid for pid, _ in batch),
+            extra={"epoch": self.epoch} if spares is None else {"from_reserve": True},
         ))
         return True
 
     def _reserve_next(self, now: float) -> Effects:
-        prompt_id, stamp, epoch = self.admitted.popleft()
+        prompt_id, stamp, epoch, replacements = self.admitted.popleft()
         prompt, sw = self.prompts[prompt_id], self.gen_version
         gid = self.buffer.reserve(prompt_id, sw, stamp)
         self.ledger.reserve(gid, prompt_id, self.G, start_weight=sw, target_step=stamp,
                             task_source=prompt.task_source, agent=prompt.agent)
-        run = self.runs[gid] = GroupRun(gid, prompt_id, sw, stamp, epoch, started=now)
+        run = self.runs[gid] = GroupRun(gid, prompt_id, sw, stamp, epoch, started=now, replacements=replacements)
         eff = Effects(events=[ReserveEvent(group_id=gid, prompt_id=prompt_id, start_weight=sw, target_step=stamp,
                                            trainer_version=self.trainer_version)])
         return eff.extend(self._dispatch(run))
@@ -262,6 +280,9 @@ class RolloutCore:
         return eff
 
     def _commit(self, run: GroupRun, now: float) -> Effects:
+        rewards = [run.rewards[s] for s in range(self.G)]
+        if self.settings.dynamic_sampling and max(rewards) == min(rewards):
+            return core_drops.filter_group(self, run, rewards[0])
         end = max(run.end_weight, run.start_weight)
         self.buffer.commit(run.group_id, end)
         self.ledger.finalize(run.group_id)
@@ -270,7 +291,6 @@ class RolloutCore:
         self.consecutive_drops = 0
         gen_s = max(0.0, now - run.started)
         self.metrics["generation_s"] = gen_s
-        rewards = [run.rewards[s] for s in range(self.G)]
         return Effects(events=[CommitEvent(
             group_id=run.group_id, end_weight=end, start_weight=run.start_weight, prompt_id=run.prompt_id,
             target_step=run.target_step,
@@ -291,28 +311,7 @@ class RolloutCore:
         return eff
 
     def _drop(self, run: GroupRun, reason: str, detail: str) -> Effects:
-        f = self.settings.failure
-        self.consecutive_drops += 1
-        budget_ok = ((reason.startswith("data") and self.skipped_prompts < f.max_skipped_prompts)
-                     or (reason.startswith("infra") and self.consecutive_drops <= f.max_consecutive_dropped_prompts))
-        eff = self._end_run(run, reason)
-        eff.events.append(DropEvent(reason=reason, group_id=run.group_id, prompt_id=run.prompt_id))
-        self.metrics["dropped"] += 1
-        if run.target_step is not None:
-            self.shortfall[run.target_step] = self.shortfall.get(run.target_step, 0) + 1
-        if not budget_ok:
-            eff.error = RolloutFailure(
-                f"prompt {run.prompt_id} (group {run.group_id}) failed: {reason} ({detail}); the drop budget "
-                "async_rl.rollout_failure.max_skipped_prompts / max_consecutive_dropped_prompts is spent")
-            return eff
-        if reason.startswith("data"):
-            self.skipped_prompts += 1
-        floor = math.ceil(self.P * f.min_step_batch_fraction)
-        if run.target_step is not None and self.P - self.shortfall[run.target_step] < floor:
-            eff.error = RolloutFailure(
-                f"step {run.target_step} lost {self.shortfall[run.target_step]} of {self.P} groups to drops, below "
-                f"async_rl.rollout_failure.min_step_batch_fraction={f.min_step_batch_fraction}")
-        return eff
+        return core_drops.drop(self, run, reason, detail)
 
     def _abort_run(self, run: GroupRun, reason: str) -> Effects:
         eff = self._end_run(run, "aborted_stale" if reason == "stale" else reason)
@@ -333,7 +332,8 @@ class RolloutCore:
         target = self.step_target()
         remaining = target - self.step_dispatched
         if remaining <= 0 and not self.step_claims:
-            raise RuntimeError(f"step {T} lost all {self.P} of its prompt groups to drops: nothing to train")
+            raise RuntimeError(f"step {T} lost all {self.P} of its prompt groups to drops: nothing to train"
+                               + core_drops.filter_hint(self))
         if remaining <= 0:  # drops shrank the step below what is already claimed: close it empty
             return eff, self._plan([], [], target)
         ids = self.sampler.select(self.buffer.live_slots(), T, min(self.settings.min_groups, remaining), remaining)
@@ -349,7 +349,8 @@ class RolloutCore:
                 return eff, ChunkPlan("done")
             raise RuntimeError(
                 f"rollout exhausted before a complete training step was assembled: step {T} has "
-                f"{self.step_dispatched} of {target} groups and nothing more can be generated")
+                f"{self.step_dispatched} of {target} groups and nothing more can be generated"
+                + core_drops.filter_hint(self))
         return eff, ChunkPlan("wait")
 
     def _plan(self, ids: list[str], slots: list[Any], target: int) -> ChunkPlan:
@@ -414,6 +415,8 @@ class RolloutCore:
         ready = [s.group_id for s in self.buffer.live_slots() if s.ready]
         if ready:
             eff.extend(self._evict(ready, "shutdown"))
+        eff.events += [DropEvent(reason="shutdown", prompt_id=pid) for pid, *_ in self.admitted]
+        eff.events += self.reserve.release()
         self.admitted.clear()
         self.admission_closed = True
         return eff

@@ -47,7 +47,7 @@ def capture(core: RolloutCore, open_step: str) -> tuple[ControllerState, Effects
         ledger=core.ledger.to_dict(open_step="rollback" if rollback else "reject"),
         rolled_back_groups=len(core.step_claims), in_flight={g: r.info() for g, r in core.runs.items()},
         shortfall={str(k): v for k, v in core.shortfall.items()}, skipped_prompts=core.skipped_prompts,
-        mutation_version=core.mutation_version,
+        mutation_version=core.mutation_version, replacement_reserve=core.reserve.state_dict(),
         mode="authoritative" if getattr(core.sampler, "supports_buffer_checkpoint", False) is True else "shadow",
     )
     kind = SnapshotEvent if rollback else CheckpointEvent
@@ -101,7 +101,8 @@ def restore(core: RolloutCore, state: ControllerState, present_keys: set[str] | 
         core.sampler.set_dispatch_index(state.train_steps)
     core.train_steps = core.trainer_version = core.gen_version = int(state.train_steps)
     core.epoch, core.batch_index = int(state.epoch), int(state.batch_index)
-    core.admitted.extend((int(p), s, int(e)) for p, s, e in state.admitted)
+    core.admitted.extend((int(a[0]), a[1], int(a[2]), int(a[3]) if len(a) > 3 else 0) for a in state.admitted)
+    core.reserve.load_state_dict(state.replacement_reserve)
     core.shortfall = {int(k): int(v) for k, v in state.shortfall.items()}
     core.skipped_prompts, core.mutation_version = int(state.skipped_prompts), int(state.mutation_version)
     core.group_keys = {g["group_id"]: list(g["keys"]) for g in state.replay_index["groups"]}
@@ -124,7 +125,8 @@ def _reopen(core: RolloutCore, gid: str, info: dict[str, Any] | None, redo: list
     run = GroupRun(gid, rec.prompt_id, rec.start_weight, rec.target_step, int(info["epoch"]),
                    end_weight=int(info["end_weight"]), keys={s: k for s, k in keys.items() if s not in redo},
                    resamples={int(k): int(v) for k, v in info["resamples"].items()},
-                   rewards={int(s): float(r) for s, r in info["rewards"].items() if int(s) not in redo})
+                   rewards={int(s): float(r) for s, r in info["rewards"].items() if int(s) not in redo},
+                   replacements=int(info.get("replacements", 0)))
     core.buffer.reserve(rec.prompt_id, rec.start_weight, rec.target_step, group_id=gid)
     core.runs[gid] = run
     core._restored.append(run)

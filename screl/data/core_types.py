@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from screl.data.events import Event
+from screl.data.reserve import ReservePolicy
 
 STATE_SCHEMA = 2
 """Version of :class:`ControllerState`'s dict form (2: row keys carry the attempt, ``<group>_g<i>_a<n>``)."""
@@ -79,6 +80,12 @@ class CoreSettings:
     id_prefix: str = ""
     policy_training_start_step: int | None = None
     """(PPO) Critic warmup: the sampler may retune its window until the policy trains (``StalenessSampler.retune``)."""
+    dynamic_sampling: bool = False
+    """Drop a group whose rewards all agree (reason ``filtered``) instead of committing it."""
+    reserve: ReservePolicy = field(default_factory=ReservePolicy)
+    """The replacement reserve that refills a dropped group's slot (``on_dropped_prompt: replace``)."""
+    step_may_shrink: bool = True
+    """Whether a step may train fewer groups than ``groups_per_step`` after drops (PPO: no)."""
 
 
 @dataclass(frozen=True)
@@ -157,12 +164,14 @@ class GroupRun:
     infra_failures: int = 0
     data_failures: int = 0
     started: float = 0.0
+    replacements: int = 0
+    """How many dropped groups this group's slot has replaced (0: an original prompt of its batch)."""
 
     def info(self) -> dict[str, Any]:
         """What a checkpoint keeps of a group in flight (the ledger keeps the rest)."""
         return {"epoch": self.epoch, "end_weight": self.end_weight, "resamples": dict(self.resamples),
                 "sealed": sorted(self.keys), "keys": {str(s): k for s, k in sorted(self.keys.items())},
-                "rewards": {str(s): r for s, r in sorted(self.rewards.items())}}
+                "rewards": {str(s): r for s, r in sorted(self.rewards.items())}, "replacements": self.replacements}
 
 
 @dataclass(frozen=True)
@@ -207,7 +216,8 @@ class ControllerState:
     skipped_prompts: int
     mutation_version: int
     mode: Literal["authoritative", "shadow"]
-    replacement_reserve: list[Any] = field(default_factory=list)
+    replacement_reserve: dict[str, Any] | list[Any] = field(default_factory=list)
+    """``ReplacementReserve.state_dict()`` (``[]``: written before the reserve existed, or no reserve)."""
     schema_version: int = STATE_SCHEMA
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,7 +19,11 @@ and the logging contract) and reports each violation with its rule and line:
 * ``restore-anchor``: a restore names a ``mutation_version`` that no anchor of its step logged.
 * ``capacity``: more buffered groups than ``max_buffered_rollouts`` (when given).
 * ``unfinished`` (only with ``final=True``): a run that ended with rollouts in flight, failed attempts
-  neither retried nor dropped, or a selected step never trained.
+  neither retried nor dropped, a selected step never trained, or prompts unaccounted for.
+* ``prompt-accounting``: every prompt an ``admit`` names is reserved once or dropped unreserved (``drop`` with
+  its prompt id, at shutdown); a ``spare`` batch is held in the replacement reserve until a ``replace`` hands a
+  spare to a dropped group's slot, an ``admit`` (``from_reserve``) takes a step's worth, or it is dropped with
+  reason ``reserve_unused``. Checked when the admits name their ``prompt_ids``.
 
 A ``restore`` at step R supersedes what the log said before it about steps >= R: those train steps
 no longer count, and groups open at the crash are superseded unless restored.
@@ -29,10 +33,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from screl.data.buffer import GroupSlot
+from screl.data.event_prompts import EventCheckReport, PromptLedger, PromptState, Violation
 from screl.data.events import (
     AbortEvent,
     AdmitEvent,
@@ -44,10 +49,12 @@ from screl.data.events import (
     FailEvent,
     PromoteEvent,
     RefitEvent,
+    ReplaceEvent,
     ReserveEvent,
     RestoreEvent,
     SelectEvent,
     SnapshotEvent,
+    SpareEvent,
     TrainStepEvent,
     WindowEvent,
     parse_event,
@@ -60,48 +67,9 @@ from screl.data.sampler_factory import sampler_rules
 _LIVE = ("inflight", "ready")
 _OPEN = ("inflight", "ready", "selected", "failed")
 _MAX_ANCHORS = 8  # steps whose checkpoints/snapshots are remembered as restore points (the newest ones)
+__all__ = ["EventCheckReport", "Violation", "check_events"]
+
 _AnchorState = tuple[str, int | None, int | None, int | None]  # status, trained step, target step, end weight
-
-
-@dataclass(frozen=True)
-class Violation:
-    rule: str
-    line: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: [{self.rule}] {self.message}"
-
-
-@dataclass
-class EventCheckReport:
-    """Outcome of ``check_events``: violations plus where every reserved group ended up."""
-
-    events: int = 0
-    violations: list[Violation] = field(default_factory=list)
-    outcomes: dict[str, int] = field(default_factory=dict)
-    """Groups per final state: trained, evicted, dropped, aborted, retried, inflight, ready (buffered),
-    selected (open step), failed (awaiting retry), superseded (by a restore)."""
-    sampler: str | None = None
-    restores: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-    def format(self, max_violations: int = 50) -> str:
-        head = f"{self.events} events, sampler {self.sampler or 'unknown (sampler rules not checked)'}"
-        if self.restores:
-            head += f", {self.restores} restore(s)"
-        lines = [head, "groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items()) if v)]
-        if self.ok:
-            lines.append("OK: no violations")
-        else:
-            lines.append(f"{len(self.violations)} violation(s):")
-            lines += [f"  {v}" for v in self.violations[:max_violations]]
-            if len(self.violations) > max_violations:
-                lines.append(f"  ... and {len(self.violations) - max_violations} more")
-        return "\n".join(lines)
 
 
 @dataclass
@@ -130,8 +98,9 @@ class _Checker:
         self.order = 0
         self.open_steps: dict[int, list[str]] = {}
         self.pending_retry: dict[int, list[str]] = {}
-        # step -> its captures in log order: (mutation version, group states)
-        self.anchors: dict[int, list[tuple[int | None, dict[str, _AnchorState]]]] = {}
+        # step -> its captures in log order: (mutation version, group states, (pending prompts, spares))
+        self.anchors: dict[int, list[tuple[int | None, dict[str, _AnchorState], PromptState]]] = {}
+        self.prompts = PromptLedger(self.flag)
         self.line = 0
 
     # ------------------------------------------------------------------ helpers
@@ -162,6 +131,8 @@ class _Checker:
     # ------------------------------------------------------------------ events
 
     def on_admit(self, e: AdmitEvent) -> None:
+        if e.prompt_ids is not None:
+            self.prompts.admit(e.prompt_ids, bool((e.extra or {}).get("from_reserve")))
         if e.trainer_version > self.version:
             self.flag(
                 "admit-version",
@@ -185,6 +156,18 @@ class _Checker:
                 f"{self.rules.name}-stamp", f"batch {e.step} stamped target_step={e.target_step}, expected {stamp}"
             )
 
+    def on_spare(self, e: SpareEvent) -> None:
+        self.prompts.hold(e.prompt_ids)
+
+    def on_replace(self, e: ReplaceEvent) -> None:
+        g = self.group(e.group_id, "replace", ("dropped", "filtered"))
+        if g is not None:
+            if g.target_step != e.target_step:
+                self.flag("replace-state", f"group {e.group_id!r} stamped {g.target_step} replaced for step "
+                          f"{e.target_step}")
+            g.status = "replaced"
+        self.prompts.replace(e.replacement)
+
     def on_reserve(self, e: ReserveEvent) -> None:
         old = self.groups.get(e.group_id)
         if old is not None and old.status != "superseded":
@@ -192,6 +175,8 @@ class _Checker:
         retry = self.pending_retry.get(e.prompt_id)
         if retry:
             self.groups[retry.pop(0)].status = "retried"
+        elif old is None:  # not a redispatch after a restore: it takes an admitted prompt
+            self.prompts.reserve(e.prompt_id)
         self.groups[e.group_id] = _Group(e.prompt_id, e.start_weight, e.target_step, self.order)
         self.order += 1
         held = sum(1 for g in self.groups.values() if g.status in ("inflight", "ready", "selected"))
@@ -313,9 +298,11 @@ class _Checker:
             if g is not None:
                 if g.status == "failed":
                     self.pending_retry[g.prompt_id].remove(e.group_id)
-                g.status = "dropped"
+                g.status = "filtered" if e.reason == "filtered" else "dropped"
         elif e.prompt_id is not None and self.pending_retry.get(e.prompt_id):
             self.groups[self.pending_retry[e.prompt_id].pop(0)].status = "dropped"
+        elif e.prompt_id is not None:
+            self.prompts.drop(e.prompt_id, e.reason)
 
     def on_train_step(self, e: TrainStepEvent) -> None:
         if e.step != self.version:
@@ -353,18 +340,18 @@ class _Checker:
         if e.step != self.version:
             self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
         state = {k: (g.status, g.trained_step, g.target_step, g.end_weight) for k, g in self.groups.items()}
-        self.anchors.setdefault(e.step, []).append((e.mutation_version, state))
+        self.anchors.setdefault(e.step, []).append((e.mutation_version, state, self.prompts.anchor()))
         while len(self.anchors) > _MAX_ANCHORS:
             del self.anchors[min(self.anchors)]
 
-    def _restored_anchor(self, e: RestoreEvent) -> dict[str, _AnchorState] | None:
+    def _restored_anchor(self, e: RestoreEvent) -> tuple[dict[str, _AnchorState], PromptState] | None:
         """The anchor a restore resumed from: the step's capture with the restore's mutation version (a
         checkpoint, or a snapshot that was published), else the step's latest. Later anchors of that step are
         void (e.g. a snapshot captured, then killed before it was published)."""
         candidates = self.anchors.get(e.step, [])
         index = len(candidates) - 1
         if e.mutation_version is not None:
-            matching = [i for i, (mv, _) in enumerate(candidates) if mv == e.mutation_version]
+            matching = [i for i, (mv, *_) in enumerate(candidates) if mv == e.mutation_version]
             if matching:
                 index = matching[-1]
             elif candidates:
@@ -373,13 +360,15 @@ class _Checker:
         if index < 0:
             return None
         self.anchors[e.step] = candidates[: index + 1]
-        return candidates[index][1]
+        return candidates[index][1], candidates[index][2]
 
     def on_restore(self, e: RestoreEvent) -> None:
         """Rewind to the anchor at step R: later history is void, open groups superseded unless restored."""
         self.report.restores += 1
         r = e.step
-        anchor = self._restored_anchor(e)
+        restored = self._restored_anchor(e)
+        anchor = restored[0] if restored is not None else None
+        self.prompts.rewind(restored[1] if restored is not None else None)
         buffered = [k for k, st in (anchor or {}).items() if st[0] in ("ready", "selected")]
         if anchor is not None and e.group_ids is not None:
             lost = sorted(set(buffered) - set(e.group_ids))
@@ -424,14 +413,19 @@ class _Checker:
         for g in self.groups.values():
             counts[g.status] = counts.get(g.status, 0) + 1
         self.report.outcomes = counts
+        self.report.prompts = dict(self.prompts.counts)
+        self.prompts.finish(final)
         if final:
             unfinished = {s: counts.get(s, 0) for s in ("inflight", "failed", "selected") if counts.get(s)}
             if unfinished:
                 self.flag("unfinished", f"the run ended with groups {unfinished} unaccounted for")
 
 
+
 _HANDLERS: dict[type[Event], str] = {
     AdmitEvent: "on_admit",
+    SpareEvent: "on_spare",
+    ReplaceEvent: "on_replace",
     ReserveEvent: "on_reserve",
     CommitEvent: "on_commit",
     FailEvent: "on_fail",

@@ -6,7 +6,9 @@ clock: this module reads none). Other fields, where they apply:
 ===========  =====================================================================================
 event        fields (required first)
 ===========  =====================================================================================
-admit        trainer_version, step (dispatch index of the admitted batch); target_step (stamp)
+admit        trainer_version, step (dispatch index of the admitted batch); target_step (stamp), prompt_ids
+spare        trainer_version, prompt_ids (a dataloader batch held back as replacement reserve)   [screl]
+replace      group_id, prompt_id (the dropped group), replacement (the spare's prompt id); target_step  [screl]
 reserve      group_id, prompt_id, start_weight; target_step, trainer_version
 commit       group_id, end_weight; start_weight, prompt_id, target_step
 fail         group_id; prompt_id, sibling (a sibling attempt: the group lives on), reason
@@ -14,7 +16,8 @@ promote      group_id, target_step (new stamp), step (the lender's old stamp)   
 select       trainer_version, group_ids (training order); step
 evict        group_id, trainer_version; start_weight, target_step, reason
 abort        group_id, trainer_version; start_weight, reason (default: stale in-flight at refit)
-drop         reason, and group_id or prompt_id (a prompt dropped before it was reserved)
+drop         reason, and group_id or prompt_id (a prompt dropped before it was reserved: an admitted one at
+             shutdown, or a spare with reason ``reserve_unused``); reason ``filtered``: dynamic sampling
 train_step   step, group_ids (every group trained in the step); trainer_version
 refit        trainer_version (the version the rollout engines now serve)
 checkpoint   step (trainer steps done when the state was captured)
@@ -44,7 +47,7 @@ from typing import IO, Any, ClassVar
 EVENTS_FILENAME = "events.jsonl"
 
 _INT_FIELDS = frozenset(
-    {"prompt_id", "sibling", "start_weight", "end_weight", "target_step", "trainer_version", "step"}
+    {"prompt_id", "sibling", "start_weight", "end_weight", "target_step", "trainer_version", "step", "replacement"}
 )
 _STR_FIELDS = frozenset({"group_id", "reason"})
 
@@ -92,6 +95,8 @@ def _check_field(event: str, key: str, value: object) -> None:
         ok = isinstance(value, str) and bool(value)
     elif key == "group_ids":
         ok = isinstance(value, tuple) and all(isinstance(g, str) for g in value)
+    elif key == "prompt_ids":
+        ok = isinstance(value, tuple) and all(isinstance(p, int) and not isinstance(p, bool) for p in value)
     elif key == "time":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
@@ -105,6 +110,27 @@ class AdmitEvent(Event):
     name: ClassVar[str] = "admit"
     trainer_version: int
     step: int
+    target_step: int | None = None
+    prompt_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareEvent(Event):
+    """A dataloader batch held back as replacement reserve (``on_dropped_prompt: replace``)."""
+
+    name: ClassVar[str] = "spare"
+    trainer_version: int
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaceEvent(Event):
+    """A dropped group's slot handed to a spare prompt, stamped for the same step."""
+
+    name: ClassVar[str] = "replace"
+    group_id: str
+    prompt_id: int
+    replacement: int
     target_step: int | None = None
 
 
@@ -238,6 +264,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.name: cls
     for cls in (
         AdmitEvent,
+        SpareEvent,
+        ReplaceEvent,
         ReserveEvent,
         CommitEvent,
         FailEvent,
@@ -278,8 +306,9 @@ def parse_event(line: str | Mapping[str, Any]) -> Event:
     missing = sorted(required - set(fields))
     if missing:
         raise ValueError(f"{name} event: missing fields {missing}")
-    if isinstance(fields.get("group_ids"), list):
-        fields["group_ids"] = tuple(fields["group_ids"])
+    for key in ("group_ids", "prompt_ids"):
+        if isinstance(fields.get(key), list):
+            fields[key] = tuple(fields[key])
     return cls(**fields, extra=extra or None)
 
 

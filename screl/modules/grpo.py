@@ -403,7 +403,7 @@ class GRPO(LightningModule):
         }
         if grad_norm is not None:
             logs["train/grad_norm"] = grad_norm
-        for key in ("buffer_fill", "inflight", "wait_s", "generation_s"):
+        for key in ("buffer_fill", "inflight", "wait_s", "generation_s", "filtered", "replaced"):
             if key in batch:
                 (bar if key == "buffer_fill" else logs)[f"rollout/{key}"] = float(batch[key])
         for k, vs in metrics.items():

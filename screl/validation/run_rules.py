@@ -58,12 +58,31 @@ def _unsupported_algorithm_knobs(c: RuleContext) -> None:
     if algo.get("val_period", 0):
         c.bad(f"{key}.val_period", algo.get("val_period"), "validation is not supported on the single controller",
               f"set {key}.val_period: 0")
-    for knob in ("val_at_start", "val_at_end", "use_dynamic_sampling"):
+    for knob in ("val_at_start", "val_at_end"):
         if algo.get(knob):
-            what = "dynamic sampling is not implemented" if knob == "use_dynamic_sampling" else (
-                "validation is not supported on the single controller")
-            c.bad(f"{key}.{knob}", True, what, f"set {key}.{knob}: false")
+            c.bad(f"{key}.{knob}", True, "validation is not supported on the single controller",
+                  f"set {key}.{knob}: false")
+    _dynamic_sampling_rules(c)
     _reward_transform_rules(c)
+
+
+def _dynamic_sampling_rules(c: RuleContext) -> None:
+    key = c.algo_key
+    if not c.algo.get("use_dynamic_sampling"):
+        return
+    if c.G < 2:
+        c.bad(f"{key}.num_generations_per_prompt", c.G, "dynamic sampling drops groups whose rewards all agree, "
+              "and a group of one always agrees", f"set {key}.num_generations_per_prompt >= 2")
+    replace = c.rf.get("on_dropped_prompt", "shrink") == "replace"
+    if key == "ppo" and not replace:
+        c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
+              "PPO trains full steps only, so a filtered group's slot must be refilled",
+              "set async_rl.rollout_failure.on_dropped_prompt: replace")
+    if c.rules is not None and not c.rules.supports_drop_budgets and not replace:
+        c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
+              f"the {c.rules.name} sampler does not stamp target steps: a filtered group would leave its gate "
+              "waiting forever for a group that never comes", "set async_rl.rollout_failure.on_dropped_prompt: "
+              "replace (filtered slots are refilled from the reserve), or use sampler in_order")
 
 
 def _reward_transform_rules(c: RuleContext) -> None:
@@ -125,10 +144,10 @@ def _sampler_needs_rules(c: RuleContext) -> None:
     if needed is not None and not loss_is:
         c.bad("model.init_args.loss_fn.init_args.use_importance_sampling_correction", loss_is, *needed)
     budget = c.rf.get("max_skipped_prompts", 0) + c.rf.get("max_consecutive_dropped_prompts", 0)
-    if budget > 0 and not c.rules.supports_drop_budgets:
+    if budget > 0 and not c.rules.supports_drop_budgets and c.rf.get("on_dropped_prompt") != "replace":
         c.bad("async_rl.rollout_failure.max_skipped_prompts", budget,
               f"drop budgets need a sampler that stamps target steps; {c.rules.name} would wait forever for a "
-              "dropped group", "use sampler in_order, or set both drop budgets to 0")
+              "dropped group", "use sampler in_order, set on_dropped_prompt: replace, or set both drop budgets to 0")
     warm = c.sampler.warmup_lookahead_versions if isinstance(c.sampler, InOrderSamplerConfig) else None
     if warm is not None and not (c.algo.get("policy_training_start_step", 0) or 0):
         if c.algo_key == "ppo":
@@ -165,8 +184,11 @@ def failure_rules(c: RuleContext) -> None:
         if rf.get(knob, 0) < 0:
             c.bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 0", f"set {knob} >= 0")
     if rf.get("on_dropped_prompt") == "replace":
-        c.bad("async_rl.rollout_failure.on_dropped_prompt", "replace", "replacing dropped prompts from a reserve "
-              "is not implemented yet (it would silently shrink the step instead)", "set on_dropped_prompt: shrink")
+        for knob in ("max_replacement_attempts", "replacement_reserve_prompts"):
+            v = rf.get(knob, 1)
+            if not isinstance(v, int) or v < 1:
+                c.bad(f"async_rl.rollout_failure.{knob}", v, "on_dropped_prompt: replace needs an integer >= 1",
+                      f"set {knob} >= 1, or on_dropped_prompt: shrink")
 
 
 def batch_rules(c: RuleContext) -> None:

@@ -4,6 +4,7 @@ outstanding until a test reports on it) and the data plane (a set of row keys), 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from screl.data.core_types import (
     SiblingReport,
 )
 from screl.data.events import Event
+from screl.data.reserve import ReservePolicy
 
 P, G = 3, 2
 
@@ -28,13 +30,15 @@ def make_core(block: dict[str, Any] | None = None, *, granularity: str = "siblin
               prompts: int = 12, epochs: int = 4, failure: FailureBudget | None = None,
               cap: int | None = 2 * P + 2, inflight: int | None = P + 1, min_groups: int = 1,
               overrides: dict[str, dict[str, str]] | None = None,
-              routing: dict[int, tuple[str | None, str | None]] | None = None) -> RolloutCore:
+              routing: dict[int, tuple[str | None, str | None]] | None = None, dynamic: bool = False,
+              reserve: ReservePolicy | None = None, step_may_shrink: bool = True) -> RolloutCore:
     block = block or {"name": "in_order", "max_lookahead_versions": 1}
     routing = routing or {}
     settings = CoreSettings(
         prompts=tuple(CorePrompt(i, *routing.get(i, (None, None))) for i in range(prompts)), groups_per_step=P,
         generations_per_prompt=G, max_num_epochs=epochs, min_groups=min_groups, max_buffered_rollouts=cap,
         max_inflight_prompts=inflight, num_workers=workers, seed=7, failure=failure or FailureBudget(),
+        dynamic_sampling=dynamic, reserve=reserve or ReservePolicy(), step_may_shrink=step_may_shrink,
     )
     policy = RecoveryPolicy(default_granularity=granularity, **(overrides or {}))  # type: ignore[arg-type]
     return RolloutCore(settings, create_sampler(block, groups_per_step=P), policy)
@@ -50,6 +54,8 @@ class Driver:
     aborted: list[tuple[int, str]] = field(default_factory=list)
     error: BaseException | None = None
     checkpoint: tuple[ControllerState, set[str]] | None = None
+    reward_of: Callable[[Dispatch, int], float] | None = None
+    """The reward a seal reports, from the attempt and the op's argument (None: always 1.0)."""
 
     def apply(self, eff: Effects) -> Effects:
         self.events += eff.events
@@ -68,10 +74,12 @@ class Driver:
     def take(self, k: int) -> Dispatch | None:
         return self.outstanding.pop(k % len(self.outstanding)) if self.outstanding else None
 
-    def seal(self, k: int = 0, reward: float = 1.0) -> Effects | None:
+    def seal(self, k: int = 0, reward: float | None = None) -> Effects | None:
         d = self.take(k)
         if d is None:
             return None
+        if reward is None:
+            reward = self.reward_of(d, k) if self.reward_of is not None else 1.0
         self.rows.add(d.attempt)  # the worker writes the row before it reports
         return self.apply(self.core.report(SiblingReport(d.attempt, "sealed", reward=reward,
                                                          end_version=self.core.gen_version)))

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from screl.data import GatedSampler, GroupState, SelectEvent, TrainStepEvent, check_events
-from screl.data.core_types import FailureBudget, RolloutFailure
+from screl.data.core_types import Dispatch, FailureBudget, RolloutFailure
+from screl.data.reserve import ReservePolicy
 
 SAMPLERS: list[dict[str, Any]] = [
     {"name": "in_order", "max_lookahead_versions": 0},
@@ -35,8 +36,15 @@ ops_strategy = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 40)), max
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _driver(block: dict[str, Any], granularity: str) -> Driver:
-    return Driver(make_core(block, granularity=granularity, failure=LENIENT, cap=CAP), block=block)
+def _driver(block: dict[str, Any], granularity: str, dynamic: bool = False) -> Driver:
+    reserve = ReservePolicy(enabled=True, size=2, max_per_slot=2) if dynamic else None
+    core = make_core(block, granularity=granularity, failure=LENIENT, cap=CAP, dynamic=dynamic, reserve=reserve)
+    return Driver(core, block=block, reward_of=_sometimes_agreeing if dynamic else None)
+
+
+def _sometimes_agreeing(d: Dispatch, k: int) -> float:
+    """Every fourth prompt's siblings always agree (filtered); the others agree when the ops say so."""
+    return 1.0 if d.prompt_id % 4 == 0 else float((k + d.sibling) % 2)
 
 
 def check_invariants(d: Driver) -> None:
@@ -86,13 +94,31 @@ def test_random_interleavings_pass_the_final_check_and_leave_no_row(
     assert d.core.ledger.accounting().live == 0
 
 
-@pytest.mark.parametrize("block", SAMPLERS[1::2], ids=lambda b: b["name"])
+@pytest.mark.parametrize("block", [SAMPLERS[1], SAMPLERS[3], SAMPLERS[7]], ids=lambda b: b["name"])
+@PROPS
+@given(ops=ops_strategy)
+def test_dynamic_sampling_with_a_reserve_passes_the_final_check_and_leaves_no_row(
+    block: dict[str, Any], ops: list[tuple[str, int]]
+) -> None:
+    d = _driver(block, "sibling", dynamic=True)
+    run_ops(d, ops)
+    if d.error is not None and not isinstance(d.error, RolloutFailure):
+        return
+    d.finish()
+    report = check_events([e.to_json() for e in d.events], block, max_buffered_rollouts=CAP, final=True)
+    assert report.ok, report.format()
+    assert d.rows == set() and d.core.ledger.accounting().live == 0
+
+
+@pytest.mark.parametrize(("block", "dynamic"), [(SAMPLERS[1], False), (SAMPLERS[3], False), (SAMPLERS[5], False),
+                                                (SAMPLERS[7], False), (SAMPLERS[1], True)],
+                         ids=["in_order", "weight_fifo", "windowed", "windowed-cap", "in_order-dynamic"])
 @PROPS
 @given(prefix=ops_strategy, suffix=ops_strategy)
 def test_state_round_trip_reproduces_identical_future_decisions(
-    block: dict[str, Any], prefix: list[tuple[str, int]], suffix: list[tuple[str, int]]
+    block: dict[str, Any], dynamic: bool, prefix: list[tuple[str, int]], suffix: list[tuple[str, int]]
 ) -> None:
-    d = _driver(block, "sibling")
+    d = _driver(block, "sibling", dynamic)
     run_ops(d, prefix)
     if d.error is not None or d.core.step_claims:
         return

@@ -22,10 +22,12 @@ from screl.data import (
     FailEvent,
     PromoteEvent,
     RefitEvent,
+    ReplaceEvent,
     ReserveEvent,
     RestoreEvent,
     SelectEvent,
     SnapshotEvent,
+    SpareEvent,
     TrainStepEvent,
     WindowEvent,
     check_events,
@@ -33,7 +35,9 @@ from screl.data import (
 )
 
 SAMPLE_EVENTS: list[Event] = [
-    AdmitEvent(trainer_version=0, step=0, target_step=0, time=1.5),
+    AdmitEvent(trainer_version=0, step=0, target_step=0, prompt_ids=(3, 5), time=1.5),
+    SpareEvent(trainer_version=0, prompt_ids=(7, 8)),
+    ReplaceEvent(group_id="g5", prompt_id=5, replacement=7, target_step=0),
     ReserveEvent(group_id="g0", prompt_id=3, start_weight=0, target_step=0, trainer_version=0),
     CommitEvent(group_id="g0", end_weight=1, start_weight=0),
     FailEvent(group_id="g1", sibling=2, reason="infra"),

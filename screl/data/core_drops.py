@@ -1,0 +1,95 @@
+"""What happens to a prompt group dropped before it trains (kept apart so the core file stays about its main
+transitions): after its retries (``drop``), or by dynamic sampling (``filter_group``, reason ``filtered``).
+
+Its slot in the step is refilled from the replacement reserve (``on_dropped_prompt: replace``) or left empty: the
+step shrinks, down to ``min_step_batch_fraction`` (PPO: not at all), and below that the run stops with an error
+that names the knobs. Pure, like the core.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from screl.data.core_types import Effects, GroupRun, RolloutFailure
+from screl.data.events import DropEvent, ReplaceEvent
+
+if TYPE_CHECKING:
+    from screl.data.core import RolloutCore
+
+
+def drop(core: RolloutCore, run: GroupRun, reason: str, detail: str) -> Effects:
+    f = core.settings.failure
+    core.consecutive_drops += 1
+    budget_ok = ((reason.startswith("data") and core.skipped_prompts < f.max_skipped_prompts)
+                 or (reason.startswith("infra") and core.consecutive_drops <= f.max_consecutive_dropped_prompts))
+    eff = core._end_run(run, reason)
+    eff.events.append(DropEvent(reason=reason, group_id=run.group_id, prompt_id=run.prompt_id))
+    core.metrics["dropped"] += 1
+    if not budget_ok:
+        eff.error = RolloutFailure(
+            f"prompt {run.prompt_id} (group {run.group_id}) failed: {reason} ({detail}); the drop budget "
+            "async_rl.rollout_failure.max_skipped_prompts / max_consecutive_dropped_prompts is spent")
+        return eff
+    if reason.startswith("data"):
+        core.skipped_prompts += 1
+    if not _refill(core, run, eff):
+        _shrink(core, run, eff, "drops")
+    return eff
+
+
+def filter_group(core: RolloutCore, run: GroupRun, reward: float) -> Effects:
+    """Dynamic sampling: a group whose rewards all agree teaches nothing; drop it (reason ``filtered``) and
+    refill its slot. Not a failure: no drop budget is spent."""
+    eff = core._end_run(run, "filtered")
+    eff.events.append(DropEvent(reason="filtered", group_id=run.group_id, prompt_id=run.prompt_id,
+                                extra={"reward": reward}))
+    core.metrics["filtered"] += 1
+    if not _refill(core, run, eff):
+        _shrink(core, run, eff, "dynamic sampling (grpo.use_dynamic_sampling)")
+    return eff
+
+
+def _refill(core: RolloutCore, run: GroupRun, eff: Effects) -> bool:
+    """Hand a dropped group's slot to a spare from the replacement reserve, stamped for the same step; it is
+    reserved ahead of the queue. False: no spare, or the slot's ``max_replacement_attempts`` is spent."""
+    stamp = run.target_step
+    if (stamp is not None and stamp < core.trainer_version) or not core.reserve.can_replace(run.replacements):
+        return False
+    prompt_id, epoch = core.reserve.take()
+    core.admitted.appendleft((prompt_id, stamp, epoch, run.replacements + 1))
+    eff.events.append(ReplaceEvent(group_id=run.group_id, prompt_id=run.prompt_id, replacement=prompt_id,
+                                   target_step=stamp, extra={"attempt": run.replacements + 1,
+                                                             "reserve": len(core.reserve)}))
+    core.metrics["replaced"] += 1
+    return True
+
+
+def _shrink(core: RolloutCore, run: GroupRun, eff: Effects, cause: str) -> None:
+    """The slot stays empty: its step trains fewer groups, down to ``min_step_batch_fraction`` (PPO: none)."""
+    step, f = run.target_step, core.settings.failure
+    if step is None:  # no step to shrink (``screl check`` keeps drops away from samplers that cannot cope)
+        return
+    core.shortfall[step] = lost = core.shortfall.get(step, 0) + 1
+    floor = math.ceil(core.P * f.min_step_batch_fraction) if core.settings.step_may_shrink else core.P
+    if core.P - lost >= floor:
+        return
+    limit = (f"async_rl.rollout_failure.min_step_batch_fraction={f.min_step_batch_fraction}"
+             if core.settings.step_may_shrink else "a full step (PPO trains full steps only)")
+    if core.settings.reserve.enabled:
+        fix = (f"no spare was left for it (async_rl.rollout_failure.replacement_reserve_prompts="
+               f"{core.settings.reserve.size}, max_replacement_attempts={core.settings.reserve.max_per_slot} "
+               "per slot): raise them, or lower min_step_batch_fraction")
+    else:
+        fix = ("set async_rl.rollout_failure.on_dropped_prompt: replace to refill dropped slots from a reserve, "
+               "or lower min_step_batch_fraction")
+    eff.error = RolloutFailure(f"step {step} lost {lost} of {core.P} groups to {cause}, below {limit}; {fix}")
+
+
+def filter_hint(core: RolloutCore) -> str:
+    """What to add to a starvation error when dynamic sampling filtered groups."""
+    n = int(core.metrics["filtered"])
+    if not n:
+        return ""
+    return (f" ({n} group(s) were filtered by grpo.use_dynamic_sampling because their rewards all agreed: the task "
+            "is too easy or too hard for the policy; use a task with reward spread, or turn dynamic sampling off)")
