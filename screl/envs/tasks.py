@@ -21,20 +21,28 @@ class CountLetter(Task):
 
     Args:
         letter: The single character to count.
+        threshold: If set, the reward is pass/fail instead: 1.0 when the fraction reaches ``threshold``, else 0.0
+            (a sparse reward whose groups often agree: what dynamic sampling filters).
     """
 
-    def __init__(self, letter: str = "a") -> None:
+    def __init__(self, letter: str = "a", threshold: float | None = None) -> None:
         if len(letter) != 1:
             raise ValueError(f"CountLetter(letter={letter!r}) must be a single character.")
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"CountLetter(threshold={threshold!r}) must be in (0, 1], or None for the dense reward.")
         self.letter = letter
+        self.threshold = threshold
 
     def prompts(self) -> list[PromptRecord]:
         """The 100 arithmetic prompts (the reward ignores them)."""
         return arithmetic_prompts()
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
-        """``completion.count(letter) / max(1, len(completion))``."""
-        return completion.count(self.letter) / max(1, len(completion))
+        """``completion.count(letter) / max(1, len(completion))`` (pass/fail against ``threshold`` if set)."""
+        fraction = completion.count(self.letter) / max(1, len(completion))
+        if self.threshold is None:
+            return fraction
+        return 1.0 if fraction >= self.threshold else 0.0
 
 
 class Addition(Task):

@@ -52,6 +52,13 @@ def test_count_letter_other_letter_and_validation() -> None:
         CountLetter("ab")
 
 
+@pytest.mark.parametrize(("completion", "expected"), [("abcd", 1.0), ("bcde", 0.0), ("abcde", 0.0), ("", 0.0)])
+def test_count_letter_threshold_is_pass_fail(completion: str, expected: float) -> None:
+    assert CountLetter("a", threshold=0.25).reward(arithmetic_prompts()[0], completion) == expected
+    with pytest.raises(ValueError, match=r"threshold=0\.0\) must be in \(0, 1\]"):
+        CountLetter("a", threshold=0.0)
+
+
 @pytest.mark.parametrize(
     ("prompt_id", "completion", "expected"),
     [
