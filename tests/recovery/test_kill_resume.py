@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import csv
+import io
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
 from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
@@ -117,15 +120,42 @@ def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path)
     assert all(e.trainer_version > start for e in events if e.name == "refit"), "a critic-warmup step was refit"
     latest = CheckpointStore(str(ck_root)).latest()
     assert latest is not None and latest.step == steps
-    import io
-
-    import torch
-
     ckpt = torch.load(io.BytesIO(CheckpointStore(str(ck_root)).read_bytes(latest, "lightning.ckpt")),
                       weights_only=False)
     assert len(ckpt["optimizer_states"]) == 2 and any(k.startswith("critic.") for k in ckpt["state_dict"])
     # every update of every incarnation up to the last bundle is counted once: none lost, none repeated
     assert ckpt["ppo_update_counts"] == {"policy": (steps - start) * 2, "critic": steps * 2}
+
+
+def test_kill9_a_dynamic_sampling_run_keeps_its_replacement_reserve(tmp_path: Path) -> None:
+    """The kill chain with dynamic sampling and a replacement reserve: every incarnation resumes the reserve the
+    bundle holds, so the checker's prompt accounting (spares held, handed out, released) balances across the
+    restores, and every step trains in full."""
+    rng = random.Random(2)
+    ck_root = tmp_path / "bundles"
+    steps = 12
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.CountLetter",
+                                        "init_args": {"letter": "a", "threshold": 0.125}}
+    cfg["grpo"].update(use_dynamic_sampling=True, num_generations_per_prompt=4)
+    cfg["async_rl"]["rollout_failure"] = {"on_dropped_prompt": "replace", "replacement_reserve_prompts": 4,
+                                          "max_replacement_attempts": 12, "min_step_batch_fraction": 0.5}
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    kills = _kill_chain(config, ["generation", "mid_step", "snapshot_write", "generation"], run_dir, ck_root, rng)
+    assert len(kills) >= 2, f"only {len(kills)} kills landed before the run finished: {kills}"
+    _final_outcome(run_dir, steps, IN_ORDER)
+    report = check_events(run_dir, IN_ORDER, final=True)
+    assert report.prompts["replacements"] > 0 and report.outcomes["replaced"] > 0
+    events = [parse_event(line) for _, line in read_events(run_dir)]
+    last = max(i for i, e in enumerate(events) if e.name == "restore")
+    assert [len(e.group_ids) for e in events[last:] if e.name == "train_step"] == [4] * (steps - events[last].step)
+    store = CheckpointStore(str(ck_root))
+    latest = store.latest()
+    assert latest is not None and latest.step == steps
+    reserve = torch.load(io.BytesIO(store.read_bytes(latest, "replacement_reserve.pt")), weights_only=False)
+    assert reserve["started"] and len(reserve["spares"]) >= 4, "the reserve is held in every bundle"
 
 
 PARITY_KEYS = ("train/loss", "reward", "train/grad_norm")
