@@ -262,8 +262,20 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
         f"torch threads        {_thread_plan(cfg, run).describe()}",
         f"generation           {_generation_line(cfg)}",
+        f"dropped groups       {_drops_line(run)}",
     ]
     return "\n".join(lines)
+
+
+def _drops_line(run: RunConfig) -> str:
+    """What happens to a group that is dropped (after its retries) or filtered (dynamic sampling)."""
+    f = run.async_rl.rollout_failure
+    what = "zero-variance groups filtered (dynamic sampling); " if run.algo.use_dynamic_sampling else ""
+    if f.on_dropped_prompt == "replace":
+        return (f"{what}slots refilled from a reserve of >= {f.replacement_reserve_prompts} spare prompts (whole "
+                f"batches of {run.groups_per_step} held back), <= {f.max_replacement_attempts} per slot")
+    floor = "never (PPO trains full steps)" if run.ppo is not None else f">= {f.min_step_batch_fraction:g} of a step"
+    return f"{what}the step shrinks, {floor}"
 
 
 def check(argv: Sequence[str]) -> int:

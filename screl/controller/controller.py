@@ -63,6 +63,7 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         policy_training_start_step=run.ppo.policy_training_start_step if run.ppo is not None else None,
         failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
         dynamic_sampling=algo.use_dynamic_sampling, step_may_shrink=run.ppo is None,
+        algo_key="grpo" if run.ppo is None else "ppo",
         reserve=ReservePolicy(enabled=f.on_dropped_prompt == "replace", size=f.replacement_reserve_prompts,
                               max_per_slot=f.max_replacement_attempts),
     )

@@ -46,7 +46,7 @@ def filter_group(core: RolloutCore, run: GroupRun, reward: float) -> Effects:
                                 extra={"reward": reward}))
     core.metrics["filtered"] += 1
     if not _refill(core, run, eff):
-        _shrink(core, run, eff, "dynamic sampling (grpo.use_dynamic_sampling)")
+        _shrink(core, run, eff, f"dynamic sampling ({core.settings.algo_key}.use_dynamic_sampling)")
     return eff
 
 
@@ -54,6 +54,8 @@ def _refill(core: RolloutCore, run: GroupRun, eff: Effects) -> bool:
     """Hand a dropped group's slot to a spare from the replacement reserve, stamped for the same step; it is
     reserved ahead of the queue. False: no spare, or the slot's ``max_replacement_attempts`` is spent."""
     stamp = run.target_step
+    while core.settings.reserve.enabled and not len(core.reserve) and core._loader_open():  # a burst drained it
+        eff.events.append(core.reserve.hold(core._loader_batch(), core.epoch, core.trainer_version))
     if (stamp is not None and stamp < core.trainer_version) or not core.reserve.can_replace(run.replacements):
         return False
     prompt_id, epoch = core.reserve.take()
@@ -76,13 +78,13 @@ def _shrink(core: RolloutCore, run: GroupRun, eff: Effects, cause: str) -> None:
         return
     limit = (f"async_rl.rollout_failure.min_step_batch_fraction={f.min_step_batch_fraction}"
              if core.settings.step_may_shrink else "a full step (PPO trains full steps only)")
+    lower = ", or lower min_step_batch_fraction" if core.settings.step_may_shrink else ""
     if core.settings.reserve.enabled:
-        fix = (f"no spare was left for it (async_rl.rollout_failure.replacement_reserve_prompts="
-               f"{core.settings.reserve.size}, max_replacement_attempts={core.settings.reserve.max_per_slot} "
-               "per slot): raise them, or lower min_step_batch_fraction")
+        fix = (f"its slot had no spare left (the dataloader is exhausted) or spent its "
+               f"async_rl.rollout_failure.max_replacement_attempts={core.settings.reserve.max_per_slot}: raise it"
+               f"{lower}")
     else:
-        fix = ("set async_rl.rollout_failure.on_dropped_prompt: replace to refill dropped slots from a reserve, "
-               "or lower min_step_batch_fraction")
+        fix = f"set async_rl.rollout_failure.on_dropped_prompt: replace to refill dropped slots from a reserve{lower}"
     eff.error = RolloutFailure(f"step {step} lost {lost} of {core.P} groups to {cause}, below {limit}; {fix}")
 
 
@@ -91,5 +93,5 @@ def filter_hint(core: RolloutCore) -> str:
     n = int(core.metrics["filtered"])
     if not n:
         return ""
-    return (f" ({n} group(s) were filtered by grpo.use_dynamic_sampling because their rewards all agreed: the task "
+    return (f" ({n} group(s) were filtered by {core.settings.algo_key}.use_dynamic_sampling because their rewards all agreed: the task "
             "is too easy or too hard for the policy; use a task with reward spread, or turn dynamic sampling off)")

@@ -86,6 +86,8 @@ class CoreSettings:
     """The replacement reserve that refills a dropped group's slot (``on_dropped_prompt: replace``)."""
     step_may_shrink: bool = True
     """Whether a step may train fewer groups than ``groups_per_step`` after drops (PPO: no)."""
+    algo_key: str = "grpo"
+    """The config block of the step settings (``grpo``/``ppo``), for error messages."""
 
 
 @dataclass(frozen=True)

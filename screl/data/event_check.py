@@ -101,6 +101,7 @@ class _Checker:
         # step -> its captures in log order: (mutation version, group states, (pending prompts, spares))
         self.anchors: dict[int, list[tuple[int | None, dict[str, _AnchorState], PromptState]]] = {}
         self.prompts = PromptLedger(self.flag)
+        self.reopened: set[str] = set()  # groups generating at the last restore's anchor (redispatched, not new)
         self.line = 0
 
     # ------------------------------------------------------------------ helpers
@@ -175,7 +176,9 @@ class _Checker:
         retry = self.pending_retry.get(e.prompt_id)
         if retry:
             self.groups[retry.pop(0)].status = "retried"
-        elif old is None:  # not a redispatch after a restore: it takes an admitted prompt
+        elif e.group_id in self.reopened:  # a group generating at the restored anchor, dispatched again
+            self.reopened.discard(e.group_id)
+        else:  # a new group: it takes an admitted prompt
             self.prompts.reserve(e.prompt_id)
         self.groups[e.group_id] = _Group(e.prompt_id, e.start_weight, e.target_step, self.order)
         self.order += 1
@@ -369,6 +372,7 @@ class _Checker:
         restored = self._restored_anchor(e)
         anchor = restored[0] if restored is not None else None
         self.prompts.rewind(restored[1] if restored is not None else None)
+        self.reopened = {k for k, st in (anchor or {}).items() if st[0] in ("inflight", "failed")}
         buffered = [k for k, st in (anchor or {}).items() if st[0] in ("ready", "selected")]
         if anchor is not None and e.group_ids is not None:
             lost = sorted(set(buffered) - set(e.group_ids))

@@ -122,7 +122,7 @@ def test_a_slot_past_max_replacement_attempts_shrinks_the_step_and_fails_below_t
     assert isinstance(d.error, RolloutFailure)
     msg = str(d.error)
     assert "step 0 lost 1 of 3 groups to dynamic sampling (grpo.use_dynamic_sampling)" in msg
-    assert "min_step_batch_fraction=0.9" in msg and "max_replacement_attempts=1 per slot" in msg
+    assert "min_step_batch_fraction=0.9" in msg and "spent its async_rl.rollout_failure.max_replacement_attempts=1" in msg
     assert [e.replacement for e in _of(d.events, ReplaceEvent)] == [order[3]], "one spare per slot"
     assert check_events(d.events, IN_ORDER, final=True).ok
 
@@ -142,7 +142,7 @@ def test_when_every_group_agrees_the_run_fails_naming_the_knobs_instead_of_waiti
     d = _core()
     d.reward_of = lambda _d, _k: 0.0
     _drive(d)
-    assert isinstance(d.error, RolloutFailure) and "replacement_reserve_prompts=1" in str(d.error)
+    assert isinstance(d.error, RolloutFailure) and "max_replacement_attempts=1: raise it" in str(d.error)
     assert not _of(d.events, TrainStepEvent)
 
 
@@ -151,7 +151,7 @@ def test_ppo_steps_never_shrink() -> None:
     d.reward_of = _uniform_for(d.core.epoch_order(0)[0])
     _drive(d)
     assert isinstance(d.error, RolloutFailure) and "PPO trains full steps only" in str(d.error)
-    assert "on_dropped_prompt: replace" in str(d.error)
+    assert "on_dropped_prompt: replace" in str(d.error) and "min_step_batch_fraction" not in str(d.error)
 
 
 def test_a_sampler_without_stamps_gets_replacements_too() -> None:
@@ -198,7 +198,7 @@ def test_capture_and_restore_keep_the_reserve_and_each_slots_replacement_count()
     assert d.core.runs[replacement].replacements == 1
     d.reward_of = _uniform_for(order[3])  # the restored replacement agrees again: its slot's budget is spent
     _drive(d)
-    assert isinstance(d.error, RolloutFailure) and "max_replacement_attempts=1 per slot" in str(d.error)
+    assert isinstance(d.error, RolloutFailure) and "max_replacement_attempts=1: raise it" in str(d.error)
 
 
 def _admit_two() -> list[Event]:

@@ -59,3 +59,23 @@ def test_ppo_tiny_trains_and_its_warmup_leaves_the_policy_alone(tmp_path: Path) 
     assert windows == [(0, sampler["warmup_lookahead_versions"]), (start, sampler["max_lookahead_versions"])]
     report = check_events(run_dir, sampler, final=True)
     assert report.ok, report.format()
+
+
+def test_ppo_with_dynamic_sampling_refills_every_filtered_slot(tmp_path: Path) -> None:
+    """PPO keeps full steps: filtered groups (a pass/fail reward) are replaced, never shrink the step."""
+    cfg = yaml.safe_load((ROOT / "configs" / "ppo_tiny.yaml").read_text())
+    steps = 5
+    cfg["trainer"].update(default_root_dir=str(tmp_path / "run"), enable_progress_bar=False, max_steps=steps)
+    cfg["data"]["init_args"]["task"]["init_args"] = {"letter": "a", "threshold": 0.125}
+    cfg["ppo"].update(max_num_steps=steps, use_dynamic_sampling=True)
+    cfg["async_rl"]["rollout_failure"] = {"on_dropped_prompt": "replace", "replacement_reserve_prompts": 8,
+                                          "max_replacement_attempts": 16}
+    run_dir = run_fit(cfg, tmp_path)
+    events = [parse_event(line) for _, line in read_events(run_dir)]
+    filtered = [e.group_id for e in events if e.name == "drop" and e.reason == "filtered"]
+    assert filtered and sorted(filtered) == sorted(e.group_id for e in events if e.name == "replace")
+    P = cfg["ppo"]["num_prompts_per_step"]
+    assert [len(e.group_ids) for e in events if e.name == "train_step"] == [P] * steps
+    report = check_events(run_dir, cfg["async_rl"]["sampler"], final=True)
+    assert report.ok, report.format()
+    assert len(column(metrics(run_dir), "critic/value_loss")) == steps
