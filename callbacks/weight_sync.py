@@ -17,6 +17,10 @@ class WeightSync(Callback):
 
     Always present: ``screl fit`` adds it, and ``RolloutDataModule`` refuses to run without it. On an
     exception anywhere in fit, it stops the controller, workers and data plane.
+
+    Validation during training (``grpo.val_period``...): each finished validation comes back with a step's
+    refit, and is logged as ``val/*`` at the step whose weights it validated; at the end of training the last
+    ones (``val_at_end``) are waited for and logged.
     """
 
     @override
@@ -30,6 +34,13 @@ class WeightSync(Callback):
         refit = bool(getattr(pl_module, "refit_due", True))
         info = dm.complete_step(_exported_weights(pl_module, dm) if refit else None)
         pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
+        _log_validation(trainer, info.get("validation", []))
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        dm: Any = trainer.datamodule  # type: ignore[attr-defined]
+        if hasattr(dm, "finish_validation"):
+            _log_validation(trainer, dm.finish_validation())
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -39,6 +50,17 @@ class WeightSync(Callback):
                 dm.shutdown()
             except Exception as err:  # noqa: BLE001 - the original exception matters more
                 log.warning("screl: shutdown after %r failed: %r", exception, err)
+
+
+def _log_validation(trainer: Trainer, results: list[dict[str, Any]]) -> None:
+    """``val/*`` of each finished validation, at the step (the weight version) it validated."""
+    if not trainer.is_global_zero:
+        return
+    for result in results:
+        for logger in trainer.loggers:
+            logger.log_metrics(result["metrics"], step=int(result["version"]))
+        log.info("screl: validation of version %d: %s", result["version"],
+                 {k: round(v, 4) for k, v in result["metrics"].items()})
 
 
 def _exported_weights(pl_module: LightningModule, dm: Any) -> Any:

@@ -48,6 +48,7 @@ __all__ = [
     "RolloutFailureConfig",
     "RolloutRecoveryConfig",
     "RunConfig",
+    "ValidationConfig",
     "SamplerConfig",
     "TokenCaptureConfig",
     "WeightFifoSamplerConfig",
@@ -128,6 +129,24 @@ class RewardShapingConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """How validation during training generates and scores (``val_period``, ``val_at_start``, ``val_at_end``)."""
+
+    num_samples: int = 1
+    """Completions per held-out prompt: ``val/pass@k`` is reported for k = 1 and k = num_samples."""
+    temperature: float = 0.0
+    """0 is greedy (then num_samples must be 1)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    max_new_tokens: int | None = None
+    """Completion length cap (None: ``generation.max_new_tokens``)."""
+    pass_threshold: float = 1.0
+    """A completion passes when its reward is at least this (what pass@k counts)."""
+    max_prompts: int | None = None
+    """Validate on the first N held-out prompts only (None: all of them)."""
+
+
+@dataclass
 class RewardScalingConfig:
     """Clip rewards into ``[source_min, source_max]`` and map that range linearly onto ``[target_min, target_max]``."""
 
@@ -159,13 +178,16 @@ class GRPOConfig:
     """Exclude truncated completions (finish reason ``length``) from the loss through ``sample_mask``; they stay in
     their group's advantage baseline (see docs/async-and-is.md)."""
     val_period: int = 0
-    """Validation every N steps: not supported on the single controller; must be 0."""
+    """Validate the weights of every N-th step (0: off) on the held-out prompts (``Task.val_prompts()`` or
+    ``data.init_args.val_task``), interleaved with the rollouts (docs/validation-during-training.md)."""
     val_at_start: bool = False
-    """Validation before training: not supported; must be false."""
+    """Validate the initial weights (version 0) too."""
     val_at_end: bool = False
-    """Validation after training: not supported; must be false."""
+    """Validate the final weights too."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Sampling and scoring of validation (greedy, one sample per prompt by default)."""
     use_dynamic_sampling: bool = False
-    """Dynamic sampling (drop zero-variance groups and refill): not implemented; must be false."""
+    """DAPO dynamic sampling: drop groups whose rewards all agree (docs/dynamic-sampling.md)."""
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     """Reward shaping on the workers: DAPO's overlong penalty and/or your function (docs/async-and-is.md)."""
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)

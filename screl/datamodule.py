@@ -111,6 +111,8 @@ class RolloutDataModule(LightningDataModule):
         seed: Seeds prompt order and every request's sampling (with the prompt, epoch and sibling).
         train_num_threads: Torch intra-op threads of the training process on CPU. None: automatic
             (``screl.threads.thread_plan``): all cores in sync mode, the cores generation leaves otherwise.
+        val_task: The held-out prompts and reward of validation during training (``grpo.val_period`` ...).
+            None: the task's own ``val_prompts()`` (e.g. ``CountLetter(holdout=20)``).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class RolloutDataModule(LightningDataModule):
         run_dir: str | None = None,
         seed: int = 0,
         train_num_threads: int | None = None,
+        val_task: Task | None = None,
     ) -> None:
         super().__init__()
         self.task = task
@@ -131,6 +134,7 @@ class RolloutDataModule(LightningDataModule):
             from screl.config import GRPOConfig
 
             self.run.grpo = GRPOConfig()
+        self.val_task = _held_out(task, val_task, self.run.algo, "ppo" if self.run.ppo is not None else "grpo")
         self.step_timeout_s = step_timeout_s
         self.run_dir = run_dir
         self.seed = seed
@@ -147,8 +151,8 @@ class RolloutDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage != "fit":
             raise NotImplementedError(
-                f"RolloutDataModule supports only `fit` (got {stage!r}): validation is not supported on the "
-                "single controller"
+                f"RolloutDataModule supports only `fit` (got {stage!r}): validation runs inside fit, beside the "
+                "rollouts (grpo.val_period, val_at_start, val_at_end)"
             )
         if self.runtime is not None:
             return
@@ -230,7 +234,7 @@ class RolloutDataModule(LightningDataModule):
             restore = (self.resume.controller_state, self.resume.data_plane_dir)
         self.runtime = runtime
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
-                      config_dict=self.config_dict)
+                      config_dict=self.config_dict, val_task=self.val_task)
         self.events_path = runtime.events_path
 
     @override
@@ -312,3 +316,25 @@ class RolloutDataModule(LightningDataModule):
             for _ in weights:  # a bucketed export is a collective: every rank takes part in each bucket
                 pass
         return self._on_rank_zero(lambda: self.runtime.complete_step(weights))
+
+    def finish_validation(self) -> list[dict[str, Any]]:
+        """At the end of training: the final validation (``val_at_end``) and every result not yet logged, as
+        ``{"version", "metrics"}`` (called by WeightSync on every rank)."""
+        if self.val_task is None or not self._started:
+            return []
+        return self._on_rank_zero(lambda: self.runtime.finish_validation())
+
+
+def _held_out(task: Task, val_task: Task | None, algo: Any, key: str) -> Task | None:
+    """The validation prompts: ``val_task``, else the task's ``val_prompts()``; an error if validation is on and
+    there are none (before anything starts)."""
+    from screl.envs import HeldOut
+
+    chosen = val_task if val_task is not None else (HeldOut(task) if task.val_prompts() else None)
+    wanted = algo.val_period or algo.val_at_start or algo.val_at_end
+    if wanted and (chosen is None or not chosen.prompts()):
+        raise ValueError(
+            f"validation is on ({key}.val_period={algo.val_period}, val_at_start={algo.val_at_start}, val_at_end="
+            f"{algo.val_at_end}) but there are no held-out prompts: give data.init_args.val_task, or a task with "
+            f"val_prompts() (e.g. CountLetter(holdout=20)), or turn validation off")
+    return chosen if wanted else None

@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
+from screl.controller.validation import ValidationRunner
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
@@ -84,6 +85,7 @@ class RolloutController:
     def __init__(
         self, run: RunConfig, task: Task, generation: GenerationConfig, workers: list[Any], dataplane: Any,
         run_dir: str, seed: int = 0, config_dict: dict[str, Any] | None = None,
+        val_prompt_ids: list[int] | None = None,
     ) -> None:
         import uuid
 
@@ -112,6 +114,11 @@ class RolloutController:
             open(self.events_path, "a", encoding="utf-8") if run.async_rl.event_log else None  # noqa: SIM115
         )
         self._writer = EventLogWriter(self._events, clock=time.time) if self._events is not None else None
+        self.validation: ValidationRunner | None = None
+        if val_prompt_ids:
+            self.validation = ValidationRunner(run.algo, val_prompt_ids, generation.max_new_tokens, seed, workers,
+                                               self.ensure_fresh, self.emit)
+        self._val_redo: list[int] = []
 
     # ------------------------------------------------------------------ views the snapshot pump reads
     @property
@@ -208,6 +215,7 @@ class RolloutController:
         await self._execute(self.core.resume(time.perf_counter()))
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
+        self._start_validation()
         rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
         if rc.snapshot_attempt_interval_s is not None and ck.enabled and ck.checkpoint_dir:
             from screl.controller.snapshots import SnapshotPump
@@ -217,6 +225,21 @@ class RolloutController:
             self._snapshot_task.add_done_callback(self._on_task_done)
         return {"max_steps": self.core.max_steps, "events_path": self.events_path,
                 "train_steps": self.core.train_steps}
+
+    def _start_validation(self) -> None:
+        """At start: redo the validations a resumed checkpoint had pending (with the weights it restored), or
+        validate the initial weights (``val_at_start``)."""
+        runner, version = self.validation, self.core.trainer_version
+        if runner is None:
+            return
+        for v in self._val_redo:
+            if v == version:
+                runner.start(v)
+            else:
+                log.warning("screl: the checkpoint had validation of version %d pending, but resumes version %d: "
+                            "those weights are gone, the validation is not redone", v, version)
+        if not self._val_redo and self._restored_from is None and runner.due(version):
+            runner.start(version)
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -240,6 +263,8 @@ class RolloutController:
         """A clean end: stop the pumps, abort what is generating and evict what is ready (reason ``shutdown``, so
         the log accounts for every group), close the log."""
         self.shutting_down = True
+        if self.validation is not None:
+            self.validation.cancel()
         tasks = [*self._calls, *(t for t in (self._pump, self._snapshot_task) if t is not None)]
         for t in tasks:
             t.cancel()
@@ -328,9 +353,12 @@ class RolloutController:
             ):
                 raise res
 
-    async def complete_step(self, weights: list[Any] | None) -> dict[str, Any]:
-        """The open step's optimizer update is done: retire it, bump the version, refit the workers."""
+    async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0) -> dict[str, Any]:
+        """The open step's optimizer update is done: retire it, bump the version, refit the workers (after the
+        validation of the old weights, if one runs, has finished: at most ``timeout_s``)."""
         await self._execute(self.core.complete_step())
+        if self.validation is not None:  # its tokens must all come from the weights it validates
+            await self.validation.wait(timeout_s)
         t0 = time.perf_counter()
         if weights is not None:
             self.latest_weights = weights
@@ -338,7 +366,22 @@ class RolloutController:
         else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
             await self._relabel_workers(self.core.trainer_version)
         await self._execute(self.core.refit_done(time.perf_counter() - t0, refitted=weights is not None))
-        return {"trainer_version": self.core.trainer_version, "aborted": self.core.last_aborted}
+        runner, version = self.validation, self.core.trainer_version
+        if runner is not None and runner.due(version, final=self.core.train_steps >= self.core.max_steps):
+            runner.start(version)
+        return {"trainer_version": version, "aborted": self.core.last_aborted,
+                "validation": runner.take() if runner is not None else []}
+
+    async def finish_validation(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+        """The end of training: validate the final weights (``val_at_end``) if not done yet, wait for every
+        validation, and hand the trainer the results it has not had."""
+        runner = self.validation
+        if runner is None:
+            return []
+        if runner.at_end and runner.due(self.core.trainer_version, final=True):
+            runner.start(self.core.trainer_version)
+        await runner.wait(timeout_s)
+        return runner.take()
 
     async def snapshot_now(self) -> str:
         """One periodic-snapshot attempt now; ``completed`` or ``skipped:<reason>``."""
@@ -353,6 +396,8 @@ class RolloutController:
         while clears wait. Generation and row writes keep running."""
         async with self.barrier:
             state, eff = self.core.capture(open_step)
+            if self.validation is not None:
+                state.validation = {"pending": self.validation.pending()}
             for event in eff.events:  # logged at capture (the checker's anchor), whether or not the publish succeeds
                 self.emit(event)
             if data_plane_dir is not None:
@@ -364,6 +409,7 @@ class RolloutController:
         if self._pump is not None:
             raise RuntimeError("restore() must run before start()")
         loaded = ControllerState.from_dict(state)
+        self._val_redo = [int(v) for v in loaded.validation.get("pending", [])]
         present: set[str] | None = None
         if data_plane_dir is not None and loaded.mode != "shadow":
             await asyncio.get_running_loop().run_in_executor(None, self.dp.load, data_plane_dir)

@@ -46,12 +46,13 @@ def spawn_controller(
     run_dir: str,
     seed: int = 0,
     config_dict: dict[str, Any] | None = None,
+    val_prompt_ids: list[int] | None = None,
 ) -> Any:
     """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle."""
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
         num_cpus=0, max_concurrency=1000
     )
-    return actor.remote(run, task, generation, workers, dataplane, run_dir, seed, config_dict)
+    return actor.remote(run, task, generation, workers, dataplane, run_dir, seed, config_dict, val_prompt_ids)
 
 
 def worker_resources(g: GenerationConfig) -> WorkerResources:
@@ -115,7 +116,7 @@ class RolloutRuntime:
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         restore: tuple[dict[str, Any], str | None] | None = None,
-        config_dict: dict[str, Any] | None = None,
+        config_dict: dict[str, Any] | None = None, val_task: Task | None = None,
     ) -> None:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir), the
         controller resumes from it before its pump starts."""
@@ -130,7 +131,7 @@ class RolloutRuntime:
                 g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
                 backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
                 task=task, sampling=sampling_params(g), workflow=g.workflow,
-                reward_transform=reward_transform(self.run.algo, g.max_new_tokens),
+                reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
             )
             weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
@@ -139,7 +140,8 @@ class RolloutRuntime:
             )
             attached = [w.set_data_plane.remote(self.dataplane) for w in self.workers]
             self.controller = spawn_controller(
-                self.run, task, g, self.workers, self.dataplane, run_dir, seed, config_dict
+                self.run, task, g, self.workers, self.dataplane, run_dir, seed, config_dict,
+                [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
             )
             ray.get(loaded + attached, timeout=self.timeout_s)
             if restore is not None:
@@ -173,7 +175,15 @@ class RolloutRuntime:
             refs = put_buckets(weights.items(), self.refit_bucket_bytes)
         else:
             refs = [ray.put(bucket) for bucket in weights]
-        return ray.get(self.controller.complete_step.remote(refs), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.complete_step.remote(refs, self.timeout_s), timeout=self.timeout_s + 60
+        )
+
+    def finish_validation(self) -> list[dict[str, Any]]:
+        """The end of training: the final validation (``val_at_end``) and every result not yet logged."""
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.finish_validation.remote(self.timeout_s), timeout=self.timeout_s + 60
+        )
 
     def snapshot_now(self) -> str:
         """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""

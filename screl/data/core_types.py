@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal
 
 from screl.data.events import Event
@@ -220,6 +220,8 @@ class ControllerState:
     mode: Literal["authoritative", "shadow"]
     replacement_reserve: dict[str, Any] | list[Any] = field(default_factory=list)
     """``ReplacementReserve.state_dict()`` (``[]``: written before the reserve existed, or no reserve)."""
+    validation: dict[str, Any] = field(default_factory=dict)
+    """``{"pending": [versions]}``: validations started whose results the trainer had not logged (redone)."""
     schema_version: int = STATE_SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -232,7 +234,9 @@ class ControllerState:
                 f"controller state schema {data.get('schema_version')!r} is not {STATE_SCHEMA}: this checkpoint "
                 "was written by another screl version; resume it with that version or start afresh"
             )
-        missing = sorted(set(cls.__dataclass_fields__) - set(data))
+        required = {n for n, f in cls.__dataclass_fields__.items() if f.default is MISSING
+                    and f.default_factory is MISSING}
+        missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"controller state lacks {missing}: the checkpoint is corrupt")
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})

@@ -17,6 +17,8 @@ and the logging contract) and reports each violation with its rule and line:
   restore's ``group_ids``. A step may have several anchors (its checkpoint, then periodic snapshots,
   each logged when captured): the restore names the one it resumed by ``mutation_version``.
 * ``restore-anchor``: a restore names a ``mutation_version`` that no anchor of its step logged.
+* ``validate-version`` / ``validate-pinned``: a validation of weights not yet trained, or whose tokens came
+  from other weights than the version it names.
 * ``capacity``: more buffered groups than ``max_buffered_rollouts`` (when given).
 * ``unfinished`` (only with ``final=True``): a run that ended with rollouts in flight, failed attempts
   neither retried nor dropped, a selected step never trained, or prompts unaccounted for.
@@ -56,6 +58,7 @@ from screl.data.events import (
     SnapshotEvent,
     SpareEvent,
     TrainStepEvent,
+    ValidateEvent,
     WindowEvent,
     parse_event,
     read_events,
@@ -339,6 +342,13 @@ class _Checker:
         if peak is not None and e.window > peak:
             self.flag("window-rule", f"window {e.window} is wider than the sampler's widest window {peak}")
 
+    def on_validate(self, e: ValidateEvent) -> None:
+        if e.trainer_version > self.version:
+            self.flag("validate-version", f"validation of version {e.trainer_version} after {self.version} steps")
+        seen = (e.extra or {}).get("token_versions")
+        if seen is not None and list(seen) not in ([], [e.trainer_version]):
+            self.flag("validate-pinned", f"validation of version {e.trainer_version} generated with versions {seen}")
+
     def on_anchor(self, e: CheckpointEvent | SnapshotEvent) -> None:
         if e.step != self.version:
             self.flag("anchor-step", f"{e.name} at step {e.step} while {self.version} steps are done")
@@ -441,6 +451,7 @@ _HANDLERS: dict[type[Event], str] = {
     TrainStepEvent: "on_train_step",
     RefitEvent: "on_refit",
     WindowEvent: "on_window",
+    ValidateEvent: "on_validate",
     CheckpointEvent: "on_anchor",
     SnapshotEvent: "on_anchor",
     RestoreEvent: "on_restore",

@@ -19,6 +19,7 @@ abort        group_id, trainer_version; start_weight, reason (default: stale in-
 drop         reason, and group_id or prompt_id (a prompt dropped before it was reserved: an admitted one at
              shutdown, or a spare with reason ``reserve_unused``); reason ``filtered``: dynamic sampling
 train_step   step, group_ids (every group trained in the step); trainer_version
+validate     trainer_version (the weights validated; extra: token_versions, samples, reward_mean, pass@k)  [screl]
 refit        trainer_version (the version the rollout engines now serve)
 checkpoint   step (trainer steps done when the state was captured)
 snapshot     step (base trainer step of a periodic rollout snapshot, captured under the barrier)
@@ -236,6 +237,15 @@ class WindowEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ValidateEvent(Event):
+    """A validation of the weights of ``trainer_version`` finished (every sample scored); its metrics and the
+    weight versions its tokens came from (``token_versions``: exactly that version) ride along."""
+
+    name: ClassVar[str] = "validate"
+    trainer_version: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointEvent(Event):
     name: ClassVar[str] = "checkpoint"
     step: int
@@ -277,6 +287,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         TrainStepEvent,
         RefitEvent,
         WindowEvent,
+        ValidateEvent,
         CheckpointEvent,
         SnapshotEvent,
         RestoreEvent,

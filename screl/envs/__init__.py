@@ -2,6 +2,7 @@
 
 from screl.envs.base import (
     CustomReward,
+    HeldOut,
     PromptRecord,
     RewardFn,
     SlowReward,
@@ -9,12 +10,13 @@ from screl.envs.base import (
     decode_completion,
     load_reward_fn,
 )
-from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts
+from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts, split_holdout
 
 __all__ = [
     "Addition",
     "CountLetter",
     "CustomReward",
+    "HeldOut",
     "JsonlTask",
     "PromptRecord",
     "RewardFn",
@@ -23,4 +25,5 @@ __all__ = [
     "arithmetic_prompts",
     "decode_completion",
     "load_reward_fn",
+    "split_holdout",
 ]

@@ -75,6 +75,11 @@ class Task(ABC):
             raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
         return [float(self.reward(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
+    def val_prompts(self) -> list[PromptRecord]:
+        """Held-out prompts for validation during training (``grpo.val_period``, ``val_at_start``,
+        ``val_at_end``), never trained on. Default: none (give ``data.init_args.val_task`` instead)."""
+        return []
+
     def masked(self, prompt: PromptRecord, completion: str) -> bool:
         """Flag a sample to be excluded from the loss (a malformed tool call, an unparseable answer): it keeps its
         reward in its group's baseline, but no gradient comes from it. Default: nothing is masked."""
@@ -93,6 +98,23 @@ class Task(ABC):
         if prompt_id not in by_id:
             raise KeyError(f"{type(self).__name__} has no prompt_id {prompt_id}.")
         return by_id[prompt_id]
+
+
+class HeldOut(Task):
+    """A task's held-out prompts (``task.val_prompts()``) as a task of their own, scored by the same reward."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self._records = list(task.val_prompts())
+
+    def prompts(self) -> list[PromptRecord]:
+        return list(self._records)
+
+    def reward(self, prompt: PromptRecord, completion: str) -> float:
+        return float(self.task.reward(prompt, completion))
+
+    def rewards(self, prompts: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
+        return self.task.rewards(prompts, completions)
 
 
 class CustomReward(Task):

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from screl.envs.base import PromptRecord, Task, load_reward_fn
+
+
+def split_holdout(records: list[PromptRecord], holdout: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(train, held out): ``holdout`` prompts chosen by a fixed hash of their ids (the same on every machine and
+    run), the rest in their original order."""
+    if not 0 <= holdout < len(records):
+        raise ValueError(f"holdout={holdout} must be in [0, {len(records) - 1}] (the task has {len(records)} prompts)")
+    ranked = sorted(records, key=lambda r: hashlib.sha256(f"holdout:{r.prompt_id}".encode()).digest())
+    held = {r.prompt_id for r in ranked[:holdout]}
+    return [r for r in records if r.prompt_id not in held], [r for r in records if r.prompt_id in held]
+
+
+class _Arithmetic(Task):
+    """The 100 arithmetic prompts, ``holdout`` of them kept back for validation."""
+
+    def __init__(self, holdout: int = 0) -> None:
+        self.holdout = holdout
+        self._train, self._held = split_holdout(arithmetic_prompts(), holdout)
+
+    def prompts(self) -> list[PromptRecord]:
+        """The arithmetic prompts less the held-out ones (the reward may ignore them)."""
+        return list(self._train)
+
+    def val_prompts(self) -> list[PromptRecord]:
+        """The ``holdout`` held-out prompts (validation during training)."""
+        return list(self._held)
 
 
 def arithmetic_prompts() -> list[PromptRecord]:
@@ -16,26 +43,24 @@ def arithmetic_prompts() -> list[PromptRecord]:
     ]
 
 
-class CountLetter(Task):
+class CountLetter(_Arithmetic):
     """Dense toy reward: the fraction of ``letter`` among the completion's characters.
 
     Args:
         letter: The single character to count.
         threshold: If set, the reward is pass/fail instead: 1.0 when the fraction reaches ``threshold``, else 0.0
             (a sparse reward whose groups often agree: what dynamic sampling filters).
+        holdout: Prompts kept back from training for validation (``val_prompts()``).
     """
 
-    def __init__(self, letter: str = "a", threshold: float | None = None) -> None:
+    def __init__(self, letter: str = "a", threshold: float | None = None, holdout: int = 0) -> None:
+        super().__init__(holdout)
         if len(letter) != 1:
             raise ValueError(f"CountLetter(letter={letter!r}) must be a single character.")
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError(f"CountLetter(threshold={threshold!r}) must be in (0, 1], or None for the dense reward.")
         self.letter = letter
         self.threshold = threshold
-
-    def prompts(self) -> list[PromptRecord]:
-        """The 100 arithmetic prompts (the reward ignores them)."""
-        return arithmetic_prompts()
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """``completion.count(letter) / max(1, len(completion))`` (pass/fail against ``threshold`` if set)."""
@@ -45,12 +70,12 @@ class CountLetter(Task):
         return 1.0 if fraction >= self.threshold else 0.0
 
 
-class Addition(Task):
-    """Verifiable single-digit addition: 1.0 if the completion starts with the sum's digits, else 0.0."""
+class Addition(_Arithmetic):
+    """Verifiable single-digit addition: 1.0 if the completion starts with the sum's digits, else 0.0.
 
-    def prompts(self) -> list[PromptRecord]:
-        """The 100 prompts ``"{a}+{b}="``."""
-        return arithmetic_prompts()
+    Args:
+        holdout: Prompts kept back from training for validation (``val_prompts()``).
+    """
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """Exact-prefix match of ``str(a + b)``."""

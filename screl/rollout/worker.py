@@ -29,7 +29,7 @@ import ray
 import torch
 
 from screl.data.core_types import Dispatch, SiblingReport
-from screl.envs import Task
+from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, SamplingParams
@@ -63,6 +63,7 @@ class GenerationWorker:
         workflow: str = DEFAULT_WORKFLOW,
         row_window_s: float = 0.005,
         reward_transform: RewardTransform | None = None,
+        val_task: Task | None = None,
     ) -> None:
         options = options or EngineOptions()
         if options.num_threads is not None:
@@ -80,12 +81,14 @@ class GenerationWorker:
         self.task = task
         self.sampling = sampling or SamplingParams()
         self.workflow: RolloutWorkflow | None = None
-        if task is not None:
+        if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
+        if task is not None:
             self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA)
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self.rows = RowSink(row_window_s)
         self.reward_transform = reward_transform
+        self.val_task = val_task
 
     # -- rollouts -------------------------------------------------------------------------------------
     def set_data_plane(self, dataplane: Any) -> None:
@@ -126,6 +129,29 @@ class GenerationWorker:
         shaped = self.reward_transform(float(outcome.reward), int(outcome.response_len), str(outcome.finish_reason))
         outcome.row["reward"] = torch.tensor([shaped], dtype=outcome.row["reward"].dtype)
         outcome.reward = shaped
+
+    # -- validation ---------------------------------------------------------------------------------
+    async def validate(self, version: int, samples: list[tuple[int, int, int]],
+                       sampling: SamplingParams) -> list[dict[str, Any]]:
+        """Generate and score held-out samples ``(prompt_id, sample, seed)`` with the weights of ``version``, at
+        priority ``version`` (beside that step's rollouts). No row is written: validation never reaches the data
+        plane. Each result names the weight versions its tokens came from (the controller checks the pin)."""
+        if self.val_task is None:
+            raise RuntimeError("this worker was started without held-out prompts (val_task): it cannot validate")
+        if self.engine.version != version:
+            raise RuntimeError(f"asked to validate version {version} but the worker serves {self.engine.version}")
+        task, tok = self.val_task, self._tokenizer
+        records = [task.prompt(pid) for pid, _, _ in samples]
+        requests = [GenerationRequest(f"val-{version}-{pid}-{k}",
+                                      list(tok(r.text, add_special_tokens=False)["input_ids"]),
+                                      dataclasses.replace(sampling, seed=seed), version)
+                    for r, (pid, k, seed) in zip(records, samples, strict=True)]
+        results = await self.generate(requests)
+        completions = [decode_completion(tok, r.token_ids) for r in results]
+        rewards = await asyncio.get_running_loop().run_in_executor(None, task.rewards, records, completions)
+        return [{"prompt_id": pid, "sample": k, "reward": float(reward), "response_len": len(res.token_ids),
+                 "finish_reason": res.finish_reason, "versions": sorted(set(res.weight_versions))}
+                for (pid, k, _), res, reward in zip(samples, results, rewards, strict=True)]
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

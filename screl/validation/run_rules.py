@@ -55,15 +55,32 @@ def _unsupported_algorithm_knobs(c: RuleContext) -> None:
         if algo.get(legacy) is not None:
             c.bad(f"{key}.{legacy}", algo.get(legacy), "legacy async block: the single controller reads "
                   "`async_rl`", LEGACY_MIGRATION)
-    if algo.get("val_period", 0):
-        c.bad(f"{key}.val_period", algo.get("val_period"), "validation is not supported on the single controller",
-              f"set {key}.val_period: 0")
-    for knob in ("val_at_start", "val_at_end"):
-        if algo.get(knob):
-            c.bad(f"{key}.{knob}", True, "validation is not supported on the single controller",
-                  f"set {key}.{knob}: false")
+    _validation_rules(c)
     _dynamic_sampling_rules(c)
     _reward_transform_rules(c)
+
+
+def _validation_rules(c: RuleContext) -> None:
+    key, algo = c.algo_key, c.algo
+    period = algo.get("val_period", 0)
+    if not isinstance(period, int) or isinstance(period, bool) or period < 0:
+        c.bad(f"{key}.val_period", period, "must be an integer >= 0 (0: off)", f"set {key}.val_period: 0 or N >= 1")
+    v, vkey = algo.get("validation") or {}, f"{key}.validation"
+    n, temp = v.get("num_samples", 1), v.get("temperature", 0.0)
+    if not isinstance(n, int) or n < 1:
+        c.bad(f"{vkey}.num_samples", n, "must be an integer >= 1", "set num_samples >= 1")
+    if not isinstance(temp, (int, float)) or temp < 0:
+        c.bad(f"{vkey}.temperature", temp, "must be >= 0 (0: greedy)", "set temperature >= 0")
+    elif isinstance(n, int) and n > 1 and temp == 0:
+        c.bad(f"{vkey}.num_samples", n, "greedy validation (temperature 0) gives every sample the same completion",
+              "set validation.temperature > 0 for pass@k, or num_samples: 1")
+    top_p = v.get("top_p", 1.0)
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        c.bad(f"{vkey}.top_p", top_p, "must be in (0, 1]", "set top_p in (0, 1]")
+    for knob in ("max_new_tokens", "max_prompts"):
+        value = v.get(knob)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            c.bad(f"{vkey}.{knob}", value, "must be an integer >= 1 or null", f"set {knob} >= 1 or null")
 
 
 def _dynamic_sampling_rules(c: RuleContext) -> None:
