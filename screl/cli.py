@@ -263,8 +263,20 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"torch threads        {_thread_plan(cfg, run).describe()}",
         f"generation           {_generation_line(cfg)}",
         f"dropped groups       {_drops_line(run)}",
+        f"validation           {_validation_line(run)}",
     ]
     return "\n".join(lines)
+
+
+def _validation_line(run: RunConfig) -> str:
+    a, v = run.algo, run.algo.validation
+    when = [w for w, on in (("the initial weights", a.val_at_start), (f"every {a.val_period} steps", a.val_period),
+                            ("the final weights", a.val_at_end)) if on]
+    if not when:
+        return "off"
+    how = "greedy" if v.temperature == 0 else f"temperature {v.temperature:g}"
+    return (f"{', '.join(when)}: {v.num_samples} sample(s) per held-out prompt, {how}, pass at reward >= "
+            f"{v.pass_threshold:g}; the next refit waits for it")
 
 
 def _drops_line(run: RunConfig) -> str:

@@ -155,6 +155,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      {"rollout_checkpointing.extra_fingerprint_excluded_paths": [" env.x"]},
      "rollout_checkpointing.extra_fingerprint_excluded_paths.0", "whitespace"),
     ("val_period_negative", "grpo_tiny.yaml", {"grpo.val_period": -5}, "grpo.val_period", "integer >= 0"),
+    ("val_without_held_out_prompts", "grpo_tiny.yaml", {"grpo.val_period": 5}, "data.init_args.val_task",
+     "holds out no prompts"),
     ("val_greedy_pass_at_k", "grpo_tiny.yaml", {"grpo.validation": {"num_samples": 4}},
      "grpo.validation.num_samples", "same completion"),
     ("val_temperature_negative", "ppo.yaml", {"ppo.validation": {"temperature": -1.0}},

@@ -3,6 +3,7 @@ batch sizes, generation."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 
 from screl.data.sampler_config import InOrderSamplerConfig
@@ -81,6 +82,26 @@ def _validation_rules(c: RuleContext) -> None:
         value = v.get(knob)
         if value is not None and (not isinstance(value, int) or value < 1):
             c.bad(f"{vkey}.{knob}", value, "must be an integer >= 1 or null", f"set {knob} >= 1 or null")
+    if (period or algo.get("val_at_start") or algo.get("val_at_end")) and _held_out_count(c) == 0:
+        c.bad("data.init_args.val_task", None, f"validation is on ({key}.val_period / val_at_start / val_at_end) "
+              "but the task holds out no prompts (Task.val_prompts() is empty)",
+              "give data.init_args.val_task, or hold prompts out of the task (e.g. CountLetter holdout: 20)")
+
+
+def _held_out_count(c: RuleContext) -> int | None:
+    """How many validation prompts the config gives (None: unknown, e.g. a task that cannot be built here)."""
+    data = get(c.cfg, "data.init_args", None) or {}
+    if data.get("val_task") is not None:
+        return None
+    task = data.get("task") or {}
+    path, args = task.get("class_path"), task.get("init_args") or {}
+    if not isinstance(path, str) or any(isinstance(a, Mapping) for a in args.values()):
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        return len(getattr(importlib.import_module(module), name)(**dict(args)).val_prompts())
+    except Exception:  # noqa: BLE001 - the datamodule reports it, naming the task, when the run is built
+        return None
 
 
 def _dynamic_sampling_rules(c: RuleContext) -> None:
