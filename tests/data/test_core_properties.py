@@ -83,7 +83,11 @@ def run_ops(d: Driver, ops: list[tuple[str, int]]) -> None:
 def test_random_interleavings_pass_the_final_check_and_leave_no_row(
     block: dict[str, Any], ops: list[tuple[str, int]], granularity: str
 ) -> None:
-    d = _driver(block, granularity)
+    _run_to_the_end_and_check(_driver(block, granularity), block, ops)
+
+
+def _run_to_the_end_and_check(d: Driver, block: dict[str, Any], ops: list[tuple[str, int]]) -> None:
+    """Play ``ops``, shut down, and check the log (final), the rows and the ledger."""
     run_ops(d, ops)
     if d.error is not None and not isinstance(d.error, RolloutFailure):
         return
@@ -100,14 +104,7 @@ def test_random_interleavings_pass_the_final_check_and_leave_no_row(
 def test_dynamic_sampling_with_a_reserve_passes_the_final_check_and_leaves_no_row(
     block: dict[str, Any], ops: list[tuple[str, int]]
 ) -> None:
-    d = _driver(block, "sibling", dynamic=True)
-    run_ops(d, ops)
-    if d.error is not None and not isinstance(d.error, RolloutFailure):
-        return
-    d.finish()
-    report = check_events([e.to_json() for e in d.events], block, max_buffered_rollouts=CAP, final=True)
-    assert report.ok, report.format()
-    assert d.rows == set() and d.core.ledger.accounting().live == 0
+    _run_to_the_end_and_check(_driver(block, "sibling", dynamic=True), block, ops)
 
 
 @pytest.mark.parametrize(("block", "dynamic"), [(SAMPLERS[1], False), (SAMPLERS[3], False), (SAMPLERS[5], False),
