@@ -309,6 +309,7 @@ USAGE = """screl: asynchronous single-controller RL post-training (GRPO, PPO) on
   screl check --config X.yaml      validate the whole config, start nothing, print the capacity plan
   screl events check RUN_DIR       audit a run's events.jsonl (sampler rules, no group trained twice,
                                    every prompt accounted for)
+  screl plot RUN_DIR [RUN_DIR ...]  PNG charts of runs (reward, staleness, IS weights, buffer, timeline)
 
 LightningCLI's own help follows.
 """
@@ -338,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args and args[0] == "check":
         return check(args[1:])
+    if args and args[0] == "plot":
+        from screl.plot import main as plot_main
+
+        return plot_main(args[1:])
     if args and args[0] == "events":
         from screl.data.events import main as events_main
 
