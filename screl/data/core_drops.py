@@ -79,10 +79,11 @@ def _shrink(core: RolloutCore, run: GroupRun, eff: Effects, cause: str) -> None:
     limit = (f"async_rl.rollout_failure.min_step_batch_fraction={f.min_step_batch_fraction}"
              if core.settings.step_may_shrink else "a full step (PPO trains full steps only)")
     lower = ", or lower min_step_batch_fraction" if core.settings.step_may_shrink else ""
-    if core.settings.reserve.enabled:
-        fix = (f"its slot had no spare left (the dataloader is exhausted) or spent its "
-               f"async_rl.rollout_failure.max_replacement_attempts={core.settings.reserve.max_per_slot}: raise it"
-               f"{lower}")
+    if core.settings.reserve.enabled and run.replacements >= core.settings.reserve.max_per_slot:
+        fix = (f"its slot spent its async_rl.rollout_failure.max_replacement_attempts="
+               f"{core.settings.reserve.max_per_slot}: raise it{lower}")
+    elif core.settings.reserve.enabled:
+        fix = f"no spare was left for its slot (the dataloader is exhausted){lower}"
     else:
         fix = f"set async_rl.rollout_failure.on_dropped_prompt: replace to refill dropped slots from a reserve{lower}"
     eff.error = RolloutFailure(f"step {step} lost {lost} of {core.P} groups to {cause}, below {limit}; {fix}")

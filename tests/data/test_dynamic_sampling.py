@@ -122,7 +122,7 @@ def test_a_slot_past_max_replacement_attempts_shrinks_the_step_and_fails_below_t
     assert isinstance(d.error, RolloutFailure)
     msg = str(d.error)
     assert "step 0 lost 1 of 3 groups to dynamic sampling (grpo.use_dynamic_sampling)" in msg
-    assert "min_step_batch_fraction=0.9" in msg and "spent its async_rl.rollout_failure.max_replacement_attempts=1" in msg
+    assert "min_step_batch_fraction=0.9" in msg and "slot spent its async_rl.rollout_failure.max_replacement_attempts=1" in msg
     assert [e.replacement for e in _of(d.events, ReplaceEvent)] == [order[3]], "one spare per slot"
     assert check_events(d.events, IN_ORDER, final=True).ok
 

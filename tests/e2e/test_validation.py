@@ -22,6 +22,7 @@ HOLDOUT = 8
 
 def _config(run_dir: Path, steps: int, validation: dict[str, Any] | None) -> dict[str, Any]:
     cfg = base_config(run_dir)
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 0.0  # sync: nothing to reorder
     cfg["trainer"]["max_steps"] = steps
     cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.CountLetter",
                                         "init_args": {"letter": "a", "holdout": HOLDOUT}}

@@ -133,7 +133,7 @@ def test_kill9_a_dynamic_sampling_run_keeps_its_replacement_reserve(tmp_path: Pa
     restores, and every step trains in full."""
     rng = random.Random(2)
     ck_root = tmp_path / "bundles"
-    steps = 12
+    steps = 8
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
     cfg = yaml.safe_load(config.read_text())
     cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.CountLetter",
@@ -143,7 +143,7 @@ def test_kill9_a_dynamic_sampling_run_keeps_its_replacement_reserve(tmp_path: Pa
                                           "max_replacement_attempts": 12, "min_step_batch_fraction": 0.5}
     config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    kills = _kill_chain(config, ["generation", "mid_step", "snapshot_write", "generation"], run_dir, ck_root, rng)
+    kills = _kill_chain(config, ["generation", "mid_step", "snapshot_write"], run_dir, ck_root, rng)
     assert len(kills) >= 2, f"only {len(kills)} kills landed before the run finished: {kills}"
     _final_outcome(run_dir, steps, IN_ORDER)
     report = check_events(run_dir, IN_ORDER, final=True)
