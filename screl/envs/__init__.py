@@ -10,6 +10,7 @@ from screl.envs.base import (
     decode_completion,
     load_reward_fn,
 )
+from screl.envs.format_tasks import StrictAnswer
 from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts, split_holdout
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "PromptRecord",
     "RewardFn",
     "SlowReward",
+    "StrictAnswer",
     "Task",
     "arithmetic_prompts",
     "decode_completion",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -10,7 +11,7 @@ from screl.models.spec import PolicySpec, resolve_dtype
 
 
 class HFCausalLM(PolicySpec):
-    """Any causal LM saved with ``save_pretrained`` in a local directory.
+    """Any causal LM saved with ``save_pretrained`` in a local directory (or a GGUF file in it).
 
     Args:
         path: Local checkpoint directory (``config.json`` + weights).
@@ -18,6 +19,12 @@ class HFCausalLM(PolicySpec):
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         attn_implementation: Attention kernel passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...);
             ``None`` keeps the transformers default.
+        gguf_file: A GGUF file in ``path`` to load (and dequantize) instead of a ``save_pretrained`` checkpoint;
+            needs the ``gguf`` package. Dequantizing takes a while in every process: for training, convert once
+            with :func:`screl.models.convert_gguf`.
+        chat_template: Generate from each prompt wrapped in the tokenizer's chat template (a user turn, then the
+            assistant's turn opened), as an instruct model expects; False: from the raw text.
+        system_prompt: With ``chat_template``: a system turn first (None: the template's default, if any).
     """
 
     def __init__(
@@ -26,12 +33,29 @@ class HFCausalLM(PolicySpec):
         tokenizer_path: str | None = None,
         dtype: str = "float32",
         attn_implementation: str | None = None,
+        gguf_file: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
     ) -> None:
         resolve_dtype(dtype)
         self.path = path
         self.tokenizer_path = tokenizer_path
         self.dtype = dtype
         self.attn_implementation = attn_implementation
+        self.gguf_file = gguf_file
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+
+    def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+        if not self.chat_template:
+            return super().prompt_token_ids(tokenizer, text)
+        messages = [{"role": "user", "content": text}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5)
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def _require_dir(self, path: str, what: str) -> str:
         if not os.path.isdir(path):
@@ -43,6 +67,8 @@ class HFCausalLM(PolicySpec):
     def build_model(self) -> PreTrainedModel:
         """Load the model weights from ``path`` on CPU."""
         kwargs: dict[str, object] = {"dtype": resolve_dtype(self.dtype), "local_files_only": True}
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file
         if self.attn_implementation is not None:
             kwargs["attn_implementation"] = self.attn_implementation
         model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
@@ -53,8 +79,10 @@ class HFCausalLM(PolicySpec):
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
         """Load the tokenizer from ``tokenizer_path`` or else ``path``."""
         where = self.tokenizer_path or self.path
+        kwargs: dict[str, object] = {"local_files_only": True}
+        if self.gguf_file is not None and self.tokenizer_path is None:
+            kwargs["gguf_file"] = self.gguf_file
         tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            self._require_dir(where, "tokenizer_path" if self.tokenizer_path else "path"),
-            local_files_only=True,
+            self._require_dir(where, "tokenizer_path" if self.tokenizer_path else "path"), **kwargs
         )
         return tok

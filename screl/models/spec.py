@@ -34,6 +34,11 @@ class PolicySpec(ABC):
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
         """Build the tokenizer that goes with the model."""
 
+    def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+        """The tokens a prompt's text is generated from. Default: the text as is, no special tokens; an instruct
+        model's spec wraps it in the tokenizer's chat template."""
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _fields(self) -> dict[str, Any]:
         return dict(vars(self))
 

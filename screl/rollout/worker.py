@@ -81,6 +81,7 @@ class GenerationWorker:
         self.task = task
         self.sampling = sampling or SamplingParams()
         self.workflow: RolloutWorkflow | None = None
+        self._policy = policy
         if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
         if task is not None:
@@ -100,7 +101,7 @@ class GenerationWorker:
         if tokens is None:
             assert self.task is not None
             text = self.task.prompt(prompt_id).text
-            tokens = self._prompt_tokens[prompt_id] = tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+            tokens = self._prompt_tokens[prompt_id] = tuple(self._policy.prompt_token_ids(self._tokenizer, text))
         return tokens
 
     async def rollout(self, dispatches: list[Dispatch]) -> list[SiblingReport]:
@@ -142,8 +143,7 @@ class GenerationWorker:
             raise RuntimeError(f"asked to validate version {version} but the worker serves {self.engine.version}")
         task, tok = self.val_task, self._tokenizer
         records = [task.prompt(pid) for pid, _, _ in samples]
-        requests = [GenerationRequest(f"val-{version}-{pid}-{k}",
-                                      list(tok(r.text, add_special_tokens=False)["input_ids"]),
+        requests = [GenerationRequest(f"val-{version}-{pid}-{k}", self._policy.prompt_token_ids(tok, r.text),
                                       dataclasses.replace(sampling, seed=seed), version)
                     for r, (pid, k, seed) in zip(records, samples, strict=True)]
         results = await self.generate(requests)

@@ -146,3 +146,35 @@ def test_subclassing_is_the_other_plugin_point() -> None:
     assert task.rewards(task.prompts(), ["x", "x"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="duplicate prompt_id 1"):
         task.prompt(1)
+
+
+@pytest.mark.parametrize(("form", "completion", "expected"), [
+    ("number", " 7 ", 1.0),
+    ("number", "7.", 0.2 + 0.8 * (1 - 1 / 24)),                # one extra character
+    ("number", "The answer is 7.", 0.2 + 0.8 * (1 - 15 / 24)),  # fifteen
+    ("number", "3 + 4 = 7, as everyone who counts will agree", 0.2),
+    ("number", "17", 0.0),                                       # the sum inside another number is not the sum
+    ("tag", "<answer>7</answer>", 1.0),
+    ("tag", "7", 0.2 + 0.8 * (1 - 1 / 24)),                     # shorter than the tag: one extra at least
+])
+def test_strict_answer_pays_the_bare_sum_and_less_per_extra_character(form: str, completion: str,
+                                                                      expected: float) -> None:
+    from screl.envs import StrictAnswer
+
+    task = StrictAnswer(form=form, brevity_chars=24)  # type: ignore[arg-type]
+    assert task.prompt(34).text.startswith("What is 3 + 4? Reply with")
+    assert task.reward(task.prompt(34), completion) == pytest.approx(expected, abs=1e-12)
+
+
+def test_strict_answer_without_brevity_is_exact_or_partial_and_holds_prompts_out() -> None:
+    from screl.envs import StrictAnswer
+
+    task = StrictAnswer(partial=0.25, holdout=20)
+    assert task.reward(task.prompt(task.prompts()[0].prompt_id), "I think it is 99") == 0.0
+    first = task.prompts()[0]
+    total = str(first.metadata["a"] + first.metadata["b"])
+    assert task.reward(first, f"It is {total}") == 0.25 and task.reward(first, total) == 1.0
+    assert len(task.prompts()) == 80 and {p.prompt_id for p in task.val_prompts()} == {
+        p.prompt_id for p in CountLetter(holdout=20).val_prompts()}
+    with pytest.raises(ValueError, match=r"form='json'\) must be one of \['number', 'tag'\]"):
+        StrictAnswer(form="json")  # type: ignore[arg-type]
