@@ -96,6 +96,10 @@ def build_run_config(
     }
 
 
+def _generation_temperature(datamodule: Any) -> float:
+    return float(datamodule.generation.temperature)
+
+
 def _algo_for_model(grpo: Any, ppo: Any, checkpointing: Any) -> dict[str, Any] | None:
     """The module's ``algo``: the algorithm block; a PPO warm start reads with the checkpoints' fsspec options
     unless it names its own."""
@@ -130,7 +134,10 @@ class ScrelCLI(LightningCLI):
             ("grpo", "ppo", *TOP_LEVEL_BLOCKS), "data.init_args.run", compute_fn=build_run_config
         )
         parser.link_arguments(("grpo", "ppo", "checkpointing"), "model.init_args.algo", compute_fn=_algo_for_model)
-        parser.link_arguments("data.init_args.generation.temperature", "model.init_args.temperature")
+        # from the built DataModule: a parse-time link cannot reach into the subclass-mode `data` (it silently left
+        # the model at temperature 1.0, so every logprob the trainer recomputed disagreed with the engine's)
+        parser.link_arguments("data", "model.init_args.temperature", compute_fn=_generation_temperature,
+                              apply_on="instantiate")
 
     # -- validation before anything starts ---------------------------------------------------------
     def current_config(self) -> Namespace:
@@ -310,6 +317,7 @@ USAGE = """screl: asynchronous single-controller RL post-training (GRPO, PPO) on
   screl events check RUN_DIR       audit a run's events.jsonl (sampler rules, no group trained twice,
                                    every prompt accounted for)
   screl plot RUN_DIR [RUN_DIR ...]  PNG charts of runs (reward, staleness, IS weights, buffer, timeline)
+  screl fit ... --verbose          also Ray's logs and the workers' output (quiet by default)
 
 LightningCLI's own help follows.
 """
@@ -321,11 +329,21 @@ class _NoTips(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Drop Lightning's product tips and the pytree deprecation warning its own code triggers on every run
-    (neither is about the user's config)."""
+    """Drop Lightning's product tips, the pytree deprecation warning its own code triggers on every run and
+    transformers' weight-loading bars (none is about the user's config); show screl's start-up lines."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    lines = logging.getLogger("screl.startup")
+    if not lines.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        lines.addHandler(handler)
+        lines.setLevel(logging.INFO)
+        lines.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from screl.data.events import main as events_main
 
         return int(events_main(args[1:]) or 0)
+    if "--verbose" in args:  # Ray's and the workers' own output too
+        args.remove("--verbose")
+        os.environ["SCREL_VERBOSE"] = "1"
     quiet_third_party()
     try:
         ScrelCLI(args=args)

@@ -309,3 +309,14 @@ def test_help_describes_the_knobs() -> None:
     grpo = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--grpo.help", "GRPOConfig"],
                           capture_output=True, text=True, timeout=120)
     assert "Prompt groups per RL step" in grpo.stdout, grpo.stdout + grpo.stderr
+
+
+@pytest.mark.parametrize(("config", "temperature"), [("grpo_tiny.yaml", 0.6), ("ppo_tiny.yaml", 1.3)])
+def test_the_generation_temperature_reaches_the_models_logprobs(config: str, temperature: float) -> None:
+    """The trainer recomputes logprobs at the engine's temperature (a mismatch skews every IS weight)."""
+    from screl.cli import ScrelCLI
+
+    cli = ScrelCLI(args=["--config", str(ROOT / "configs" / config),
+                         "--data.init_args.generation.temperature", str(temperature)], run=False)
+    assert cli.datamodule.generation.temperature == temperature
+    assert cli.model.temperature == temperature

@@ -8,6 +8,8 @@ place outside the actors that talks to Ray.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,6 +29,8 @@ from screl.rollout.worker import WorkerResources, spawn_workers
 from screl.threads import thread_plan
 
 log = logging.getLogger(__name__)
+startup = logging.getLogger("screl.startup")
+"""One line per component as the rollout side starts, with its time (``screl fit`` shows them on stderr)."""
 
 
 WeightSource = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
@@ -121,7 +125,10 @@ class RolloutRuntime:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir), the
         controller resumes from it before its pump starts."""
         rc = self.run.ray
-        self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address)
+        t0 = time.perf_counter()
+        self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
+                                            log_to_driver=os.environ.get("SCREL_VERBOSE") == "1")
+        startup.info("screl: Ray %s in %.1f s", "started" if self._ray_started else "joined", time.perf_counter() - t0)
         try:
             # start-up in parallel: the workers boot (and load the weights) while TransferQueue starts,
             # and the controller boots while the workers finish
@@ -133,23 +140,29 @@ class RolloutRuntime:
                 task=task, sampling=sampling_params(g), workflow=g.workflow,
                 reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
             )
+            t1 = time.perf_counter()
             weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
             self.dataplane = DataPlane.start(
                 num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
             )
+            startup.info("screl: TransferQueue started in %.1f s (%d storage unit(s))", time.perf_counter() - t1,
+                         self.run.data_plane.num_storage_units)
             attached = [w.set_data_plane.remote(self.dataplane) for w in self.workers]
             self.controller = spawn_controller(
                 self.run, task, g, self.workers, self.dataplane, run_dir, seed, config_dict,
                 [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
             )
             ray.get(loaded + attached, timeout=self.timeout_s)
+            startup.info("screl: %d generation worker(s) ready in %.1f s (%s backend, weights loaded)", len(self.workers),
+                         time.perf_counter() - t1, g.backend)
+            t2 = time.perf_counter()
             if restore is not None:
                 summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
                 log.warning("screl: resumed the rollout side: %s", summary)
             info = ray.get(self.controller.start.remote(weights), timeout=self.timeout_s)
             self.events_path = info["events_path"]
-            log.info("screl: controller started; events -> %s", self.events_path)
+            startup.info("screl: controller started in %.1f s; events -> %s", time.perf_counter() - t2, self.events_path)
         except BaseException:
             self.shutdown()
             raise

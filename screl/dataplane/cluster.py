@@ -63,10 +63,9 @@ def start_local_ray(
     if ray.is_initialized():
         return False
     _force_loopback_env()
+    level = logging.INFO if log_to_driver else logging.WARNING  # quiet unless the workers' output is wanted
     if address is not None:
-        ray.init(
-            address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING
-        )
+        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=level)
         return True
     ray.init(
         address="local",
@@ -74,7 +73,7 @@ def start_local_ray(
         namespace=namespace,
         include_dashboard=False,
         log_to_driver=log_to_driver,
-        logging_level=logging.WARNING,
+        logging_level=level,
         object_store_memory=object_store_memory,
     )
     node_ip = ray.util.get_node_ip_address()

@@ -181,7 +181,9 @@ class GRPO(LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.policy_spec = policy
-        self.model = policy.build_model()
+        # train mode, as Lightning expects (from_pretrained loads in eval mode); the shipped policies have no
+        # dropout, so the trainer's logprobs stay the engine's (set a checkpoint's dropout to 0 for the same)
+        self.model = policy.build_model().train()
         self.loss_fn = loss_fn if loss_fn is not None else ClippedPGLoss()
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
