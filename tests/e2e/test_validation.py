@@ -83,7 +83,16 @@ def test_validation_in_an_async_run_is_pinned_while_rollouts_go_on(tmp_path: Pat
     cfg = _config(tmp_path / "run", 4, {"val_period": 2})
     cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
     cfg["model"]["init_args"]["loss_fn"]["init_args"] = {"use_importance_sampling_correction": True}
+    root = str(tmp_path / "run")  # CSV (the default) and TensorBoard side by side, as docs/running.md shows
+    cfg["trainer"]["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
+                                {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                 "init_args": {"save_dir": root, "name": "tb"}}]
     run_dir = run_fit(cfg, tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(next((tmp_path / "run" / "tb").rglob("events.out.tfevents.*")).parent)).Reload()
+    assert [(s.step, s.value) for s in tb.Scalars("val/version")] == [(2, 2.0), (4, 4.0)]
+    assert len(tb.Scalars("reward")) == 4
     events = _events(run_dir)
     assert [(e.trainer_version, e.extra["token_versions"]) for e in events if e.name == "validate"] == [
         (2, [2]), (4, [4])]
