@@ -149,11 +149,19 @@ class RolloutCore:
         self.batch_index += 1
         return batch
 
+    def hold_spares(self, eff: Effects, drained: bool = False) -> None:
+        """Hold dataloader batches back as replacement spares while the reserve is short (``drained``: only
+        while it is empty, after a burst of drops took every spare)."""
+        def short() -> bool:
+            return self.reserve.policy.enabled and not len(self.reserve) if drained else self.reserve.wants_batch()
+
+        while short() and self._loader_open():
+            eff.events.append(self.reserve.hold(self._loader_batch(), self.epoch, self.trainer_version))
+
     def _admit(self, eff: Effects) -> bool:
         """Admit the next batch: the dataloader's (after holding back batches while the replacement reserve is
         short), or once it is exhausted a step's worth of spares."""
-        while self._loader_open() and self.reserve.wants_batch():
-            eff.events.append(self.reserve.hold(self._loader_batch(), self.epoch, self.trainer_version))
+        self.hold_spares(eff)
         from_loader = self._loader_open()
         if not from_loader and len(self.reserve) < self.P:
             self.admission_closed = True

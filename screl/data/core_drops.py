@@ -54,8 +54,7 @@ def _refill(core: RolloutCore, run: GroupRun, eff: Effects) -> bool:
     """Hand a dropped group's slot to a spare from the replacement reserve, stamped for the same step; it is
     reserved ahead of the queue. False: no spare, or the slot's ``max_replacement_attempts`` is spent."""
     stamp = run.target_step
-    while core.settings.reserve.enabled and not len(core.reserve) and core._loader_open():  # a burst drained it
-        eff.events.append(core.reserve.hold(core._loader_batch(), core.epoch, core.trainer_version))
+    core.hold_spares(eff, drained=True)
     if (stamp is not None and stamp < core.trainer_version) or not core.reserve.can_replace(run.replacements):
         return False
     prompt_id, epoch = core.reserve.take()
