@@ -13,7 +13,7 @@ import re
 from typing import Literal
 
 from screl.envs.base import PromptRecord
-from screl.envs.tasks import _Arithmetic, split_holdout
+from screl.envs.tasks import _Arithmetic
 
 _QUESTIONS = {
     "number": "What is {a} + {b}? Reply with the number only.",
@@ -42,11 +42,8 @@ class StrictAnswer(_Arithmetic):
             raise ValueError(f"StrictAnswer(partial={partial!r}) must be in [0, 1)")
         if brevity_chars < 0:
             raise ValueError(f"StrictAnswer(brevity_chars={brevity_chars!r}) must be >= 0")
-        super().__init__(holdout)
+        super().__init__(holdout, question=_QUESTIONS[form])
         self.form, self.partial, self.brevity_chars = form, partial, brevity_chars
-        records = [PromptRecord(p.prompt_id, _QUESTIONS[form].format(**p.metadata), p.metadata)
-                   for p in self._train + self._held]
-        self._train, self._held = split_holdout(sorted(records, key=lambda r: r.prompt_id), holdout)
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """1.0 for the sum alone in the required form; if the sum appears otherwise, ``partial`` plus

@@ -19,11 +19,15 @@ def split_holdout(records: list[PromptRecord], holdout: int) -> tuple[list[Promp
 
 
 class _Arithmetic(Task):
-    """The 100 arithmetic prompts, ``holdout`` of them kept back for validation."""
+    """The 100 arithmetic prompts, ``holdout`` of them kept back for validation; ``question`` (with ``{a}`` and
+    ``{b}``) rewords them, ids and metadata unchanged."""
 
-    def __init__(self, holdout: int = 0) -> None:
+    def __init__(self, holdout: int = 0, question: str | None = None) -> None:
         self.holdout = holdout
-        self._train, self._held = split_holdout(arithmetic_prompts(), holdout)
+        records = arithmetic_prompts()
+        if question is not None:
+            records = [PromptRecord(p.prompt_id, question.format(**p.metadata), p.metadata) for p in records]
+        self._train, self._held = split_holdout(records, holdout)
 
     def prompts(self) -> list[PromptRecord]:
         """The arithmetic prompts less the held-out ones (the reward may ignore them)."""
