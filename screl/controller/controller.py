@@ -205,6 +205,11 @@ class RolloutController:
             await self._execute(self.core.report(rep, time.perf_counter()))
 
     # ------------------------------------------------------------------ lifecycle
+    def set_data_plane(self, dataplane: Any) -> None:
+        """The data plane of the run (handed over once TransferQueue has started, which it does while this
+        actor boots)."""
+        self.dp = dataplane
+
     async def start(self, weights: list[Any] | None = None) -> dict[str, Any]:
         """Start the rollout pump (``weights``: the workers' current weights, re-pushed after a worker restart)."""
         self.latest_weights = weights

@@ -19,6 +19,7 @@ import torch
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.controller import RolloutController
 from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
+from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.backends import iter_buckets
@@ -130,32 +131,7 @@ class RolloutRuntime:
                                             log_to_driver=os.environ.get("SCREL_VERBOSE") == "1")
         startup.info("screl: Ray %s in %.1f s", "started" if self._ray_started else "joined", time.perf_counter() - t0)
         try:
-            # start-up in parallel: the workers boot (and load the weights) while TransferQueue starts,
-            # and the controller boots while the workers finish
-            g = self.generation
-            check_cluster_fits(g, ray.cluster_resources())
-            self.workers = spawn_workers(
-                g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
-                backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
-                task=task, sampling=sampling_params(g), workflow=g.workflow,
-                reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
-            )
-            t1 = time.perf_counter()
-            weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
-            loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
-            self.dataplane = DataPlane.start(
-                num_storage_units=self.run.data_plane.num_storage_units, partition_id=self.run.data_plane.partition_id
-            )
-            startup.info("screl: TransferQueue started in %.1f s (%d storage unit(s))", time.perf_counter() - t1,
-                         self.run.data_plane.num_storage_units)
-            attached = [w.set_data_plane.remote(self.dataplane) for w in self.workers]
-            self.controller = spawn_controller(
-                self.run, task, g, self.workers, self.dataplane, run_dir, seed, config_dict,
-                [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
-            )
-            ray.get(loaded + attached, timeout=self.timeout_s)
-            startup.info("screl: %d generation worker(s) ready in %.1f s (%s backend, weights loaded)", len(self.workers),
-                         time.perf_counter() - t1, g.backend)
+            weights = self._start_fleet(task, policy, run_dir, initial_weights, seed, config_dict, val_task)
             t2 = time.perf_counter()
             if restore is not None:
                 summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
@@ -166,6 +142,42 @@ class RolloutRuntime:
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_fleet(
+        self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
+        config_dict: dict[str, Any] | None, val_task: Task | None,
+    ) -> list[Any]:
+        """Start TransferQueue, the workers (with ``initial_weights`` loaded) and the controller actor, all at
+        once: TransferQueue (its controller, then its storage units, one after the other) starts in a thread
+        while the workers and the controller boot. Returns the weights' object refs."""
+        g, dpc = self.generation, self.run.data_plane
+        check_cluster_fits(g, ray.cluster_resources())
+        t1 = time.perf_counter()
+        dp_future = in_daemon_thread(
+            lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id)
+        )
+        try:
+            self.workers = spawn_workers(
+                g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
+                backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
+                task=task, sampling=sampling_params(g), workflow=g.workflow,
+                reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
+            )
+            weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
+            loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
+            self.controller = spawn_controller(
+                self.run, task, g, self.workers, None, run_dir, seed, config_dict,
+                [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
+            )
+        finally:  # a failed spawn still waits for TransferQueue, so shutdown() stops it
+            self.dataplane = dp_future.result()
+        startup.info("screl: TransferQueue started in %.1f s (%d storage unit(s))", time.perf_counter() - t1,
+                     dpc.num_storage_units)
+        attached = [a.set_data_plane.remote(self.dataplane) for a in [*self.workers, self.controller]]
+        ray.get(loaded + attached, timeout=self.timeout_s)
+        startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights loaded)",
+                     len(self.workers), time.perf_counter() - t1, g.backend)
+        return weights
 
     def next_chunk(self) -> dict[str, Any] | None:
         """Metadata of the next training chunk, or None when the run is done."""
