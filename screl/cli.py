@@ -234,6 +234,17 @@ def _generation_line(cfg: dict[str, Any]) -> str:
             f"GPU each; refits in {g.refit_bucket_mb:g} MiB buckets")
 
 
+def _correction_line(loss_args: dict[str, Any]) -> str:
+    """How the loss corrects for stale rollouts (the plan's ``IS correction`` line)."""
+    if loss_args.get("proximal_policy") == "behaviour":
+        return "off (naive PPO: the ratio is clipped against the behaviour policy)"
+    if not loss_args.get("use_importance_sampling_correction", False):
+        return "off"
+    level, trunc = loss_args.get("is_level", "token"), loss_args.get("is_truncation")
+    bound = "untruncated" if trunc is None else f"{loss_args.get('is_mode', 'truncate')} at {trunc}"
+    return f"on ({level} level, {bound}; decoupled PPO against the trainer's policy)"
+
+
 def _thread_plan(cfg: dict[str, Any], run: RunConfig) -> ThreadPlan:
     data = cfg["data"]["init_args"]
     generation = from_dict(GenerationConfig, data.get("generation") or {})
@@ -248,7 +259,6 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
     knobs = {k: v for k, v in vars(sampler).items() if k != "name"}
     loss = (cfg.get("model") or {}).get("init_args", {}).get("loss_fn") or {}
     loss_args = loss.get("init_args", loss) if isinstance(loss, dict) else {}
-    is_on = bool(loss_args.get("use_importance_sampling_correction", False))
     steps = run.algo.max_num_steps
     staleness = run.sampler_rules.describe()
     chunks = -(-run.groups_per_step // run.min_groups)
@@ -264,7 +274,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         " (max_buffered_rollouts)",
         f"in-flight bound      {run.max_inflight_prompts} prompt groups (max_inflight_prompts)",
         f"streaming            >= {run.min_groups} groups per chunk, up to {chunks} chunk(s) per step",
-        f"IS correction        {'on' if is_on else 'off'}",
+        f"IS correction        {_correction_line(loss_args)}",
         f"max steps            {steps if steps is not None else 'epochs x batches / trainer.max_steps'}",
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
         f"torch threads        {_thread_plan(cfg, run).describe()}",

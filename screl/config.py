@@ -103,6 +103,11 @@ class AdvantageEstimatorConfig:
     """(grpo) Baseline each row with the mean of its siblings excluding itself (else the group mean)."""
     normalize_rewards: bool = True
     """(grpo) Divide advantages by the group's reward standard deviation (zero-variance groups give 0)."""
+    std_floor: float = 0.0
+    """(grpo) Lower bound on that std (0: none, as upstream). Near-tied leave-one-out siblings give a tiny std;
+    a floor of 0.1 bounds each advantage by 10x its reward gap."""
+    warn_abs_advantage: float = 10.0
+    """Warn (once) when an advantage's magnitude exceeds this; ``train/advantage_abs_max`` logs it every step."""
     gamma: float = 1.0
     """(gae) Discount factor."""
     lam: float = 0.95

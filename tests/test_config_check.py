@@ -61,6 +61,23 @@ def test_capacity_plan_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "1 worker(s), backend torch on cpu, 1 CPU / 0 GPU each; refits in 64 MiB buckets" in out
 
 
+def test_the_plan_names_the_off_policy_correction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")  # async lookahead 1, token TIS at 2.0
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "IS correction        on (token level, truncate at 2.0; decoupled PPO against the trainer's policy)" in out
+    # naive PPO (clipping against the behaviour policy) is accepted as an async correction and named as such
+    loss = cfg["model"]["init_args"]["loss_fn"]["init_args"]
+    loss.update(use_importance_sampling_correction=False, proximal_policy="behaviour")
+    del loss["is_truncation"]
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "IS correction        off (naive PPO: the ratio is clipped against the behaviour policy)" in out
+    loss["use_importance_sampling_correction"] = True  # and an IS weight on top of it is refused
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc != 0 and "would correct twice" in out, out
+
+
 def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node = cfg
     *parents, last = dotted.split(".")
@@ -96,6 +113,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("ready_first_needs_is", "samplers/ready_first.yaml", {IS_KEY: False}, IS_KEY, "ready_first"),
     ("ready_first_needs_is_w0", "samplers/ready_first.yaml",
      {IS_KEY: False, "async_rl.sampler.max_staleness_versions": 0}, IS_KEY, "stragglers"),
+    ("std_floor_negative", "grpo_tiny.yaml", {"grpo.adv_estimator": {"std_floor": -0.1}},
+     "grpo.adv_estimator.std_floor", "must be >= 0"),
     ("epochs_nonpositive", "grpo_tiny.yaml", {"grpo.max_num_epochs": -1}, "grpo.max_num_epochs",
      "no -1 = unbounded"),
     ("legacy_async_grpo", "grpo_tiny.yaml", {"grpo.async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}},

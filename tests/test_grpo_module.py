@@ -156,3 +156,41 @@ def test_a_step_whose_every_sample_is_filtered_fails_and_never_steps() -> None:
     with pytest.raises(RuntimeError, match=r"step 0: every sample is filtered out of the loss \(8 masked"):
         _fit(model, [collate_chunk(meta, data, pad_id=0)])
     assert all(torch.equal(v, before[k]) for k, v in model.model.state_dict().items())
+
+
+def _near_tie_batch() -> dict[str, Any]:
+    """One group of 4 whose leave-one-out siblings nearly tie for the last row: rewards [0.1, 0.1, 0.11, 0.5]."""
+    meta, data = _rollouts(2, temperature=1.0)
+    data["reward"] = [torch.tensor([r]) for r in (0.1, 0.1, 0.11, 0.5)]
+    batch = collate_chunk(meta, data, pad_id=0)
+    batch["step_groups"] = 1
+    return batch
+
+
+def _group_of_four(std_floor: float) -> GRPO:
+    return GRPO(policy=SPEC, loss_fn=ClippedPGLoss(), learning_rate=1e-2, max_grad_norm=None,
+                algo={"num_prompts_per_step": 1, "num_generations_per_prompt": 4,
+                      "adv_estimator": {"std_floor": std_floor}})
+
+
+def test_an_advantage_blow_up_is_logged_and_warned_and_the_std_floor_bounds_it(
+    caplog: Any,
+) -> None:
+    import logging
+    import math
+
+    import pytest
+
+    # the last row's siblings [0.1, 0.1, 0.11]: baseline 0.31/3, Bessel std sqrt((2 (0.01/3)^2 + (0.02/3)^2) / 2)
+    gap = 0.5 - 0.31 / 3
+    std = math.sqrt((2 * (0.01 / 3) ** 2 + (0.02 / 3) ** 2) / 2)
+    with caplog.at_level(logging.WARNING, logger="screl.modules.grpo"):
+        cap = _fit(_group_of_four(0.0), [_near_tie_batch()])
+    assert cap.metrics[0]["train/advantage_abs_max"] == pytest.approx(gap / (std + 1e-6), rel=1e-5)  # ~68.7
+    warned = [r.getMessage() for r in caplog.records if "advantage of magnitude" in r.getMessage()]
+    assert len(warned) == 1 and "grpo.adv_estimator.std_floor" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="screl.modules.grpo"):
+        cap = _fit(_group_of_four(0.1), [_near_tie_batch()])
+    assert cap.metrics[0]["train/advantage_abs_max"] == pytest.approx(gap / (0.1 + 1e-6), rel=1e-5)  # ~3.97
+    assert not [r for r in caplog.records if "advantage of magnitude" in r.getMessage()]

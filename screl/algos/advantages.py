@@ -35,6 +35,7 @@ def grpo_advantages(
     leave_one_out: bool = True,
     normalize_std: bool = True,
     eps: float = 1e-6,
+    std_floor: float = 0.0,
 ) -> Tensor:
     """Group-relative (GRPO) advantages, one scalar per row.
 
@@ -45,7 +46,7 @@ def grpo_advantages(
     * ``A_i = r_i - b_i``;
     * with ``normalize_std``: ``s_i`` is the Bessel-corrected std over the same set as the baseline
       (the other valid rows for leave-one-out, all valid rows otherwise); where ``s_i > 0``,
-      ``A_i /= (s_i + eps)``; where the set has fewer than two rows or zero spread, ``A_i`` is left
+      ``A_i /= (max(s_i, std_floor) + eps)``; where the set has fewer than two rows or zero spread, ``A_i`` is left
       unnormalized (so an all-equal group gives exactly 0).
 
     Masked rows are **excluded** from their group's baseline and std, and their own advantage is 0 (so a
@@ -59,6 +60,7 @@ def grpo_advantages(
         leave_one_out: leave-one-out baseline (RLOO) instead of the group mean.
         normalize_std: divide by the group std (see above).
         eps: added to a positive std before dividing.
+        std_floor: lower bound on a positive std (``0``: none); bounds ``|A_i|`` by ``|r_i - b_i| / std_floor``.
 
     Returns ``[B]`` advantages, same dtype as ``rewards``.
     """
@@ -69,13 +71,17 @@ def grpo_advantages(
     )
     m = valid.to(r.dtype)
     r = torch.where(valid, r, torch.zeros_like(r))  # masked rewards may be NaN or garbage
-    adv = _relative_to_baseline(r, m, leave_one_out, normalize_std, eps)
+    if std_floor < 0:
+        raise ValueError(f"`grpo_advantages(std_floor={std_floor!r})` is invalid: it must be >= 0 (0 for none).")
+    adv = _relative_to_baseline(r, m, leave_one_out, normalize_std, eps, std_floor)
     n_valid = m.sum(-1, keepdim=True)  # [N, 1]
     keep = valid & (n_valid > 1.0)
     return torch.where(keep, adv, torch.zeros_like(adv)).reshape(rewards.shape)
 
 
-def _relative_to_baseline(r: Tensor, m: Tensor, leave_one_out: bool, normalize_std: bool, eps: float) -> Tensor:
+def _relative_to_baseline(
+    r: Tensor, m: Tensor, leave_one_out: bool, normalize_std: bool, eps: float, std_floor: float = 0.0
+) -> Tensor:
     """``[N, G]`` rewards minus each row's baseline, over its baseline set, std-normalized where it can be."""
     group_size = r.shape[1]
     # member[n, i, j] = 1 if row j belongs to row i's baseline set.
@@ -89,7 +95,7 @@ def _relative_to_baseline(r: Tensor, m: Tensor, leave_one_out: bool, normalize_s
         sq_dev = member * (r[:, None, :] - baseline[..., None]) ** 2
         std = (sq_dev.sum(-1) / (k - 1.0).clamp(min=1.0)).sqrt()
         normalize = (k > 1.0) & (std > 0)
-        adv = torch.where(normalize, adv / (std + eps), adv)
+        adv = torch.where(normalize, adv / (std.clamp(min=std_floor) + eps), adv)
     return adv
 
 

@@ -24,7 +24,8 @@ __all__ = ["ClippedPGLoss", "ClippedValueLoss", "KLEstimator", "PolicyLoss", "kl
 
 KLEstimator = Literal["k1", "k2", "k3"]
 _KL_ESTIMATORS = ("k1", "k2", "k3")
-_IS_LEVELS = ("token", "sequence")
+_IS_LEVELS = ("token", "sequence", "geometric")
+_PROXIMAL = ("trainer", "behaviour")
 _IS_MODES = ("truncate", "mask")
 #: One hyperparameter check: ``(failed, argument, why, fix)``.
 _Check = tuple[bool, str, str, str]
@@ -87,13 +88,17 @@ class ClippedPGLoss(nn.Module):
     (Yu et al. 2025), dual clip (Ye et al. 2020), GSPO sequence ratios (Zheng et al. 2025), a KL penalty
     to a reference policy, and importance-sampling correction for off-policy (async) rollouts.
 
-    Per valid token, with ``rho = exp(logpi - logpi_old)`` and ``A`` the advantage:
+    Per valid token, with ``rho = exp(logpi - logpi_prox)`` and ``A`` the advantage:
     ``l = max(-A rho, -A clip(rho, 1 - ratio_clip_min, 1 + ratio_clip_max))``; with dual clip,
-    ``l = min(l, -ratio_clip_c * A)`` where ``A < 0``. With IS correction each term is weighted by the
-    detached ``w = exp(logpi_old - logpi_gen)``: ``pi_old`` is the policy at the step's start (whose
-    logprobs the trainer recomputes) and ``pi_gen`` the behaviour policy that generated the tokens, so
-    ``E_gen[w l] = E_old[l]``. ``is_level="sequence"`` uses the whole-sequence ratio
-    ``w = exp(sum_t (logpi_old - logpi_gen))`` for every token of a row. ``is_truncation`` bounds ``w``:
+    ``l = min(l, -ratio_clip_c * A)`` where ``A < 0``. The proximal policy ``pi_prox`` the ratio is clipped
+    against is ``pi_old`` (``proximal_policy="trainer"``), the trainer's policy at the step's start, the step
+    that claimed the data (its logprobs the trainer recomputes); or, naive PPO, the behaviour policy ``pi_gen``
+    that generated the tokens (``"behaviour"``; no IS weight then). With IS correction each term is weighted
+    by the detached ``w = exp(logpi_old - logpi_gen)``, so ``E_gen[w l] = E_old[l]``: decoupled PPO (Hilton
+    et al. 2021; AReaL's objective when untruncated). ``is_level="sequence"`` uses the whole-sequence ratio
+    ``w = exp(sum_t (logpi_old - logpi_gen))`` for every token of a row, ``"geometric"`` its geometric mean
+    over the row's tokens ``w = exp(mean_t (logpi_old - logpi_gen))`` (GSPO-style, does not grow with the
+    length). ``is_truncation`` bounds ``w``:
     ``is_mode="truncate"`` clamps it to ``[is_truncation_min, is_truncation]`` (TIS); ``"mask"`` zeroes
     the tokens (or, at sequence level, whole rows) whose weight falls outside (masked IS / icepop).
     Non-finite weights become 0.
@@ -115,13 +120,15 @@ class ClippedPGLoss(nn.Module):
         kl_clamp: bound on the per-token KL estimate; ``None`` disables it.
         use_importance_sampling_correction: weight by ``pi_old / pi_gen``; turn on whenever the sampler
             admits stale rollouts.
-        is_level: ``"token"`` or ``"sequence"``.
+        is_level: ``"token"``, ``"sequence"`` (product over the row) or ``"geometric"`` (geometric mean).
         is_mode: ``"truncate"`` (TIS) or ``"mask"`` (MIS); needs ``is_truncation``.
         is_truncation: upper bound on the IS weight; ``None`` means untruncated.
         is_truncation_min: lower bound on the IS weight (``0`` = none); ``<= is_truncation``.
+        proximal_policy: ``"trainer"`` (decoupled PPO) or ``"behaviour"`` (naive PPO: clip against
+            ``pi_gen``, the baseline that loses accuracy as staleness grows; needs the IS correction off).
     """
 
-    # 13 arguments (budget ~8): they are the flat `loss_fn:` YAML keys users already write.
+    # 14 arguments (budget ~8): they are the flat `loss_fn:` YAML keys users already write.
     def __init__(
         self,
         ratio_clip_min: float = 0.2,
@@ -133,10 +140,11 @@ class ClippedPGLoss(nn.Module):
         kl_estimator: KLEstimator = "k3",
         kl_clamp: float | None = 10.0,
         use_importance_sampling_correction: bool = False,
-        is_level: Literal["token", "sequence"] = "token",
+        is_level: Literal["token", "sequence", "geometric"] = "token",
         is_mode: Literal["truncate", "mask"] = "truncate",
         is_truncation: float | None = None,
         is_truncation_min: float = 0.0,
+        proximal_policy: Literal["trainer", "behaviour"] = "trainer",
     ) -> None:
         super().__init__()
         self.ratio_clip_min = ratio_clip_min
@@ -152,6 +160,7 @@ class ClippedPGLoss(nn.Module):
         self.is_mode = is_mode
         self.is_truncation = is_truncation
         self.is_truncation_min = is_truncation_min
+        self.proximal_policy = proximal_policy
         issues = self._issues()
         if issues:
             raise ValueError("\n".join(issues))
@@ -205,6 +214,14 @@ class ClippedPGLoss(nn.Module):
         return [
             (self.is_level not in _IS_LEVELS, "is_level", "unknown level", f"Use one of {_IS_LEVELS}"),
             (self.is_mode not in _IS_MODES, "is_mode", "unknown mode", f"Use one of {_IS_MODES}"),
+            (self.proximal_policy not in _PROXIMAL, "proximal_policy", "unknown proximal policy",
+             f"Use one of {_PROXIMAL}"),
+            (
+                self.proximal_policy == "behaviour" and self.use_importance_sampling_correction,
+                "proximal_policy",
+                "naive PPO clips against the behaviour policy itself, an IS weight on top would correct twice",
+                "Set use_importance_sampling_correction=False, or proximal_policy='trainer' (decoupled PPO)",
+            ),
             (
                 trunc is not None and not self.use_importance_sampling_correction,
                 "is_truncation",
@@ -280,7 +297,8 @@ class ClippedPGLoss(nn.Module):
         m = mask.to(curr.dtype)
         row_count = m.sum(-1)  # [B]
         metrics: dict[str, Tensor] = {}
-        ratio, per_token = self._surrogate(curr, prev, adv, m, row_count, metrics)
+        prox = gen if self.proximal_policy == "behaviour" else prev
+        ratio, per_token = self._surrogate(curr, prox, adv, m, row_count, metrics)
         weight = self._is_weight(prev - gen, m, row_count > 0, metrics)
         policy_loss = self._reduce(weight * per_token, m, row_count, global_normalizer)
         loss = policy_loss
@@ -302,7 +320,8 @@ class ClippedPGLoss(nn.Module):
         self, curr: Tensor, prev: Tensor, adv: Tensor, m: Tensor, row_count: Tensor,
         metrics: dict[str, Tensor],
     ) -> tuple[Tensor, Tensor]:
-        """The importance ratio (per token, or GSPO's per row) and the clipped, dual-clipped surrogate."""
+        """The ratio to the proximal policy (per token, or GSPO's per row) and the clipped, dual-clipped
+        surrogate."""
         log_ratio = curr - prev
         if self.sequence_level_importance_ratios:
             log_ratio = ((log_ratio * m).sum(-1) / row_count.clamp(min=1.0))[:, None].expand_as(curr)
@@ -348,10 +367,12 @@ class ClippedPGLoss(nn.Module):
     def _is_weight(self, log_w: Tensor, m: Tensor, row_valid: Tensor, metrics: dict[str, Tensor]) -> Tensor:
         """Detached IS weight per token (1 when correction is off); records raw-weight statistics.
 
-        Statistics are over the weighting units: valid tokens, or valid rows at sequence level.
+        Statistics are over the weighting units: valid tokens, or valid rows at the sequence levels.
         """
-        if self.is_level == "sequence":
+        if self.is_level in ("sequence", "geometric"):
             row_log_w = (log_w * m).sum(-1)  # [B]
+            if self.is_level == "geometric":
+                row_log_w = row_log_w / m.sum(-1).clamp(min=1.0)
             unit_log_w = row_log_w[row_valid]
             log_w = row_log_w[:, None].expand_as(log_w)
         else:

@@ -23,6 +23,7 @@ it). A reference policy (KL) stays a replicated Hugging Face model.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
 from screl.rollout.backends import iter_buckets, merge_buckets
 from screl.rollout.rows import FINISH_CODES
+
+log = logging.getLogger(__name__)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
@@ -197,6 +200,7 @@ class GRPO(LightningModule):
             self.reference = self._frozen_copy()
         self._step_started: float | None = None
         self._step_trained_rows = 0.0  # rows of the open step that the loss sees (sample_mask)
+        self._warned_advantage = False
         self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -278,6 +282,7 @@ class GRPO(LightningModule):
         chunk = self._chunk_tensors(batch)
         self._step_trained_rows += float(chunk.sample_mask.sum())
         loss_total, metrics_acc = self._backward_chunk(batch, chunk)
+        metrics_acc["advantage_abs_max"] = [chunk.advantages.abs().max()]
         stepped = bool(batch["last_chunk"])
         if stepped:
             trained, self._step_trained_rows = self._step_trained_rows_everywhere(batch), 0.0
@@ -313,7 +318,9 @@ class GRPO(LightningModule):
             None,
             leave_one_out=self.algo.adv_estimator.use_leave_one_out_baseline,
             normalize_std=self.algo.adv_estimator.normalize_rewards,
+            std_floor=self.algo.adv_estimator.std_floor,
         )
+        self._watch_advantages(advantages, int(batch["trainer_version"]))
         valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
         if "chunk_valid_tokens" in batch:
             valid_tokens = torch.as_tensor(float(batch["chunk_valid_tokens"]), device=self.device).clamp_min(1.0)
@@ -322,6 +329,18 @@ class GRPO(LightningModule):
             step_groups=int(batch["step_groups"]), sample_mask=sample_mask, token_mask=token_mask,
             advantages=advantages, valid_tokens=valid_tokens,
         )
+
+    def _watch_advantages(self, advantages: Tensor, step: int) -> None:
+        """Warn once when an advantage blows up (near-tied leave-one-out siblings), naming the fixes."""
+        limit = self.algo.adv_estimator.warn_abs_advantage
+        peak = float(advantages.abs().max()) if advantages.numel() else 0.0
+        if peak > limit and not self._warned_advantage:
+            self._warned_advantage = True
+            log.warning("screl: step %d has an advantage of magnitude %.1f (> adv_estimator.warn_abs_advantage = "
+                        "%g): the siblings it was normalized against nearly tie, and the step follows that one "
+                        "sample. Bound it with grpo.adv_estimator.std_floor (e.g. 0.1) or "
+                        "use_leave_one_out_baseline: false; train/advantage_abs_max logs it every step.",
+                        step, peak, limit)
 
     def _backward_chunk(self, batch: dict[str, Any], chunk: _Chunk) -> tuple[Tensor, dict[str, list[Tensor]]]:
         """Backpropagate the chunk micro-batch by micro-batch; returns its loss (summed over the data-parallel
@@ -407,7 +426,7 @@ class GRPO(LightningModule):
             logs["train/grad_norm"] = grad_norm
         for key in ("buffer_fill", "inflight", "wait_s", "generation_s", "filtered", "replaced"):
             if key in batch:
-                (bar if key == "buffer_fill" else logs)[f"rollout/{key}"] = float(batch[key])
+                (bar if key in ("buffer_fill", "inflight") else logs)[f"rollout/{key}"] = float(batch[key])
         for k, vs in metrics.items():
             stacked = torch.stack(vs)
             logs[f"train/{k}"] = stacked.max() if k.endswith("max") or k == "logprob_mismatch" else stacked.mean()

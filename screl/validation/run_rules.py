@@ -178,8 +178,9 @@ def _sampler_needs_rules(c: RuleContext) -> None:
     loss_is = get(c.cfg, "model.init_args.loss_fn.init_args.use_importance_sampling_correction", None)
     if loss_is is None:
         loss_is = get(c.cfg, "model.init_args.loss_fn.use_importance_sampling_correction", False)
-    needed = c.rules.correction_needed()
-    if needed is not None and not loss_is:
+    proximal = get(c.cfg, "model.init_args.loss_fn.init_args.proximal_policy", None)
+    needed = c.rules.correction_needed()  # naive PPO (clipping against the behaviour policy) is a correction too
+    if needed is not None and not loss_is and proximal != "behaviour":
         c.bad("model.init_args.loss_fn.init_args.use_importance_sampling_correction", loss_is, *needed)
     budget = c.rf.get("max_skipped_prompts", 0) + c.rf.get("max_consecutive_dropped_prompts", 0)
     if budget > 0 and not c.rules.supports_drop_budgets and c.rf.get("on_dropped_prompt") != "replace":
@@ -311,6 +312,12 @@ def _sampling_rules(c: RuleContext) -> None:
 def algorithm_pairing_rules(c: RuleContext) -> None:
     """PPO needs a critic, GAE, in_order and full steps; GRPO has no critic."""
     adv_name = get(c.algo, "adv_estimator.name", "gae" if c.algo_key == "ppo" else "grpo")
+    for knob, ok, fix in (("std_floor", lambda v: v >= 0, "set it to 0 (none) or e.g. 0.1"),
+                          ("warn_abs_advantage", lambda v: v > 0, "set it to e.g. 10")):
+        value = get(c.algo, f"adv_estimator.{knob}", None)
+        if isinstance(value, (int, float)) and not ok(value):
+            c.bad(f"{c.algo_key}.adv_estimator.{knob}", value, "must be >= 0" if knob == "std_floor" else "must be > 0",
+                  fix)
     if c.algo_key != "ppo":
         if adv_name != "grpo":
             c.bad("grpo.adv_estimator.name", adv_name, "GRPO uses group-relative advantages",

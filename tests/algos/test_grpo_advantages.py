@@ -115,3 +115,27 @@ def test_invalid_shapes_raise() -> None:
         grpo_advantages(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match=r"sample_mask.shape=\(3,\)"):
         grpo_advantages(torch.zeros(4), 2, torch.ones(3))
+
+
+def test_std_floor_bounds_the_near_tie_blow_up() -> None:
+    # r = [0.1, 0.1, 0.11, 0.5], leave-one-out. Row 3: others [0.1, 0.1, 0.11], b = 0.31/3, deviations
+    # [-0.01/3, -0.01/3, 0.02/3], Bessel std s = sqrt(6e-4/9 / 2) ~ 0.00577 -> A = (0.5 - b) / s ~ 68.7.
+    # A floor of 0.1 divides by max(s, 0.1) instead: (0.5 - b) / 0.1 ~ 3.97. Rows 0-2 have a wide spread
+    # among their others (they include 0.5), above the floor: unchanged.
+    r = torch.tensor([0.1, 0.1, 0.11, 0.5])
+    b3 = 0.31 / 3
+    s3 = math.sqrt((2 * (0.01 / 3) ** 2 + (0.02 / 3) ** 2) / 2)
+    plain = grpo_advantages(r, 4)
+    floored = grpo_advantages(r, 4, std_floor=0.1)
+    close(plain[3:], [(0.5 - b3) / (s3 + EPS)])
+    close(floored[3:], [(0.5 - b3) / (0.1 + EPS)])
+    close(floored[:3], plain[:3])
+    assert float(plain[:3].abs().max()) < 1.0  # the others' stds exceed the floor
+    # zero spread stays unnormalized and equal groups stay exactly 0 under a floor
+    close(grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), 3, std_floor=0.5)[:1], [1.0])
+    assert torch.equal(grpo_advantages(torch.full((4,), 2.0), 4, std_floor=0.5), torch.zeros(4))
+
+
+def test_negative_std_floor_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"std_floor=-0.1.*must be >= 0"):
+        grpo_advantages(torch.zeros(4), 4, std_floor=-0.1)

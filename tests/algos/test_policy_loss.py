@@ -194,7 +194,7 @@ IS_ONES = [[1.0, 1.0], [1.0, 1.0]]
 IS_W = [[2.0, 0.5], [1.0, 4.0]]
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("token_level_loss", [True, False])
 def test_on_policy_weights_are_one_and_loss_unchanged(level: str, token_level_loss: bool) -> None:
     # gen == prev -> w = 1 exactly, so the corrected loss equals the uncorrected one bit for bit
@@ -305,6 +305,8 @@ ALL_CONFIGS: list[dict[str, object]] = [
         "is_truncation": 2.0,
         "is_mode": "mask",
     },
+    {"use_importance_sampling_correction": True, "is_level": "geometric", "is_truncation": 2.0},
+    {"proximal_policy": "behaviour", "ratio_clip_c": 3.0},
 ]
 
 
@@ -374,7 +376,7 @@ def test_kl_estimate_gradcheck_float64(estimator: str) -> None:
         ({"reference_policy_kl_penalty": -1.0}, r"reference_policy_kl_penalty=-1.0.*must be >= 0"),
         ({"kl_estimator": "k4"}, r"kl_estimator='k4'.*Use one of \('k1', 'k2', 'k3'\)"),
         ({"kl_clamp": 0.0}, r"kl_clamp=0.0.*must be > 0"),
-        ({"is_level": "group"}, r"is_level='group'.*Use one of \('token', 'sequence'\)"),
+        ({"is_level": "group"}, r"is_level='group'.*Use one of \('token', 'sequence', 'geometric'\)"),
         ({"is_mode": "clip"}, r"is_mode='clip'.*Use one of \('truncate', 'mask'\)"),
         ({"is_truncation": 2.0}, r"is_truncation=2.0.*Set use_importance_sampling_correction=True"),
         (
