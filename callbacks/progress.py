@@ -3,8 +3,9 @@
 A screl run's batches are training chunks of an open-ended stream, so Lightning's own bar reads
 ``Epoch 0/0 12/--`` with no total. This one counts ``trainer.global_step`` (RL steps, also after a resume)
 against the run's last step (the smallest of ``trainer.max_steps``, ``max_num_steps`` and epochs x batches),
-is labelled ``RL steps`` and drops ``v_num``. The metrics the modules put on the bar (reward, staleness,
-buffer fill) stay. Rich when it is installed (Lightning's own default), else tqdm.
+is labelled ``RL steps``, shows its rate in steps/s and drops ``v_num``. The metrics the modules put on the bar
+stay, the rollout side's under short names: ``reward``, ``staleness``, ``buffer`` (rows waiting in the buffer)
+and ``inflight`` (rollouts being generated). Rich when it is installed (Lightning's own default), else tqdm.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from rich.progress import ProgressColumn, Task
+from rich.style import Style
+from rich.text import Text
 from typing_extensions import override
 
 LABEL = "RL steps"
+#: The bar's short names of the rollout side's metrics (metrics.csv keeps the full ones).
+SHORT_NAMES = {"rollout/buffer_fill": "buffer", "rollout/inflight": "inflight"}
 
 
 def rl_steps_total(trainer: Trainer) -> int | None:
@@ -46,7 +52,19 @@ class _RLStepsTotal:
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         metrics = dict(super().get_metrics(trainer, pl_module))  # type: ignore[misc]
         metrics.pop("v_num", None)
-        return metrics
+        return {SHORT_NAMES.get(k, k): v for k, v in metrics.items()}
+
+
+class StepsPerSecondColumn(ProgressColumn):
+    """The bar's rate in RL steps per second (Lightning's column says ``it/s``)."""
+
+    def __init__(self, style: str | Style) -> None:
+        self.style = style
+        super().__init__()
+
+    @override
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed or 0.0:.2f} steps/s", style=self.style)
 
 
 class RichRLProgressBar(_RLStepsTotal, RichProgressBar):
@@ -55,6 +73,11 @@ class RichRLProgressBar(_RLStepsTotal, RichProgressBar):
     @override
     def _get_train_description(self, current_epoch: int) -> str:
         return LABEL
+
+    @override
+    def configure_columns(self, trainer: Trainer) -> list[Any]:
+        columns = super().configure_columns(trainer)
+        return [*columns[:-1], StepsPerSecondColumn(style=self.theme.processing_speed)]
 
     @override
     def on_train_batch_end(
@@ -72,6 +95,7 @@ class TQDMRLProgressBar(_RLStepsTotal, TQDMProgressBar):
     def on_train_epoch_start(self, trainer: Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)
         self.train_progress_bar.set_description(LABEL)
+        self.train_progress_bar.unit = "step"
         self.train_progress_bar.n = trainer.global_step
 
     @override

@@ -131,7 +131,9 @@ def test_killed_generation_worker_is_retried_and_training_continues(tmp_path: Pa
     cfg["trainer"]["max_steps"] = 5
     cfg["grpo"]["max_num_steps"] = 5
     cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 1.0
-    cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 4, "backoff_base_s": 0.2, "max_backoff_s": 1.0}
+    # the budget covers Ray restarting the worker (a fresh process, its model built and weights pushed again)
+    # on a loaded machine: 10 attempts backing off 0.2 s up to 2 s is about 15 s
+    cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 10, "backoff_base_s": 0.2, "max_backoff_s": 2.0}
     killer = _KillWorker()
     run_dir = run_fit(cfg, tmp_path, callbacks=[killer])
     assert killer.killed

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 from lightning.pytorch import Callback
+from rich.console import Console
 
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
@@ -19,15 +22,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 class _BarProbe(Callback):
-    """What the progress bar shows when training ends: its class, label, count and total."""
+    """What the progress bar shows when training ends: its class, label, count and total, and its text."""
 
     def __init__(self) -> None:
         self.seen: tuple[str, str, float, float | None] | None = None
+        self.text = ""
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         bar = trainer.progress_bar_callback
         task = bar.progress.tasks[bar.train_progress_bar_id]
         self.seen = (type(bar).__name__, task.description, task.completed, task.total)
+        console = Console(file=io.StringIO(), width=400, color_system=None)
+        console.print(bar.progress.make_tasks_table([task]))
+        self.text = console.file.getvalue()
 
 
 def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(tmp_path: Path) -> None:
@@ -39,6 +46,11 @@ def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(t
     probe = _BarProbe()
     run_dir = run_fit(cfg, tmp_path, callbacks=[probe])
     assert probe.seen == ("RichRLProgressBar", "RL steps", 3, 3)
+    # the bar's text: count/total, elapsed and ETA, the rate in steps/s, and the rollout side's figures
+    assert re.search(r"RL steps .* 3/3 \d+:\d\d:\d\d • 0:00:00 \d+\.\d\d steps/s", probe.text), probe.text
+    for name in ("reward", "staleness", "buffer", "inflight"):
+        assert re.search(rf"\b{name}: \d", probe.text), (name, probe.text)
+    assert "v_num" not in probe.text and "Epoch" not in probe.text and "rollout/" not in probe.text
     rows = metrics(run_dir)
     shaped, raw = column(rows, "reward"), column(rows, "train/raw_reward")
     assert len(shaped) == len(raw) == 3
