@@ -207,6 +207,7 @@ class ScrelCLI(LightningCLI):
             self.datamodule.resume = resume
             if resume.ckpt_path is not None:
                 fit_cfg["ckpt_path"] = resume.ckpt_path
+                fit_cfg["weights_only"] = True  # tensors and plain containers only: a bundle runs no code
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 

@@ -139,3 +139,28 @@ def test_overlong_filtering_reaches_the_critic_and_an_all_filtered_step_fails() 
         _fit(model, batches)
     assert all(torch.equal(v, critic0[k]) for k, v in model.critic.state_dict().items())
     assert model.update_counts == {"policy": 0, "critic": 0}
+
+
+def test_a_warm_start_checkpoint_that_holds_code_is_refused_and_never_run(tmp_path: Path) -> None:
+    import io
+    import os
+
+    from screl.checkpoint import CheckpointStore
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.mkdir, (str(marker),))
+
+    buf = io.BytesIO()
+    torch.save({"state_dict": {}, "hook": Payload()}, buf)
+    store = CheckpointStore(str(tmp_path / "ck"))
+    with store.begin(2) as w:
+        w.write_bytes("lightning.ckpt", buf.getvalue())
+        w.commit({"trainer_version": 2})
+    with pytest.raises(ValueError, match=r"ppo\.warm_start_value_checkpoint=.*lightning\.ckpt of step 2 holds more "
+                                         r"than tensors and plain containers"):
+        _ppo(warm_start_value_checkpoint=str(tmp_path / "ck"))
+    assert not marker.exists(), "loading the checkpoint ran its code"
+

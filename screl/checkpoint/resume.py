@@ -63,7 +63,7 @@ def fetch_resume(
     if plan.bundle is not None:
         ckpt = os.path.join(local, LIGHTNING_CKPT)
         store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
-    state = store.read_torch(rollout, CONTROLLER_STATE, weights_only=False)
+    state = store.read_torch(rollout, CONTROLLER_STATE)
     dp_dir: str | None = None
     if any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
         dp_dir = os.path.join(local, DATA_PLANE)

@@ -75,6 +75,24 @@ __all__ = [
 ]
 
 
+def safe_torch_load(raw: bytes, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of ``raw``; anything beyond tensors and plain containers (a pickled
+    callable or class, as a tampered bundle could carry) is a ValueError naming ``what``, and nothing runs."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if "WeightsUnpickler error" in ln or "Unsupported" in ln]
+        why = lines[0].removeprefix("WeightsUnpickler error:").strip() if lines else type(err).__name__
+        raise ValueError(
+            f"{what} holds more than tensors and plain containers ({why}); screl loads checkpoints with "
+            "weights_only=True so that a bundle cannot run code. Resume only from bundles screl wrote."
+        ) from None
+
+
 class CheckpointStore:
     """Bundles ``step_<n>/`` under one fsspec root (local path, ``file://``, ``s3://bucket/prefix``).
 
@@ -318,11 +336,11 @@ class CheckpointStore:
         self._copy_out(published, part, buf)
         return buf.getvalue()
 
-    def read_torch(self, target: int | PublishedDir, name: str, weights_only: bool = True) -> Any:
-        """``torch.load`` of part ``name``."""
-        import torch
-
-        return torch.load(io.BytesIO(self.read_bytes(target, name)), weights_only=weights_only)
+    def read_torch(self, target: int | PublishedDir, name: str) -> Any:
+        """``torch.load`` of part ``name`` with ``weights_only=True``: tensors and plain containers only, so a bundle
+        copied from elsewhere cannot run code on load (ValueError naming the part otherwise)."""
+        published = self._resolve(target)
+        return safe_torch_load(self.read_bytes(published, name), f"{name} of {published.url}")
 
     def download_file(
         self, target: int | PublishedDir, name: str, local_path: str | os.PathLike[str]

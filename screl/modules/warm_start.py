@@ -7,13 +7,10 @@ read from the bundle's Lightning checkpoint (``critic.*`` of its ``state_dict``)
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from screl.models.value import ValueModel, critic_state
 
@@ -41,13 +38,14 @@ def load_critic_weights(critic: ValueModel, url: str, storage_options: Mapping[s
     """Load the critic of the run checkpointed at ``url`` into ``critic``; returns the bundle's step. Every failure
     is a ``ValueError`` naming the key: missing, incomplete, not a PPO run, or a critic of another shape."""
     from screl.checkpoint.resume import LIGHTNING_CKPT
+    from screl.checkpoint.store import safe_torch_load
 
     try:
         store, bundle = _bundle(url, storage_options or {})
         raw = store.read_bytes(bundle, LIGHTNING_CKPT)
     except (OSError, ValueError) as err:
         raise ValueError(f"{KEY}={url!r}: cannot read a checkpoint bundle ({type(err).__name__}: {err})") from err
-    ckpt = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    ckpt = safe_torch_load(raw, f"{KEY}={url!r}: {LIGHTNING_CKPT} of step {bundle.step}")
     state = critic_state(ckpt.get("state_dict", {}))
     if not state:
         raise ValueError(f"{KEY}={url!r}: the bundle at step {bundle.step} holds no critic (not a PPO run's checkpoint)")
