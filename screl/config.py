@@ -27,6 +27,7 @@ from screl.data.sampler_config import (
     parse_sampler_config,
 )
 from screl.data.sampler_factory import required_buffer_capacity, sampler_rules
+from screl.data.watchdog import WatchdogConfig
 
 __all__ = [
     "AdvantageEstimatorConfig",
@@ -275,6 +276,8 @@ class AsyncRLConfig:
     """Retry and drop budgets."""
     event_log: bool = True
     """Append every admit/reserve/commit/select/... to ``events.jsonl`` in the run directory."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Fail a run whose rollout side stops committing groups (``stall_timeout_s``)."""
 
 
 @dataclass

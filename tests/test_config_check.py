@@ -113,6 +113,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("ready_first_needs_is", "samplers/ready_first.yaml", {IS_KEY: False}, IS_KEY, "ready_first"),
     ("ready_first_needs_is_w0", "samplers/ready_first.yaml",
      {IS_KEY: False, "async_rl.sampler.max_staleness_versions": 0}, IS_KEY, "stragglers"),
+    ("stall_timeout_nonpositive", "grpo_tiny.yaml", {"async_rl.watchdog": {"stall_timeout_s": 0}},
+     "async_rl.watchdog.stall_timeout_s", "must be a number of seconds > 0"),
     ("std_floor_negative", "grpo_tiny.yaml", {"grpo.adv_estimator": {"std_floor": -0.1}},
      "grpo.adv_estimator.std_floor", "must be >= 0"),
     ("epochs_nonpositive", "grpo_tiny.yaml", {"grpo.max_num_epochs": -1}, "grpo.max_num_epochs",

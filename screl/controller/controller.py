@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.validation import ValidationRunner
+from screl.controller.watchdog import unreachable_workers
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
@@ -38,9 +39,10 @@ from screl.data.core_types import (
     RolloutFailure,
     SiblingReport,
 )
-from screl.data.events import Event, EventLogWriter, RestoreEvent
+from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent
 from screl.data.ledger import RecoveryPolicy
 from screl.data.reserve import ReservePolicy
+from screl.data.watchdog import StallWatchdog
 from screl.envs import Task
 from screl.rollout.rows import ROW_FIELDS
 
@@ -119,6 +121,7 @@ class RolloutController:
             self.validation = ValidationRunner(run.algo, val_prompt_ids, generation.max_new_tokens, seed, workers,
                                                self.ensure_fresh, self.emit)
         self._val_redo: list[int] = []
+        self.watchdog = StallWatchdog(run.async_rl.watchdog.stall_timeout_s)
 
     # ------------------------------------------------------------------ views the snapshot pump reads
     @property
@@ -137,6 +140,8 @@ class RolloutController:
         return self._barrier
 
     def emit(self, event: Event) -> None:
+        if isinstance(event, CommitEvent):
+            self.watchdog.committed()
         if self._writer is not None:
             self._writer.write(event)
 
@@ -197,7 +202,11 @@ class RolloutController:
         worker = self.workers[index]
         try:
             await self.ensure_fresh(worker)
-            reports: list[SiblingReport] = await worker.rollout.remote(dispatches)
+            token = self.watchdog.call_started(index)
+            try:
+                reports: list[SiblingReport] = await worker.rollout.remote(dispatches)
+            finally:
+                self.watchdog.call_ended(token)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
             await self._execute(self.core.call_failed([d.attempt for d in dispatches], type(err).__name__))
             return
@@ -306,7 +315,8 @@ class RolloutController:
     # ------------------------------------------------------------------ train pump side
     async def next_chunk(self, timeout_s: float) -> dict[str, Any] | None:
         """The next training chunk of the open step (metadata only), or None when the run is done."""
-        deadline = time.monotonic() + timeout_s
+        waiting_since = time.monotonic()
+        deadline = waiting_since + timeout_s
         while True:
             if self.pump_error is not None:
                 raise RuntimeError(f"the rollout pump failed: {self.pump_error!r}") from self.pump_error
@@ -322,6 +332,12 @@ class RolloutController:
                         "last_chunk": plan.last_chunk, "buffer_fill": b.num_buffered, "inflight": b.num_inflight,
                         "generation_s": self.core.metrics.get("generation_s", 0.0),
                         "filtered": self.core.metrics["filtered"], "replaced": self.core.metrics["replaced"]}
+            idle = self.watchdog.stalled_for(waiting_since)
+            if idle is not None:
+                b = self.core.buffer
+                raise self.watchdog.error(idle, self.core.trainer_version,
+                                          {"ready": b.num_ready, "inflight": b.num_inflight},
+                                          await unreachable_workers(self.workers))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(

@@ -210,6 +210,10 @@ def loss_rules(c: RuleContext) -> None:
 
 def failure_rules(c: RuleContext) -> None:
     rf = c.rf
+    stall = get(c.async_rl, "watchdog.stall_timeout_s", None)
+    if stall is not None and not (isinstance(stall, (int, float)) and stall > 0):
+        c.bad("async_rl.watchdog.stall_timeout_s", stall, "must be a number of seconds > 0, or null (off)",
+              "set e.g. stall_timeout_s: 600")
     if rf.get("max_backoff_s", 30.0) < rf.get("backoff_base_s", 1.0):
         c.bad("async_rl.rollout_failure.max_backoff_s", rf.get("max_backoff_s"), "is below backoff_base_s "
               f"({rf.get('backoff_base_s')})", "set max_backoff_s >= backoff_base_s")

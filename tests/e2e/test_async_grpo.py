@@ -14,6 +14,7 @@ from lightning.pytorch import Callback
 
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
+from screl.dataplane import tq_actors_alive
 from screl.threads import available_cores
 
 from .conftest import base_config, column, metrics, run_fit
@@ -206,3 +207,21 @@ def test_a_slow_reward_runs_on_the_workers_and_never_stalls_the_controller(tmp_p
     # a reward on the controller's loop would hold every round trip for a whole group's scoring (2 x 0.2 s)
     assert len(probe.latency_s) == 4 and max(probe.latency_s) < delay, probe.latency_s
     assert check_events(run_dir, cfg["async_rl"]["sampler"], final=True).ok
+
+
+def test_a_hung_engine_trips_the_stall_watchdog_naming_what_is_stuck(tmp_path: Path) -> None:
+    """An engine that hangs (every reply held back up to an hour): with a 3 s stall timeout the run fails within
+    seconds, not after step_timeout_s, and the error names the stuck worker and the knob."""
+    import time
+
+    cfg = base_config(tmp_path / "run")
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 3600.0
+    cfg["data"]["init_args"]["step_timeout_s"] = 300
+    cfg["async_rl"]["watchdog"] = {"stall_timeout_s": 3}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)the rollout side is stalled: no group committed for \d+ s while the "
+                                           r"trainer waited for step 0 \(async_rl.watchdog.stall_timeout_s = 3\).*"
+                                           r"open longer than the timeout: worker 0 \(\d+ s\).*answer a ping: none"):
+        run_fit(cfg, tmp_path)
+    assert time.monotonic() - t0 < 120, "the watchdog fired late"
+    assert tq_actors_alive() == [], "TransferQueue actors leaked"
