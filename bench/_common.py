@@ -476,3 +476,36 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its directory made) and close it."""
+    plt = pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def staleness_bars(ax: Any, fractions: dict[str, dict[str, float]], ylabel: str = "fraction of groups") -> None:
+    """Grouped bars of each mode's staleness distribution (``{mode: {staleness: fraction}}``) on ``ax``."""
+    modes = list(fractions)
+    keys = sorted({int(k) for fr in fractions.values() for k in fr})
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        ax.bar([k + i * width for k in keys], [fractions[mode].get(str(k), 0.0) for k in keys], width=width,
+               label=mode)
+    ax.set_xticks([k + 0.4 - width / 2 for k in keys], [str(k) for k in keys])
+    ax.set_xlabel("staleness (trainer version - start weight)")
+    ax.set_ylabel(ylabel)
+    ax.set_title("staleness distribution")
+    ax.legend(fontsize=8)
+
+
+def parse_modes(parser: Any, text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated ``--modes``, each one of ``allowed`` and ``sync`` among them (else a parser error)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if [m for m in modes if m not in allowed] or "sync" not in modes:
+        parser.error(f"--modes must include sync and be drawn from {list(allowed)} (got {modes})")
+    return modes
+

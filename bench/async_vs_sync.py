@@ -65,10 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.scale, args.completion_len, args.steps, args.reps = "tiny", 16, 5, 1
         if args.modes == ",".join(MODES):
             args.modes = "sync,async_w1"
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad or "sync" not in args.modes:
-        p.error(f"--modes must include sync and be drawn from {MODES} (got {args.modes})")
+    args.modes = c.parse_modes(p, args.modes, MODES)
     if args.steps < 3 or args.reps < 1:
         p.error("--steps must be >= 3 and --reps >= 1")
     return args
@@ -266,25 +263,12 @@ def plot(res: dict[str, Any], runs: dict[str, list[dict[str, Any]]], path: Path)
     a.set_ylabel("mean reward (median over reps)")
     a.set_title("reward at equal steps")
     a.legend(fontsize=8)
-    a = ax[1][1]
-    width = 0.8 / max(1, len(modes))
-    keys = sorted({int(k) for m in modes for k in res["modes"][m]["staleness_fraction"]})
-    for i, m in enumerate(modes):
-        fr = res["modes"][m]["staleness_fraction"]
-        a.bar([k + i * width for k in keys], [fr.get(str(k), 0.0) for k in keys], width=width, label=m)
-    a.set_xticks([k + 0.4 - width / 2 for k in keys], [str(k) for k in keys])
-    a.set_xlabel("staleness (trainer version - start weight)")
-    a.set_ylabel("fraction of groups")
-    a.set_title("staleness distribution")
-    a.legend(fontsize=8)
+    c.staleness_bars(ax[1][1], {m: res["modes"][m]["staleness_fraction"] for m in modes})
     cfg = res["config"]
     fig.suptitle(f"screl async vs sync — {cfg['scale']} P={cfg['prompts_per_step']} G={cfg['group']} "
                  f"L={cfg['completion_len']}, {cfg['steps']} steps x {cfg['reps']} reps; "
                  f"async_w1/sync wall = {res['async_over_sync_wall'] or float('nan'):.3f}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    c.save_figure(fig, path)
 
 
 if __name__ == "__main__":

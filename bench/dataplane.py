@@ -353,10 +353,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     ax.set_title(f"data-plane latency, P={cfg['prompts_per_step']} G={cfg['group']} L={cfg['completion_len']}: "
                  f"overhead {res['dataplane_overhead_fraction']:.1%} of a {res['step_s'] * 1e3:.0f} ms step")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    c.save_figure(fig, path)
 
 
 if __name__ == "__main__":

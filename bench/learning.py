@@ -96,10 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.seeds = 30, 1
         if args.modes == ",".join(DEFAULT_MODES):
             args.modes = "sync,async_w1"
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad or "sync" not in args.modes:
-        p.error(f"--modes must include sync and be drawn from {list(MODES)} (got {args.modes})")
+    args.modes = c.parse_modes(p, args.modes, list(MODES))
     if args.steps < 2 * args.tail:
         p.error(f"--steps ({args.steps}) must be at least twice --tail ({args.tail})")
     return args
@@ -227,24 +224,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
         a.legend(fontsize=7)
     ax[0].set_title("reward at equal steps")
     ax[1].set_title("reward at equal wall time")
-    modes = list(res["modes"])
-    keys = sorted({int(k) for m in modes for k in res["modes"][m]["staleness_fraction"]})
-    width = 0.8 / max(1, len(modes))
-    for i, mode in enumerate(modes):
-        fr = res["modes"][mode]["staleness_fraction"]
-        ax[2].bar([k + i * width for k in keys], [fr.get(str(k), 0.0) for k in keys], width=width, label=mode)
-    ax[2].set_xticks([k + 0.4 - width / 2 for k in keys], [str(k) for k in keys])
-    ax[2].set_xlabel("staleness (trainer version - start weight)")
-    ax[2].set_ylabel("fraction of trained groups")
-    ax[2].set_title("staleness distribution")
-    ax[2].legend(fontsize=7)
+    c.staleness_bars(ax[2], {m: v["staleness_fraction"] for m, v in res["modes"].items()},
+                     "fraction of trained groups")
     cfg = res["config"]
     fig.suptitle(f"screl learning quality: {cfg['task']}, {cfg['scale']} P={cfg['prompts_per_step']} "
                  f"G={cfg['group']} L={cfg['completion_len']} lr={cfg['learning_rate']}, {cfg['seeds']} seeds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    c.save_figure(fig, path)
 
 
 def runs_from(path: Path) -> dict[str, list[dict[str, Any]]]:

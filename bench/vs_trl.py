@@ -297,10 +297,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
             a.legend(fontsize=8)
     fig.suptitle(f"screl vs TRL GRPOTrainer ({res['config']['task']}); [{res['config']['key_scale']}] "
                  f"sync/TRL {res['sync_over_trl_samples']:.2f}x, async/TRL {res['async_over_trl_samples']:.2f}x samples/s")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    c.save_figure(fig, path)
 
 
 if __name__ == "__main__":
