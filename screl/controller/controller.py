@@ -85,8 +85,8 @@ class RolloutController:
     """The single controller. Build it with :func:`screl.controller.spawn_controller`."""
 
     def __init__(
-        self, run: RunConfig, task: Task, generation: GenerationConfig, workers: list[Any], dataplane: Any,
-        run_dir: str, seed: int = 0, config_dict: dict[str, Any] | None = None,
+        self, run: RunConfig, task: Task, generation: GenerationConfig, workers: list[Any], run_dir: str,
+        seed: int = 0, config_dict: dict[str, Any] | None = None,
         val_prompt_ids: list[int] | None = None,
     ) -> None:
         import uuid
@@ -95,7 +95,7 @@ class RolloutController:
         self.config_dict = config_dict or {}
         self.generation = generation
         self.workers = workers
-        self.dp = dataplane
+        self.dp: Any = None  # set_data_plane, once TransferQueue is up
         settings = core_settings(run, task, len(workers), seed, id_prefix=f"{uuid.uuid4().hex[:8]}-")
         self.core = RolloutCore(settings, create_sampler(run.async_rl.sampler, groups_per_step=settings.groups_per_step),
                                 recovery_policy(run))

@@ -47,17 +47,17 @@ def spawn_controller(
     task: Task,
     generation: GenerationConfig,
     workers: list[Any],
-    dataplane: Any,
     run_dir: str,
     seed: int = 0,
     config_dict: dict[str, Any] | None = None,
     val_prompt_ids: list[int] | None = None,
 ) -> Any:
-    """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle."""
+    """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle; hand it the data plane with
+    ``set_data_plane`` (TransferQueue starts while it boots)."""
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
         num_cpus=0, max_concurrency=1000
     )
-    return actor.remote(run, task, generation, workers, dataplane, run_dir, seed, config_dict, val_prompt_ids)
+    return actor.remote(run, task, generation, workers, run_dir, seed, config_dict, val_prompt_ids)
 
 
 def worker_resources(g: GenerationConfig) -> WorkerResources:
@@ -166,7 +166,7 @@ class RolloutRuntime:
             weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
             self.controller = spawn_controller(
-                self.run, task, g, self.workers, None, run_dir, seed, config_dict,
+                self.run, task, g, self.workers, run_dir, seed, config_dict,
                 [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
             )
         finally:  # a failed spawn still waits for TransferQueue, so shutdown() stops it
