@@ -235,6 +235,22 @@ def _generation_line(cfg: dict[str, Any]) -> str:
             f"GPU each; refits in {g.refit_bucket_mb:g} MiB buckets")
 
 
+def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
+    """How a refit meets in-flight requests, and the per-request deadlines (the plan's ``refit`` line)."""
+    g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
+    a = run.async_rl
+    if not a.in_flight_weight_updates:
+        how = ("drain gate: each refit waits for the in-flight requests to finish under the old weights, so no "
+               "sample spans two versions; generation runs dry for the longest request at every step")
+    elif a.recompute_kv_cache_after_weight_updates:
+        how = "in flight: requests continue under the new weights, their KV cache recomputed"
+    else:
+        how = "in flight: requests continue under the new weights on their old KV cache"
+    limits = [f"{k} {v:g} s" for k, v in (("generation", g.generation_timeout_s), ("rollout", g.rollout_timeout_s))
+              if v is not None]
+    return how + ("; deadlines: " + ", ".join(limits) + " (paused time excluded)" if limits else "")
+
+
 def _correction_line(loss_args: dict[str, Any]) -> str:
     """How the loss corrects for stale rollouts (the plan's ``IS correction`` line)."""
     if loss_args.get("proximal_policy") == "behaviour":
@@ -280,6 +296,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
         f"torch threads        {_thread_plan(cfg, run).describe()}",
         f"generation           {_generation_line(cfg)}",
+        f"refit                {_refit_line(cfg, run)}",
         f"dropped groups       {_drops_line(run)}",
         f"validation           {_validation_line(run)}",
     ]

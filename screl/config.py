@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from screl.config_generation import ColocatedConfig, GenerationConfig
 from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
     CustomSamplerConfig,
@@ -272,6 +273,9 @@ class AsyncRLConfig:
     """Hard cap on unconsumed groups in the data plane (None: the sampler's required capacity)."""
     recompute_kv_cache_after_weight_updates: bool = False
     """After a refit, recompute the KV cache of in-flight requests with the new weights."""
+    in_flight_weight_updates: bool = True
+    """True: a refit updates the weights under in-flight requests (their later tokens carry the new version).
+    False (the drain gate): a refit waits for in-flight requests to finish, so no sample spans two versions."""
     rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
     """Retry and drop budgets."""
     event_log: bool = True
@@ -292,75 +296,6 @@ class DataPlaneConfig:
     """TransferQueue storage unit actors."""
     partition_id: str = "train"
     """Partition rollout rows are written to."""
-
-
-@dataclass
-class Resources:
-    """Devices set aside for generation when not colocated."""
-
-    num_nodes: int = 1
-    """Nodes for generation."""
-    gpus_per_node: int = 0
-    """Generation GPUs per node (0 on CPU)."""
-
-
-@dataclass
-class ColocatedConfig:
-    """Whether generation shares the training devices."""
-
-    enabled: bool = False
-    """Colocated generation (supported only with ``backend: megatron``)."""
-    resources: Resources = field(default_factory=Resources)
-    """Generation devices when not colocated."""
-
-
-@dataclass
-class GenerationConfig:
-    """The generation side (``policy.generation`` in the spec)."""
-
-    backend: str = "torch"
-    """Engine: ``torch`` (HF model, CPU or GPU), or the class path of your own engine (``package.module.Class``
-    implementing ``screl.rollout.GenerationEngine``; see docs/extending.md). ``vllm``/``megatron``: planned."""
-    backend_args: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific settings, passed to the backend's ``from_options`` as ``EngineOptions.args``."""
-    num_workers: int = 1
-    """Generation worker actors (each holds a copy of the policy)."""
-    num_cpus_per_worker: float = 1.0
-    """Logical CPUs Ray reserves for each worker."""
-    num_gpus_per_worker: float | None = None
-    """GPUs Ray reserves for each worker. None: ``colocated.resources`` (num_nodes x gpus_per_node) split
-    over the workers when ``device`` is cuda, else 0."""
-    refit_bucket_mb: float = 64.0
-    """Weights travel to the workers in buckets of about this many MiB (the trainer never serializes the whole
-    model as one object). Under ``MegatronStrategy`` its ``export_bucket_bytes`` sets the bucket size instead."""
-    workflow: str = "screl.rollout.workflow.SingleTurnWorkflow"
-    """Rollout workflow class (``package.module.Class``) each worker runs per sibling: generate, reward, build
-    the row (see docs/extending.md). The default generates once and scores with the task."""
-    max_new_tokens: int = 16
-    """Completion length cap."""
-    min_new_tokens: int = 0
-    """Ignore EOS before this many tokens (set equal to max_new_tokens for fixed-length completions)."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); logprobs are those of the temperature-scaled distribution."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]."""
-    top_k: int | None = None
-    """Top-k sampling (None: off)."""
-    async_engine: bool = True
-    """(vllm) Use the async engine; required when not colocated."""
-    colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
-    """Colocation and generation resources."""
-    num_threads: int | None = None
-    """Torch intra-op threads per worker on CPU. None: automatic (``screl.threads.thread_plan``): all cores
-    when generation and training take turns (sync), half of them when they overlap (async)."""
-    max_batch_size: int = 64
-    """Requests a worker generates together."""
-    batch_window_s: float = 0.01
-    """How long a worker waits for more groups to join a decode batch once one arrived (0: start at once)."""
-    device: str = "cpu"
-    """Device of the torch engine (``cpu`` or ``cuda``)."""
-    injected_latency_s: float = 0.0
-    """Testing aid: random extra latency per request, uniform in [0, this] (out-of-order completions)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -253,8 +254,23 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "data.init_args.generation.backend", "neither a built-in backend"),
     ("backend_not_an_engine", "grpo_tiny.yaml", {"data.init_args.generation.backend": "screl.envs.CountLetter"},
      "data.init_args.generation.backend", "does not implement the GenerationEngine protocol"),
-    ("backend_planned", "grpo_tiny.yaml", {"data.init_args.generation.backend": "vllm"},
+    ("backend_planned", "grpo_tiny.yaml", {"data.init_args.generation.backend": "megatron"},
      "data.init_args.generation.backend", "not in this build yet"),
+    ("drain_gate_recompute", "grpo_tiny.yaml",
+     {"async_rl.in_flight_weight_updates": False, "async_rl.recompute_kv_cache_after_weight_updates": True},
+     "async_rl.in_flight_weight_updates", "no KV cache to recompute"),
+    ("drain_gate_sync", "grpo_tiny.yaml",
+     {"async_rl.in_flight_weight_updates": False, "async_rl.sampler": {"name": "in_order", "max_lookahead_versions": 0}},
+     "async_rl.in_flight_weight_updates", "no request is in flight at a refit"),
+    ("deadline_positive", "grpo_tiny.yaml", {"data.init_args.generation.generation_timeout_s": 0},
+     "data.init_args.generation.generation_timeout_s", "must be a number of seconds > 0"),
+    ("deadline_order", "grpo_tiny.yaml",
+     {"data.init_args.generation.generation_timeout_s": 60, "data.init_args.generation.rollout_timeout_s": 30},
+     "data.init_args.generation.generation_timeout_s", "it would never fire"),
+    ("stall_below_deadline", "grpo_tiny.yaml",
+     {"data.init_args.generation.rollout_timeout_s": 300, "async_rl.watchdog": {"stall_timeout_s": 120}},
+     "async_rl.watchdog.stall_timeout_s",
+     "must exceed every request deadline (data.init_args.generation.rollout_timeout_s = 300)"),
     ("worker_cpus", "grpo_tiny.yaml", {"data.init_args.generation.num_cpus_per_worker": 0},
      "data.init_args.generation.num_cpus_per_worker", "must be a number > 0"),
     ("worker_gpus", "grpo_tiny.yaml", {"data.init_args.generation.num_gpus_per_worker": -1},
@@ -341,3 +357,29 @@ def test_the_generation_temperature_reaches_the_models_logprobs(config: str, tem
                          "--data.init_args.generation.temperature", str(temperature)], run=False)
     assert cli.datamodule.generation.temperature == temperature
     assert cli.model.temperature == temperature
+
+
+def test_the_plan_says_how_a_refit_meets_requests_in_flight(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")  # async lookahead 1
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "refit                in flight: requests continue under the new weights on their old KV cache\n" in out
+    cfg["async_rl"]["in_flight_weight_updates"] = False  # the drain gate, with its throughput cost
+    cfg["data"]["init_args"]["generation"].update(generation_timeout_s=30, rollout_timeout_s=60)
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert ("refit                drain gate: each refit waits for the in-flight requests to finish under the old "
+            "weights, so no sample spans two versions; generation runs dry for the longest request at every step; "
+            "deadlines: generation 30 s, rollout 60 s (paused time excluded)") in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this venv")
+def test_the_vllm_backend_without_vllm_installed_fails_check(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["data"]["init_args"]["generation"]["backend"] = "vllm"
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc != 0
+    assert "data.init_args.generation.backend = 'vllm': vLLM is not installed in this environment" in out, out
+    assert "bash .ci/vllm-venv" in out

@@ -23,6 +23,7 @@ from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
 from screl.rollout.backends import iter_buckets
+from screl.rollout.deadlines import Deadlines
 from screl.rollout.engine import EngineOptions, SamplingParams
 from screl.rollout.reward_transform import reward_transform
 from screl.rollout.rows import ROW_FIELDS
@@ -162,6 +163,8 @@ class RolloutRuntime:
                 backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
                 task=task, sampling=sampling_params(g), workflow=g.workflow,
                 reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
+                deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
+                in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
             )
             weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
             loaded = [w.update_weights.remote(weights, 0) for w in self.workers]

@@ -222,7 +222,10 @@ class RolloutCore:
     # ------------------------------------------------------------------ worker reports
     def report(self, rep: SiblingReport, now: float = 0.0) -> Effects:
         """One attempt's outcome. A report of an attempt that is no longer live (aborted, dropped, superseded) is
-        ignored, and its row, if it wrote one, cleared."""
+        ignored, and its row, if it wrote one, cleared. A ``timeout`` (past its deadline, aborted by the worker)
+        counts as an infrastructure failure: retried within ``max_infra_attempts``."""
+        if rep.status == "timeout":
+            return self.call_failed([rep.attempt], rep.detail or "deadline passed", reason="timeout")
         info = self._untrack(rep.attempt)
         if info is None:
             return Effects(clear=[rep.attempt] if rep.status == "sealed" else [])
@@ -246,8 +249,9 @@ class RolloutCore:
             return eff.extend(self._drop(run, "data_attempts_exhausted", rep.detail))
         return eff.extend(self._dispatch(run))
 
-    def call_failed(self, attempts: list[str], detail: str) -> Effects:
-        """The worker running ``attempts`` died (or was unreachable): one infra failure per group involved."""
+    def call_failed(self, attempts: list[str], detail: str, reason: str = "infra") -> Effects:
+        """The worker running ``attempts`` died (or was unreachable), or they passed their deadline (``reason``
+        ``timeout``): one infra failure per group involved."""
         eff, by_group = Effects(), collections.defaultdict(list)
         for a in attempts:
             info = self._untrack(a)
@@ -257,7 +261,7 @@ class RolloutCore:
             run = self.runs[gid]
             run.infra_failures += 1
             for s, a in sibs:
-                eff.events.append(FailEvent(group_id=gid, prompt_id=run.prompt_id, sibling=s, reason="infra",
+                eff.events.append(FailEvent(group_id=gid, prompt_id=run.prompt_id, sibling=s, reason=reason,
                                             extra={"detail": detail[:200], "attempt": run.infra_failures}))
                 if self.ledger.group(gid).siblings[s].state is SiblingState.DISPATCHED:  # not cascaded yet
                     eff.extend(self._settle(run, self.ledger.fail(gid, s, a)))

@@ -138,11 +138,12 @@ class SiblingReport:
     """A worker's word on one attempt (metadata only: the row, if any, is already in the data plane).
 
     ``status``: ``sealed`` (row written under the attempt's key), ``data_error`` (the reward or the workflow
-    raised: the sibling is resampled), ``abort`` (the attempt was aborted before finishing; no row).
+    raised: the sibling is resampled), ``abort`` (the attempt was aborted before finishing; no row), ``timeout``
+    (past ``generation_timeout_s`` or ``rollout_timeout_s``: aborted by the worker, retried as an infra failure).
     """
 
     attempt: str
-    status: Literal["sealed", "data_error", "abort"]
+    status: Literal["sealed", "data_error", "abort", "timeout"]
     reward: float = 0.0
     end_version: int = 0
     response_len: int = 0

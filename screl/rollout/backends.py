@@ -18,12 +18,14 @@ from screl.rollout.engine import EngineOptions, GenerationEngine
 KEY = "data.init_args.generation.backend"
 
 #: Built-in backend names and the classes they stand for.
-BUILTIN_BACKENDS = {"torch": "screl.rollout.torch_engine.TorchGenerationEngine"}
+BUILTIN_BACKENDS = {
+    "torch": "screl.rollout.torch_engine.TorchGenerationEngine",
+    "vllm": "screl.rollout.vllm_engine.VLLMGenerationEngine",
+}
 
 #: Names the spec uses whose engines this build does not have yet, and where they are tracked.
 PLANNED_BACKENDS = {
-    "vllm": "the vLLM backend is not in this build yet (issue 13): use backend: torch",
-    "megatron": "Megatron generation is not in this build yet: use backend: torch",
+    "megatron": "Megatron generation is not in this build yet: use backend: torch or vllm",
 }
 
 _REQUIRED = ("from_options", "generate", "update_weights", "set_version", "abort", "pause", "resume", "version")

@@ -7,7 +7,12 @@ are tokenized here, once per prompt. Row writes of concurrent calls are coalesce
 
 Requests are decoded by a single thread that gathers whatever is queued (up to ``max_batch_size`` rows) into
 one batched ``engine.generate`` call, so concurrent groups share forward passes. Weight updates run beside it
-(the torch engine applies them between decode steps and labels each token with its version).
+(the torch engine applies them between decode steps and labels each token with its version). An engine that
+batches continuously itself (``continuous_batching``, e.g. vLLM) gets each group at once through ``submit``.
+
+Deadlines (``generation_timeout_s``, ``rollout_timeout_s``; :mod:`screl.rollout.deadlines`) abort what runs
+past them and report those siblings as ``timeout``; the clock stands still while a refit pauses the engine.
+With ``in_flight_weight_updates=False`` (the drain gate) a refit first waits for in-flight requests to finish.
 
 ``injected_latency_s`` delays each group's reply by a uniform random amount: a testing aid that
 makes completions arrive out of dispatch order, on top of real generation.
@@ -32,10 +37,11 @@ from screl.data.core_types import Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
+from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.workflow import RolloutItem, RolloutWorkflow, load_workflow
+from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
 
 DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 
@@ -64,6 +70,8 @@ class GenerationWorker:
         row_window_s: float = 0.005,
         reward_transform: RewardTransform | None = None,
         val_task: Task | None = None,
+        deadlines: Deadlines | None = None,
+        in_flight_weight_updates: bool = True,
     ) -> None:
         options = options or EngineOptions()
         if options.num_threads is not None:
@@ -90,6 +98,10 @@ class GenerationWorker:
         self.rows = RowSink(row_window_s)
         self.reward_transform = reward_transform
         self.val_task = val_task
+        self.deadlines = deadlines or Deadlines()
+        self.clock = PausableClock()
+        self.in_flight_weight_updates = in_flight_weight_updates
+        self.continuous = bool(getattr(self.engine, "continuous_batching", False))
 
     # -- rollouts -------------------------------------------------------------------------------------
     def set_data_plane(self, dataplane: Any) -> None:
@@ -110,10 +122,16 @@ class GenerationWorker:
             raise RuntimeError("this worker was started without a task: it can generate but not roll out")
         items = [RolloutItem(d.attempt, self.task.prompt(d.prompt_id), self._tokens(d.prompt_id),
                              dataclasses.replace(self.sampling, seed=d.seed), d.priority) for d in dispatches]
+        call = CallDeadlines(self.deadlines, self.clock) if self.deadlines.any else None
         try:
-            outcomes = await self.workflow.run(items, self.generate)
+            outcomes = await self._run_workflow(items, call)
         except asyncio.CancelledError:  # aborted while queued
-            return [SiblingReport(d.attempt, "abort", finish_reason="abort") for d in dispatches]
+            outcomes = [RolloutOutcome(d.attempt, "abort", finish_reason="abort") for d in dispatches]
+        if call is not None:
+            for o in outcomes:
+                why = call.reason(o.attempt) if o.status == "abort" else None
+                if why is not None:
+                    o.status, o.detail = "timeout", why
         sealed = [o for o in outcomes if o.status == "sealed" and o.row is not None]
         if self.reward_transform is not None:
             for o in sealed:
@@ -122,6 +140,39 @@ class GenerationWorker:
             await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
         return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
                               o.finish_reason, o.detail) for o in outcomes]
+
+    async def _run_workflow(self, items: list[RolloutItem], call: CallDeadlines | None) -> list[RolloutOutcome]:
+        """The workflow on ``items``; with deadlines, what runs past them is aborted (and a workflow still running
+        a second after its rollout deadline, e.g. in a hung reward, is cancelled)."""
+        assert self.workflow is not None
+        if call is None:
+            return await self.workflow.run(items, self.generate)
+
+        async def generate(requests: list[GenerationRequest]) -> list[GenerationResult]:
+            ids = [r.request_id for r in requests]
+            if call.expired_at is not None:  # the rollout ran out: no new turn starts
+                return [GenerationResult(r.request_id, list(r.prompt_token_ids), [], [], "abort", [],
+                                         self.engine.version, self.engine.version) for r in requests]
+            call.opened(ids)
+            try:
+                return await self.generate(requests)
+            finally:
+                call.closed(ids)
+
+        run = asyncio.ensure_future(self.workflow.run(items, generate))
+        try:
+            while True:
+                done, _ = await asyncio.wait({run}, timeout=self.deadlines.poll_s)
+                if done:
+                    return run.result()
+                due = call.due()
+                if due:
+                    await self.abort(due)
+                if call.expired_at is not None and self.clock.now() - call.expired_at > 1.0:
+                    return [RolloutOutcome(i.attempt, "abort", finish_reason="abort") for i in items]
+        finally:
+            if not run.done():
+                run.cancel()
 
     def _shape(self, outcome: Any) -> None:
         """Reward shaping and scaling of a sealed sibling: its row's ``reward`` and its report change, its
@@ -156,6 +207,9 @@ class GenerationWorker:
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate one group's requests (batched with whatever else is queued)."""
+        if self.continuous:
+            results: list[GenerationResult] = await asyncio.wrap_future(self.engine.submit(requests))  # type: ignore[attr-defined]
+            return results
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[GenerationResult]] = loop.create_future()
         with self._cv:
@@ -212,8 +266,20 @@ class GenerationWorker:
         """Load the weights, given as buckets (state-dict pieces, or ObjectRefs to them), through the backend as
         ``version``; returns the version."""
         buckets = [await w if isinstance(w, ray.ObjectRef) else w for w in weights]
+        state = merge_buckets(buckets)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.engine.update_weights, merge_buckets(buckets), version)
+        self.clock.pause()  # deadlines stand still while the engine is paused for the refit
+        try:
+            drain = not self.in_flight_weight_updates
+            if drain:  # the drain gate: in-flight requests finish under the old weights, new ones wait
+                await loop.run_in_executor(None, self.engine.pause, "wait")
+            try:
+                await loop.run_in_executor(None, self.engine.update_weights, state, version)
+            finally:
+                if drain:
+                    self.engine.resume()
+        finally:
+            self.clock.resume()
         return version
 
     async def set_version(self, version: int) -> int:

