@@ -51,8 +51,13 @@ def deadline_rules(c: RuleContext) -> None:
 
 
 def vllm_rules(c: RuleContext) -> None:
-    """``backend: vllm`` needs vLLM importable where the workers start (checked here, before any work)."""
-    if c.gen.get("backend", "torch") != "vllm" or importlib.util.find_spec("vllm") is not None:
+    """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
+    if c.gen.get("backend", "torch") != "vllm":
+        return
+    t = c.gen.get("temperature", 1.0)
+    if isinstance(t, (int, float)) and t > 2:
+        c.bad(f"{GEN}.temperature", t, "vLLM samples at temperatures in [0, 2] only", "set temperature <= 2")
+    if importlib.util.find_spec("vllm") is not None:
         return
     c.bad(f"{GEN}.backend", "vllm", "vLLM is not installed in this environment",
           "on CPU run `bash .ci/vllm-venv` and use .venv-vllm/bin/screl; on GPU pip install 'screl[vllm]' "
