@@ -248,7 +248,11 @@ def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
         how = "in flight: requests continue under the new weights on their old KV cache"
     limits = [f"{k} {v:g} s" for k, v in (("generation", g.generation_timeout_s), ("rollout", g.rollout_timeout_s))
               if v is not None]
-    return how + ("; deadlines: " + ", ".join(limits) + " (paused time excluded)" if limits else "")
+    line = how + ("; deadlines: " + ", ".join(limits) + " (paused time excluded)" if limits else "")
+    if g.backend == "vllm" and g.min_new_tokens > 0:
+        line += (f"; note: vLLM's logprobs of the first {g.min_new_tokens} tokens are of the EOS-masked distribution"
+                 ", the trainer's are not (train/logprob_mismatch shows the gap; min_new_tokens: 0 avoids it)")
+    return line
 
 
 def _correction_line(loss_args: dict[str, Any]) -> str:

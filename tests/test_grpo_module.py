@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 
 from screl.algos import ClippedPGLoss
@@ -108,6 +109,25 @@ def test_stale_tokens_get_weights_from_behaviour_logprobs() -> None:
     cap = _fit(_module(), [shifted])
     # w = exp(logp_old - logp_gen) = exp(0.1) for every valid token (up to engine/trainer fp noise)
     assert abs(cap.metrics[0]["train/is_weight_mean"] - float(torch.exp(torch.tensor(0.1)))) < 1e-4
+
+
+@pytest.mark.parametrize(("source", "weight"), [("trainer", 1.0), ("engine", float(torch.exp(torch.tensor(0.05))))])
+def test_behaviour_logprobs_of_on_policy_tokens_come_from_the_configured_side(source: str, weight: float) -> None:
+    """An engine whose logprobs read 0.05 low on every token of the current version: ``trainer`` ignores it (IS
+    weight exactly 1), ``engine`` corrects it (weight exp(0.05), as for a stale token)."""
+    meta, data = _rollouts(4, temperature=1.0, version=0)
+    batch = collate_chunk(meta, data, pad_id=0)
+    batch["generation_logprobs"] = batch["generation_logprobs"] - 0.05 * batch["token_mask"]
+    model = _module()
+    model.behaviour_logprobs = source
+    cap = _fit(model, [batch])
+    assert abs(cap.metrics[0]["train/is_weight_mean"] - weight) < 1e-5
+    assert abs(cap.metrics[0]["train/logprob_mismatch"] - 0.05) < 1e-5  # reported either way
+
+
+def test_behaviour_logprobs_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"model.init_args.behaviour_logprobs='vllm': expected 'trainer' or"):
+        GRPO(policy=SPEC, behaviour_logprobs="vllm")  # type: ignore[arg-type]
 
 
 def test_a_step_streamed_in_two_chunks_equals_one_chunk() -> None:

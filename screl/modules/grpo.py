@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -43,6 +43,14 @@ from screl.rollout.backends import iter_buckets, merge_buckets
 from screl.rollout.rows import FINISH_CODES
 
 log = logging.getLogger(__name__)
+
+
+def behaviour(trainer_lp: Tensor, engine_lp: Tensor, on_policy: Tensor, source: str) -> Tensor:
+    """The behaviour logprobs the IS weight divides by: the engine's, except on tokens the trainer's current
+    version generated when ``source`` is ``trainer`` (there the trainer's own, so their weight is exactly 1)."""
+    if source == "engine":
+        return engine_lp.float()
+    return torch.where(on_policy, trainer_lp, engine_lp.float())
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
@@ -166,6 +174,9 @@ class GRPO(LightningModule):
         train_global_batch_size: Rows per optimizer step; must equal num_prompts_per_step x
             num_generations_per_prompt (None: derived).
         temperature: Sampling temperature of generation (linked from ``data.init_args.generation``).
+        behaviour_logprobs: The behaviour policy of tokens the trainer's current version generated: ``trainer``
+            (its own recomputed logprobs: their IS weight is exactly 1, engine numerics ignored) or ``engine``
+            (the logprobs the engine reported: the engine/trainer mismatch is corrected like staleness).
         algo: The ``grpo`` block (linked by the CLI).
     """
 
@@ -179,9 +190,14 @@ class GRPO(LightningModule):
         micro_batch_size: int | None = None,
         train_global_batch_size: int | None = None,
         temperature: float = 1.0,
+        behaviour_logprobs: Literal["trainer", "engine"] = "trainer",
         algo: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if behaviour_logprobs not in ("trainer", "engine"):
+            raise ValueError(f"model.init_args.behaviour_logprobs={behaviour_logprobs!r}: expected 'trainer' or "
+                             "'engine'")
+        self.behaviour_logprobs = behaviour_logprobs
         self.automatic_optimization = False
         self.policy_spec = policy
         # train mode, as Lightning expects (from_pretrained loads in eval mode); the shipped policies have no
@@ -377,7 +393,7 @@ class GRPO(LightningModule):
             curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
         prev = curr.detach()
         on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
-        gen = torch.where(on_policy, prev, batch["generation_logprobs"][sl].float())
+        gen = behaviour(prev, batch["generation_logprobs"][sl], on_policy, self.behaviour_logprobs)
         ref = None
         if self.reference is not None:
             with torch.no_grad():

@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -47,6 +47,7 @@ from screl.modules.grpo import (
     _ARCH_FIELDS,
     GRPO,
     AllFilteredStepError,
+    behaviour,
     loss_sample_mask,
     token_logprobs,
 )
@@ -133,6 +134,7 @@ class PPO(GRPO):
         train_global_batch_size: Rows per policy update: the step's rows (None: derived).
         value_train_global_batch_size: Rows per critic update: the step's rows (None: derived).
         temperature: Sampling temperature (linked from generation).
+        behaviour_logprobs: ``trainer`` or ``engine``: see :class:`~screl.modules.GRPO`.
         algo: The ``ppo`` block (linked by the CLI).
     """
 
@@ -153,11 +155,13 @@ class PPO(GRPO):
         train_global_batch_size: int | None = None,
         value_train_global_batch_size: int | None = None,
         temperature: float = 1.0,
+        behaviour_logprobs: Literal["trainer", "engine"] = "trainer",
         algo: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(policy, loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay,
                          max_grad_norm=max_grad_norm, micro_batch_size=micro_batch_size,
-                         train_global_batch_size=train_global_batch_size, temperature=temperature)
+                         train_global_batch_size=train_global_batch_size, temperature=temperature,
+                         behaviour_logprobs=behaviour_logprobs)
         if value is None:
             raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
         self.ppo: PPOConfig = algo if isinstance(algo, PPOConfig) else from_dict(PPOConfig, algo)
@@ -286,7 +290,7 @@ class PPO(GRPO):
         old_lp = torch.cat([self._logprobs(ids[s], attention[s]) for s in slices])
         self._offload(policy_opt, self.device)
         on_policy = batch["token_versions"] == int(batch["trainer_version"])
-        behaviour = torch.where(on_policy, old_lp, batch["generation_logprobs"].float())
+        behaviour_lp = behaviour(old_lp, batch["generation_logprobs"], on_policy, self.behaviour_logprobs)
         mask = token_mask * sample_mask[:, None]
         kl = None
         if self.ppo.reward_kl_coef > 0:
@@ -297,7 +301,7 @@ class PPO(GRPO):
         est = self.ppo.adv_estimator
         adv, ret = gae_advantages(rewards, values, mask, gamma=est.gamma, lam=est.lam, whiten=est.whiten_advantages)
         return _StepData(token_mask=token_mask, sample_mask=sample_mask, valid_tokens=mask.sum().clamp_min(1.0),
-                         old_values=values, old_logprobs=old_lp, behaviour_logprobs=behaviour, advantages=adv,
+                         old_values=values, old_logprobs=old_lp, behaviour_logprobs=behaviour_lp, advantages=adv,
                          returns=ret)
 
     def _offload(self, opt: LightningOptimizer, device: str | torch.device) -> None:

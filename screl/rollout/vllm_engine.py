@@ -85,6 +85,9 @@ class VLLMGenerationEngine:
         recompute_kv_cache_after_weight_updates: Clear the KV cache when pausing for a refit (in-flight
             requests are re-prefilled under the new weights).
         seed: Seeds requests that carry no seed of their own.
+        num_threads: On CPU, the OpenMP threads of the EngineCore process, left unbound to cores
+            (``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless that is set): the trainer shares the cores. None: vLLM's
+            default, one thread bound to each core.
         version: Initial weight version label.
     """
 
@@ -99,7 +102,7 @@ class VLLMGenerationEngine:
             raise ValueError(f"{KEY}: {fixed} are set by screl's vLLM backend and cannot be overridden")
         if options.device not in ("cpu", "cuda") and not options.device.startswith("cuda"):
             raise ValueError(f"data.init_args.generation.device={options.device!r}: vLLM runs on cpu or cuda")
-        return cls(policy, engine_args=dict(options.args), seed=options.seed,
+        return cls(policy, engine_args=dict(options.args), seed=options.seed, num_threads=options.num_threads,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates)
 
     def __init__(
@@ -108,9 +111,13 @@ class VLLMGenerationEngine:
         engine_args: Mapping[str, Any] | None = None,
         recompute_kv_cache_after_weight_updates: bool = False,
         seed: int | None = None,
+        num_threads: int | None = None,
         version: int = 0,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
+        if num_threads is not None:  # the EngineCore child inherits these
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
         self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
         self._seed = seed or 0
         self._counter = 0
