@@ -147,6 +147,25 @@ def test_killed_generation_worker_is_retried_and_training_continues(tmp_path: Pa
     assert report.ok, report.format()
 
 
+def test_a_hung_request_passes_its_deadline_and_is_retried(tmp_path: Path) -> None:
+    """The engine wedges on its first batch; ``generation_timeout_s`` aborts it, the siblings are retried as
+    infrastructure failures (``fail`` events with reason ``timeout``) and every step trains."""
+    cfg = base_config(tmp_path / "run")
+    cfg["trainer"]["max_steps"] = 3
+    cfg["grpo"]["max_num_steps"] = 3
+    gen = cfg["data"]["init_args"]["generation"]
+    gen.update(backend="e2e.engines.HangsOnceEngine", generation_timeout_s=2.0, injected_latency_s=0.0)
+    cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 3, "backoff_base_s": 0.1, "max_backoff_s": 0.2}
+    run_dir = run_fit(cfg, tmp_path)
+    events = _events(run_dir)
+    timeouts = [e for e in events if e.name == "fail" and e.reason == "timeout"]
+    assert timeouts and all(e.extra["detail"] == "generation_timeout_s=2 passed" for e in timeouts), timeouts
+    assert not [e for e in events if e.name == "fail" and e.reason != "timeout"]
+    assert [e.step for e in events if e.name == "train_step"] == [0, 1, 2]
+    report = check_events(run_dir, cfg["async_rl"]["sampler"], final=True)
+    assert report.ok, report.format()
+
+
 def test_a_crash_in_the_rollout_pump_surfaces_in_the_trainer(tmp_path: Path) -> None:
     cfg = base_config(tmp_path / "run")
     cfg["data"]["init_args"]["task"] = {
