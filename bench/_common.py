@@ -99,8 +99,10 @@ def screl_config(
     threads: int | None = 1,
     learning_rate: float = 3e-3,
     seed: int = 0,
+    backend: str = "torch",
 ) -> dict[str, Any]:
-    """A run config (the YAML as a dict): ``configs/grpo_tiny.yaml`` with the benchmark's settings.
+    """A run config (the YAML as a dict): ``configs/grpo_tiny.yaml`` with the benchmark's settings
+    (``backend``: the generation backend, ``torch`` or ``vllm``).
 
     Completions have a fixed length (``min_new_tokens = max_new_tokens = completion_len``). The buffer
     and in-flight bounds are ``P x (window + 1)`` groups, as in ``configs/samplers/*.yaml``.
@@ -122,7 +124,7 @@ def screl_config(
     data = cfg["data"]["init_args"]
     data["task"] = deepcopy(TASKS[task])
     data["generation"].update(max_new_tokens=completion_len, min_new_tokens=completion_len, num_threads=threads,
-                              num_workers=1, max_batch_size=max(64, prompts_per_step * group))
+                              num_workers=1, max_batch_size=max(64, prompts_per_step * group), backend=backend)
     data["train_num_threads"] = threads  # None: screl's automatic budget (see screl.threads)
     data["step_timeout_s"] = 300
     data["seed"] = seed

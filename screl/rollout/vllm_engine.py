@@ -128,6 +128,14 @@ class VLLMGenerationEngine:
         self.eos_token_id = tokenizer.eos_token_id
         model_dir = self._model_dir(policy)
         args = {**DEFAULT_ENGINE_ARGS, **dict(engine_args or {})}
+        transfer = args.pop("weight_transfer", None)
+        if transfer not in (None, "nccl"):
+            raise ValueError(f"{KEY}.weight_transfer={transfer!r}: expected nccl (GPU) or null (the object store)")
+        if transfer == "nccl":
+            from vllm.config import WeightTransferConfig
+
+            args["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
+        self.tensor_parallel_size = int(args.get("tensor_parallel_size") or 1)
         if args["enable_prefix_caching"] is None:
             # a refit that keeps the KV cache cannot reset the prefix cache under running requests, so new
             # requests would reuse prompt KV of the old weights: cache prefixes only when a refit clears it all
@@ -275,6 +283,25 @@ class VLLMGenerationEngine:
         finally:
             if not held:
                 self.resume()
+
+    def weight_transfer(self, method: str, payload: Any = None) -> None:
+        """One call of vLLM's native weight transfer (``screl.rollout.vllm_transfer``; needs
+        ``backend_args.weight_transfer: nccl``): ``init`` / ``start`` / ``update`` / ``finish`` (payload: the
+        version label or None)."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        calls = {
+            "init": lambda: self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payload)),
+            "start": lambda: self.llm.start_weight_update(),
+            "update": lambda: self.llm.update_weights(WeightTransferUpdateRequest(update_info=payload)),
+            "finish": lambda: self.llm.finish_weight_update(payload),
+        }
+        if method not in calls:
+            raise ValueError(f"weight_transfer({method!r}): expected one of {sorted(calls)}")
+        self._call(calls[method]())
 
     def shutdown(self) -> None:
         """Stop the engine (its EngineCore process) and the loop thread."""

@@ -38,7 +38,7 @@ from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
-from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, PauseMode, SamplingParams
 from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
@@ -281,6 +281,29 @@ class GenerationWorker:
         finally:
             self.clock.resume()
         return version
+
+    # -- vLLM's NCCL weight transfer (screl.rollout.vllm_transfer): the trainer drives these -------------------
+    async def tensor_parallel_size(self) -> int:
+        return int(getattr(self.engine, "tensor_parallel_size", 1))
+
+    async def weight_transfer(self, method: str, payload: Any = None) -> None:
+        transfer = getattr(self.engine, "weight_transfer", None)
+        if transfer is None:
+            raise RuntimeError(f"the {type(self.engine).__name__} backend has no native weight transfer")
+        await asyncio.get_running_loop().run_in_executor(None, transfer, method, payload)
+
+    async def pause_for_transfer(self) -> None:
+        """Hold generation for a transfer (``wait`` under the drain gate, else ``keep``); deadlines stand still."""
+        self.clock.pause()
+        mode: PauseMode = "keep" if self.in_flight_weight_updates else "wait"
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.pause, mode)
+
+    async def resume_after_transfer(self, version: int) -> None:
+        try:
+            self.engine.set_version(version)
+            self.engine.resume()
+        finally:
+            self.clock.resume()
 
     async def set_version(self, version: int) -> int:
         """Relabel the loaded weights as ``version`` (the policy did not change: PPO critic warmup)."""

@@ -54,6 +54,19 @@ def vllm_rules(c: RuleContext) -> None:
     """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
     if c.gen.get("backend", "torch") != "vllm":
         return
+    transfer = (c.gen.get("backend_args") or {}).get("weight_transfer")
+    key = f"{GEN}.backend_args.weight_transfer"
+    if transfer not in (None, "nccl"):
+        c.bad(key, transfer, "must be nccl (vLLM's NCCL transfer, GPU) or null (the object store)",
+              "set weight_transfer: nccl or remove it")
+    elif transfer == "nccl" and not str(c.gen.get("device", "cpu")).startswith("cuda"):
+        c.bad(key, transfer, "NCCL moves weights between GPUs, and the engines run on the CPU",
+              "set device: cuda on a GPU machine, or remove weight_transfer (the object store path)")
+    strategy = get(c.cfg, "trainer.strategy")
+    strategy_path = strategy.get("class_path", "") if isinstance(strategy, dict) else str(strategy or "")
+    if transfer == "nccl" and "MegatronStrategy" in strategy_path:
+        c.bad(key, transfer, "the NCCL sender broadcasts a Hugging Face module's parameters; under MegatronStrategy "
+              "the policy is a Megatron model whose names vLLM does not know", "remove weight_transfer")
     t = c.gen.get("temperature", 1.0)
     if isinstance(t, (int, float)) and t > 2:
         c.bad(f"{GEN}.temperature", t, "vLLM samples at temperatures in [0, 2] only", "set temperature <= 2")
