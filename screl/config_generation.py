@@ -72,6 +72,9 @@ class GenerationConfig:
     """How long a worker waits for more groups to join a decode batch once one arrived (0: start at once)."""
     device: str = "cpu"
     """Device of the torch engine (``cpu`` or ``cuda``)."""
+    max_worker_restarts: int = -1
+    """Times Ray restarts a dead generation worker (its model rebuilt, the latest weights pushed before its next
+    request); -1: without limit, 0: never (a dead worker's share moves to the others)."""
     generation_timeout_s: float | None = None
     """Deadline of one generate request (None: none). A request past it is aborted and its sibling retried as a
     rollout failure (``fail`` event, reason ``timeout``) within ``rollout_failure.max_infra_attempts``. Time

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.validation import ValidationRunner
-from screl.controller.watchdog import unreachable_workers
+from screl.controller.watchdog import dead_for_good, unreachable_workers
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
@@ -109,6 +109,7 @@ class RolloutController:
         self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None
         self._snapshot_task: asyncio.Task[None] | None = None
+        self._health: asyncio.Task[None] | None = None
         os.makedirs(run_dir, exist_ok=True)
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self._log_had_history = os.path.exists(self.events_path) and os.path.getsize(self.events_path) > 0
@@ -215,6 +216,10 @@ class RolloutController:
             finally:
                 self.watchdog.call_ended(token)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            if self.generation.max_worker_restarts >= 0 and isinstance(err, ray.exceptions.ActorDiedError):
+                why = await dead_for_good(worker, 2.0)  # Ray may not bring it back: stop sending it work first
+                if why is not None:
+                    await self._execute(self.core.worker_lost(index, why))
             await self._execute(self.core.call_failed([d.attempt for d in dispatches], type(err).__name__))
             return
         for rep in reports:
@@ -236,6 +241,9 @@ class RolloutController:
         await self._execute(self.core.resume(time.perf_counter()))
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
+        if self.run.async_rl.watchdog.health_check_interval_s is not None:
+            self._health = asyncio.get_running_loop().create_task(self._health_checks())
+            self._health.add_done_callback(self._on_task_done)
         self._start_validation()
         rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
         if rc.snapshot_attempt_interval_s is not None and ck.enabled and ck.checkpoint_dir:
@@ -270,6 +278,20 @@ class RolloutController:
             self.pump_error = err
         self.notify()
 
+    async def _health_checks(self) -> None:
+        """Between requests, every ``async_rl.watchdog.health_check_interval_s``: a worker dead for good gets no
+        more work and its rollouts move to the others (``core.worker_lost``)."""
+        interval = float(self.run.async_rl.watchdog.health_check_interval_s or 5.0)
+        while not self.shutting_down:
+            await asyncio.sleep(interval)
+            live = [i for i in range(len(self.workers)) if i not in self.core.dead]
+            verdicts = await asyncio.gather(*(dead_for_good(self.workers[i], min(5.0, interval)) for i in live))
+            for i, why in zip(live, verdicts, strict=True):
+                if why is not None and not self.shutting_down:
+                    log.warning("screl: generation worker %d is dead for good (%s); its work moves to the others",
+                                i, why)
+                    await self._execute(self.core.worker_lost(i, why))
+
     async def _rollout_pump(self) -> None:
         # checks shutting_down as well as relying on cancel: before Python 3.12, asyncio.wait_for (in
         # _wait_changed) can swallow a cancellation that lands as the event is set, and the loop would go on
@@ -286,7 +308,7 @@ class RolloutController:
         self.shutting_down = True
         if self.validation is not None:
             self.validation.cancel()
-        tasks = [*self._calls, *(t for t in (self._pump, self._snapshot_task) if t is not None)]
+        tasks = [*self._calls, *(t for t in (self._pump, self._snapshot_task, self._health) if t is not None)]
         for t in tasks:
             t.cancel()
         self.notify()

@@ -164,6 +164,7 @@ class RolloutRuntime:
         try:
             self.workers = spawn_workers(
                 g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
+                max_restarts=g.max_worker_restarts,
                 backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
                 task=task, sampling=sampling_params(g), workflow=g.workflow,
                 reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,

@@ -7,6 +7,23 @@ from collections.abc import Sequence
 from typing import Any
 
 
+async def dead_for_good(worker: Any, timeout_s: float = 5.0) -> str | None:
+    """Why ``worker`` is dead and will not come back (a ping, and a second one after it, raise ``ActorDiedError``:
+    a call to an actor Ray is restarting waits instead), or None while it answers, restarts or hangs."""
+    import ray
+
+    why = None
+    for _ in range(2):  # the first ping may have been in flight when the process died
+        try:
+            await asyncio.wait_for(worker.ping.remote(), timeout_s)
+            return None
+        except ray.exceptions.ActorDiedError as err:
+            why = str(err).splitlines()[0][:200]
+        except Exception:  # noqa: BLE001 - restarting, unavailable or hung: not known to be gone
+            return None
+    return why
+
+
 async def unreachable_workers(workers: Sequence[Any], timeout_s: float = 5.0) -> list[int]:
     """Indices of the workers that do not answer a ping within ``timeout_s``."""
 

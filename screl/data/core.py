@@ -36,6 +36,7 @@ from screl.data.core_types import (
     Effects,
     GroupRun,
     SiblingReport,
+    WorkersLostError,
     seed_for,
 )
 from screl.data.events import (
@@ -86,6 +87,7 @@ class RolloutCore:
         self.group_keys: dict[str, list[str]] = {}  # committed group -> its row keys, by sibling
         self.attempts: dict[str, tuple[str, int, int]] = {}  # live attempt -> (group, sibling, worker)
         self.load = [0] * s.num_workers
+        self.dead: set[int] = set()  # workers gone for good: nothing is dispatched to them
         self.refitting = False
         self.window: int | None = None  # the sampler's gate window, when it retunes (PPO critic warmup)
         self.admission_closed = False
@@ -194,7 +196,7 @@ class RolloutCore:
     def _pick_worker(self) -> int:
         """The least loaded worker, ties broken round-robin (so one group's siblings share one decode)."""
         n = len(self.load)
-        order = [(self._cursor + i) % n for i in range(n)]
+        order = [w for w in ((self._cursor + i) % n for i in range(n)) if w not in self.dead] or list(range(n))
         worker = min(order, key=lambda w: self.load[w])
         self._cursor = (worker + 1) % n
         return worker
@@ -274,6 +276,22 @@ class RolloutCore:
         eff.abort = {w: [a for a in ids if a not in dead] for w, ids in eff.abort.items()}
         eff.abort = {w: ids for w, ids in eff.abort.items() if ids}
         return eff
+
+    def worker_lost(self, worker: int, detail: str) -> Effects:
+        """Worker ``worker`` is dead for good (found by a health check or a failed call): nothing more goes to it,
+        its live attempts fail as infra failures and are retried on the others. With no worker left, the pump
+        stops with :class:`WorkersLostError`."""
+        if worker in self.dead:
+            return Effects()
+        self.dead.add(worker)
+        eff = Effects()
+        if len(self.dead) == len(self.load):
+            eff.error = WorkersLostError(
+                f"every generation worker is dead for good (workers {sorted(self.dead)}; last: {detail}): Ray does "
+                "not restart them past data.init_args.generation.max_worker_restarts")
+            return eff
+        mine = [a for a, (_, _, w) in self.attempts.items() if w == worker]
+        return eff.extend(self.call_failed(mine, f"worker {worker} is dead: {detail}")) if mine else eff
 
     def _settle(self, run: GroupRun, cascaded: list[int]) -> Effects:
         """After a fail or abandon: abort the in-flight peers the ledger abandoned (``prompt_group``) and clear the

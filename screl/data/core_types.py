@@ -24,6 +24,10 @@ class RolloutFailure(RuntimeError):
     """A prompt group failed beyond its retry budget and the drop budget is spent."""
 
 
+class WorkersLostError(RolloutFailure):
+    """Every generation worker is dead for good (Ray will not restart them)."""
+
+
 def seed_for(*parts: Any) -> int:
     """A 32-bit seed from any parts (stable across processes and runs)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()

@@ -27,6 +27,10 @@ class WatchdogConfig:
     stall_timeout_s: float | None = None
     """Fail the run when no rollout group is committed for this long while the trainer waits for a chunk,
     naming the stuck calls and the dead workers (None: off; the trainer waits ``step_timeout_s`` per chunk)."""
+    health_check_interval_s: float | None = 5.0
+    """Ping every generation worker this often, between requests: one dead for good (Ray will not restart it,
+    ``generation.max_worker_restarts``) gets no more work, its rollouts are retried on the others, and with none
+    left the run fails naming them (None: off; a dead worker is found when a call to it fails)."""
 
 
 class StallWatchdog:

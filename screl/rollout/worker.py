@@ -426,17 +426,18 @@ def spawn_workers(
     resources: WorkerResources | None = None,
     namespace_prefix: str = "screl",
     options: EngineOptions | None = None,
+    max_restarts: int = -1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Start ``num_workers`` generation actors (restarted by Ray if their process dies); worker ``i`` seeds its
-    engine with ``options.seed + i``."""
+    """Start ``num_workers`` generation actors (restarted by Ray up to ``max_restarts`` times if their process
+    dies, -1: always); worker ``i`` seeds its engine with ``options.seed + i``."""
     remote_cls = ray.remote(GenerationWorker)
     options = options or EngineOptions()
     base_seed = options.seed or 0
     return [
         remote_cls.options(  # type: ignore[attr-defined]
             **(resources or WorkerResources()).actor_options(),
-            max_restarts=-1,
+            max_restarts=max_restarts,
             max_task_retries=0,
             max_concurrency=64,
             name=f"{namespace_prefix}-generation-{i}-{os.getpid()}",

@@ -19,7 +19,7 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
-from screl.validation.rollout_rules import deadline_rules, refit_rules, vllm_rules
+from screl.validation.rollout_rules import deadline_rules, refit_rules, vllm_rules, worker_health_rules
 from screl.validation.run_rules import (
     algorithm_pairing_rules,
     algorithm_rules,
@@ -47,6 +47,7 @@ RULES = (
     vllm_rules,
     deadline_rules,
     refit_rules,
+    worker_health_rules,
     algorithm_pairing_rules,
     custom_sampler_rules,
     checkpoint_rules,

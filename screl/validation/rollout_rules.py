@@ -50,6 +50,18 @@ def deadline_rules(c: RuleContext) -> None:
               f"set stall_timeout_s > {longest:g}")
 
 
+def worker_health_rules(c: RuleContext) -> None:
+    """``generation.max_worker_restarts`` and ``async_rl.watchdog.health_check_interval_s``."""
+    restarts = c.gen.get("max_worker_restarts", -1)
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < -1:
+        c.bad(f"{GEN}.max_worker_restarts", restarts, "must be an integer >= 0, or -1 (without limit)",
+              "set max_worker_restarts: -1")
+    interval = get(c.async_rl, "watchdog.health_check_interval_s", 5.0)
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0):
+        c.bad("async_rl.watchdog.health_check_interval_s", interval, "must be a number of seconds > 0, or null (off)",
+              "set health_check_interval_s: 5")
+
+
 def vllm_rules(c: RuleContext) -> None:
     """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
     if c.gen.get("backend", "torch") != "vllm":

@@ -269,3 +269,24 @@ def test_shutdown_ends_every_group_and_the_log_passes_the_final_check() -> None:
     assert d.rows == set(), "no row outlives the run"
     acc = d.core.ledger.accounting()
     assert acc.balanced and acc.live == 0
+
+
+def test_a_worker_dead_for_good_gets_no_more_work_and_its_rollouts_move() -> None:
+    d = Driver(make_core(failure=FailureBudget(max_infra_attempts=3, backoff_base_s=0.5, max_backoff_s=1.0)))
+    d.pump()
+    on_0 = {o.attempt for o in d.outstanding if o.worker == 0}
+    assert on_0, "worker 0 had work"
+    d.apply(d.core.worker_lost(0, "ActorDiedError"))
+    fails = [e for e in d.events if isinstance(e, FailEvent)]
+    assert len(fails) == len(on_0) and all(e.reason == "infra" for e in fails)
+    assert all(e.extra["detail"] == "worker 0 is dead: ActorDiedError" for e in fails)
+    moved = [o for o in d.outstanding if o.attempt not in on_0 and o.delay_s > 0]
+    assert moved and {o.worker for o in moved} == {1}, "retries go to the live worker"
+    for _ in range(8):  # everything dispatched from now on avoids worker 0
+        d.seal(0)
+        d.pump()
+    assert {o.worker for o in d.outstanding if o.attempt not in on_0} == {1}
+    assert d.core.worker_lost(0, "again").events == [], "a worker is lost once"
+    d.apply(d.core.worker_lost(1, "ActorDiedError"))
+    assert d.error is not None and "every generation worker is dead for good (workers [0, 1]" in str(d.error)
+    assert "data.init_args.generation.max_worker_restarts" in str(d.error)

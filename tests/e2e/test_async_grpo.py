@@ -147,6 +147,42 @@ def test_killed_generation_worker_is_retried_and_training_continues(tmp_path: Pa
     assert report.ok, report.format()
 
 
+def test_a_worker_killed_for_good_hands_its_work_to_the_other(tmp_path: Path) -> None:
+    """``max_worker_restarts: 0``: Ray does not bring a SIGKILLed worker back. The health check (or the failed
+    call) finds it dead for good, its rollouts are retried on the other worker, and every step trains."""
+    cfg = base_config(tmp_path / "run")
+    cfg["trainer"]["max_steps"] = 5
+    cfg["grpo"]["max_num_steps"] = 5
+    gen = cfg["data"]["init_args"]["generation"]
+    gen.update(num_workers=2, max_worker_restarts=0, injected_latency_s=0.5)
+    cfg["async_rl"]["watchdog"] = {"health_check_interval_s": 0.5}
+    cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 3, "backoff_base_s": 0.2, "max_backoff_s": 0.5}
+    killer = _KillWorker()
+    run_dir = run_fit(cfg, tmp_path, callbacks=[killer])
+    assert killer.killed
+    events = _events(run_dir)
+    assert [e.step for e in events if e.name == "train_step"] == [0, 1, 2, 3, 4]
+    assert not [e for e in events if e.name == "drop"]
+    report = check_events(run_dir, cfg["async_rl"]["sampler"], final=True)
+    assert report.ok, report.format()
+
+
+def test_the_last_worker_killed_for_good_fails_the_run_naming_it(tmp_path: Path) -> None:
+    import time
+
+    cfg = base_config(tmp_path / "run")
+    cfg["trainer"]["max_steps"] = 5
+    cfg["grpo"]["max_num_steps"] = 5
+    cfg["data"]["init_args"]["generation"].update(max_worker_restarts=0, injected_latency_s=0.5)
+    cfg["data"]["init_args"]["step_timeout_s"] = 300
+    cfg["async_rl"]["watchdog"] = {"health_check_interval_s": 0.5}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the rollout pump failed: WorkersLostError\('every generation worker is "
+                                           r"dead for good \(workers \[0\]; .*generation.max_worker_restarts"):
+        run_fit(cfg, tmp_path, callbacks=[_KillWorker()])
+    assert time.monotonic() - t0 < 100, "found late: the run waited for step_timeout_s"
+
+
 def test_a_hung_request_passes_its_deadline_and_is_retried(tmp_path: Path) -> None:
     """The engine wedges on its first batch; ``generation_timeout_s`` aborts it, the siblings are retried as
     infrastructure failures (``fail`` events with reason ``timeout``) and every step trains."""
