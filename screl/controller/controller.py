@@ -377,14 +377,28 @@ class RolloutController:
                 )
             await self._wait_changed(min(left, 0.5))
 
-    async def _refit_workers(self, weights: list[Any], version: int) -> None:
-        """Push ``weights`` to every live worker; a dead or restarting one is refreshed before its next request."""
+    async def _refit_workers(self, weights: list[Any], version: int, timeout_s: float = 600.0) -> None:
+        """Push ``weights`` to every live worker within ``timeout_s``; a dead or restarting one is refreshed before
+        its next request, one that hangs fails the refit naming it."""
         import ray
 
-        results = await asyncio.gather(
-            *(w.update_weights.remote(weights, version) for w in self.workers), return_exceptions=True
-        )
-        for worker_index, res in enumerate(results):
+        async def load(w: Any) -> Any:
+            return await w.update_weights.remote(weights, version)
+
+        live = [i for i in range(len(self.workers)) if i not in self.core.dead]
+        calls = {i: asyncio.ensure_future(load(self.workers[i])) for i in live}
+        if not calls:  # every worker is dead for good: the pump's WorkersLostError reaches the trainer next
+            return
+        _, pending = await asyncio.wait(calls.values(), timeout=timeout_s)
+        if pending:
+            for t in pending:
+                t.cancel()
+            hung = [i for i, t in calls.items() if t in pending]
+            raise TimeoutError(f"generation worker(s) {hung} did not load the weights of version {version} within "
+                               f"{timeout_s:.0f} s (data.init_args.step_timeout_s): a hung engine, see the workers' "
+                               "logs (screl fit --verbose)")
+        for worker_index, task in calls.items():
+            res = task.exception()
             if isinstance(res, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
                 self.core.metrics["refit_skipped"] = self.core.metrics.get("refit_skipped", 0) + 1
                 log.warning("screl: worker %d missed the refit to version %d (%s); it is refreshed before its "
@@ -410,7 +424,7 @@ class RolloutController:
         t0 = time.perf_counter()
         if weights is not None:
             self.latest_weights = weights
-            await self._refit_workers(weights, version)
+            await self._refit_workers(weights, version, timeout_s)
         else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
             await self._relabel_workers(version)
         return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None)

@@ -139,9 +139,9 @@ class RolloutRuntime:
             weights = self._start_fleet(task, policy, run_dir, initial_weights, seed, config_dict, val_task)
             t2 = time.perf_counter()
             if restore is not None:
-                summary = ray.get(self.controller.restore.remote(*restore), timeout=self.timeout_s)
+                summary = self._wait(self.controller.restore.remote(*restore), "restore the checkpoint", self.timeout_s)
                 log.warning("screl: resumed the rollout side: %s", summary)
-            info = ray.get(self.controller.start.remote(weights), timeout=self.timeout_s)
+            info = self._wait(self.controller.start.remote(weights), "start the controller", self.timeout_s)
             self.events_path = info["events_path"]
             startup.info("screl: controller started in %.1f s; events -> %s", time.perf_counter() - t2, self.events_path)
         except BaseException:
@@ -182,16 +182,27 @@ class RolloutRuntime:
         startup.info("screl: TransferQueue started in %.1f s (%d storage unit(s))", time.perf_counter() - t1,
                      dpc.num_storage_units)
         attached = [a.set_data_plane.remote(self.dataplane) for a in [*self.workers, self.controller]]
-        ray.get(loaded + attached, timeout=self.timeout_s)
+        self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
         startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights loaded)",
                      len(self.workers), time.perf_counter() - t1, g.backend)
         return weights
 
+    def _wait(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+        """``ray.get(ref)`` within ``timeout_s`` (default: ``step_timeout_s`` + 60 s); a timeout says what the
+        trainer was waiting for and names the knob."""
+        limit = self.timeout_s + 60 if timeout_s is None else timeout_s
+        try:
+            return ray.get(ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"the rollout side did not {what} within {limit:.0f} s (data.init_args.step_timeout_s = "
+                f"{self.timeout_s:g}): a hung controller or generation worker; see the workers' logs (screl fit "
+                "--verbose), or raise step_timeout_s if it is just slow"
+            ) from None
+
     def next_chunk(self) -> dict[str, Any] | None:
         """Metadata of the next training chunk, or None when the run is done."""
-        return ray.get(  # type: ignore[no-any-return]
-            self.controller.next_chunk.remote(self.timeout_s), timeout=self.timeout_s + 60
-        )
+        return self._wait(self.controller.next_chunk.remote(self.timeout_s), "hand over the next chunk")  # type: ignore[no-any-return]
 
     def fetch(self, keys: list[str]) -> dict[str, list[torch.Tensor]]:
         """The rollout rows of ``keys`` from the data plane."""
@@ -210,39 +221,33 @@ class RolloutRuntime:
             refs = put_buckets(weights.items(), self.refit_bucket_bytes)
         else:
             refs = [ray.put(bucket) for bucket in weights]
-        return ray.get(  # type: ignore[no-any-return]
-            self.controller.complete_step.remote(refs, self.timeout_s), timeout=self.timeout_s + 60
-        )
+        return self._wait(self.controller.complete_step.remote(refs, self.timeout_s), "refit the workers")  # type: ignore[no-any-return]
 
     def _complete_step_by_broadcast(self, module: torch.nn.Module) -> dict[str, Any]:
         """vLLM's NCCL transfer (``screl.rollout.vllm_transfer``; unverified on a GPU here): the controller
         retires the step, the trainer broadcasts ``module``'s parameters to every engine, the controller resumes."""
         from screl.rollout.vllm_transfer import NcclWeightSender
 
-        wait = self.timeout_s + 60
         if self._sender is None:
-            ray.get(self.controller.use_external_refit.remote(), timeout=wait)
+            self._wait(self.controller.use_external_refit.remote(), "switch to the NCCL refit")
             self._sender = NcclWeightSender(self.workers, module, timeout_s=self.timeout_s)
-        version = ray.get(self.controller.begin_refit.remote(self.timeout_s), timeout=wait)
+        version = self._wait(self.controller.begin_refit.remote(self.timeout_s), "retire the step")
         t0 = time.perf_counter()
         self._sender.refit(int(version))
-        return ray.get(  # type: ignore[no-any-return]
-            self.controller.end_refit.remote(time.perf_counter() - t0), timeout=wait
-        )
+        return self._wait(self.controller.end_refit.remote(time.perf_counter() - t0), "resume after the refit")  # type: ignore[no-any-return]
 
     def finish_validation(self) -> list[dict[str, Any]]:
         """The end of training: the final validation (``val_at_end``) and every result not yet logged."""
-        return ray.get(  # type: ignore[no-any-return]
-            self.controller.finish_validation.remote(self.timeout_s), timeout=self.timeout_s + 60
-        )
+        return self._wait(self.controller.finish_validation.remote(self.timeout_s), "finish the validation")  # type: ignore[no-any-return]
 
     def snapshot_now(self) -> str:
         """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""
-        return ray.get(self.controller.snapshot_now.remote(), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        return self._wait(self.controller.snapshot_now.remote(), "take a rollout snapshot", self.timeout_s)  # type: ignore[no-any-return]
 
     def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
         """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``)."""
-        return ray.get(self.controller.capture.remote(data_plane_dir), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        return self._wait(self.controller.capture.remote(data_plane_dir), "capture its checkpoint state",  # type: ignore[no-any-return]
+                          self.timeout_s)
 
     def stats(self) -> dict[str, Any]:
         return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]

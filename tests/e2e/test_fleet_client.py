@@ -1,4 +1,5 @@
-"""The trainer-side client of vLLM's NCCL weight transfer over real Ray actors (no GPU: the actors record).
+"""The trainer's side of the rollout fleet over real Ray actors: the NCCL weight-transfer client (no GPU: the
+actors record) and the waits that name their knob.
 
 vLLM's own trainer engine hands every engine the same rank offset (1); screl's client must give engine ``i`` the
 offset after the ranks of the engines before it, or two engines would claim one NCCL rank.
@@ -45,3 +46,19 @@ def test_each_engine_gets_its_own_rank_offset_and_every_call() -> None:
         assert [m for m, _ in calls] == ["init", "start", "update", "finish"]
         assert calls[0][1] == {**init, "rank_offset": offset}
         assert calls[2][1]["names"] == ["w"] and calls[3][1] == "7"
+
+
+def test_a_wait_on_the_rollout_side_that_runs_out_names_the_knob() -> None:
+    from screl.config import GenerationConfig, RunConfig
+    from screl.controller.runtime import RolloutRuntime
+
+    @ray.remote(num_cpus=0)
+    def never() -> None:
+        import time
+
+        time.sleep(30)
+
+    runtime = RolloutRuntime(RunConfig.from_dict({}), GenerationConfig(), timeout_s=0.5)
+    with pytest.raises(TimeoutError, match=r"the rollout side did not refit the workers within 1 s \(data.init_args."
+                                           r"step_timeout_s = 0.5\): a hung controller or generation worker"):
+        runtime._wait(never.remote(), "refit the workers", timeout_s=1.0)
