@@ -305,8 +305,11 @@ class VLLMGenerationEngine:
 
     def shutdown(self) -> None:
         """Stop the engine (its EngineCore process) and the loop thread."""
+        llm, self.llm = self.llm, None
         try:
-            self.llm.shutdown()
+            if llm is not None:
+                llm.shutdown()
+                del llm  # collected now, while its modules are alive (not by __del__ at interpreter exit)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._tmp is not None:
