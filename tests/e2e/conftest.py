@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    # the workers (started by this cluster, with this environment) import test engines as e2e.engines
-    tests_dir = str(ROOT / "tests")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     started = start_local_ray(num_cpus=8, namespace="screl-tests")
     yield
     stop_ray_if_started(started)

@@ -190,7 +190,7 @@ def test_a_hung_request_passes_its_deadline_and_is_retried(tmp_path: Path) -> No
     cfg["trainer"]["max_steps"] = 3
     cfg["grpo"]["max_num_steps"] = 3
     gen = cfg["data"]["init_args"]["generation"]
-    gen.update(backend="e2e.engines.HangsOnceEngine", generation_timeout_s=2.0, injected_latency_s=0.0)
+    gen.update(backend="screl.rollout.faults.HangsOnceEngine", generation_timeout_s=2.0, injected_latency_s=0.0)
     cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 3, "backoff_base_s": 0.1, "max_backoff_s": 0.2}
     run_dir = run_fit(cfg, tmp_path)
     events = _events(run_dir)

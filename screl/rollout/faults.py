@@ -1,5 +1,7 @@
-"""Engines for end-to-end tests, importable by the Ray workers (the e2e ``ray_cluster`` puts ``tests/`` on their
-``PYTHONPATH``): the real torch engine, with a fault injected at a true edge."""
+"""Fault injection for tests of the failure handling: the real torch engine with a fault at a true edge.
+
+It lives in the package, not under ``tests/``, so that every Ray worker and ``screl fit`` subprocess can import
+it by class path (``generation.backend: screl.rollout.faults.HangsOnceEngine``) whatever cluster it joins."""
 
 from __future__ import annotations
 
