@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.validation import ValidationRunner
-from screl.controller.watchdog import dead_for_good, unreachable_workers
+from screl.controller.watchdog import dead_for_good, health_checks, unreachable_workers
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
@@ -242,7 +242,7 @@ class RolloutController:
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
         if self.run.async_rl.watchdog.health_check_interval_s is not None:
-            self._health = asyncio.get_running_loop().create_task(self._health_checks())
+            self._health = asyncio.get_running_loop().create_task(health_checks(self))
             self._health.add_done_callback(self._on_task_done)
         self._start_validation()
         rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
@@ -277,20 +277,6 @@ class RolloutController:
         if err is not None and self.pump_error is None:
             self.pump_error = err
         self.notify()
-
-    async def _health_checks(self) -> None:
-        """Between requests, every ``async_rl.watchdog.health_check_interval_s``: a worker dead for good gets no
-        more work and its rollouts move to the others (``core.worker_lost``)."""
-        interval = float(self.run.async_rl.watchdog.health_check_interval_s or 5.0)
-        while not self.shutting_down:
-            await asyncio.sleep(interval)
-            live = [i for i in range(len(self.workers)) if i not in self.core.dead]
-            verdicts = await asyncio.gather(*(dead_for_good(self.workers[i], min(5.0, interval)) for i in live))
-            for i, why in zip(live, verdicts, strict=True):
-                if why is not None and not self.shutting_down:
-                    log.warning("screl: generation worker %d is dead for good (%s); its work moves to the others",
-                                i, why)
-                    await self._execute(self.core.worker_lost(i, why))
 
     async def _rollout_pump(self) -> None:
         # checks shutting_down as well as relying on cancel: before Python 3.12, asyncio.wait_for (in
