@@ -95,11 +95,16 @@ def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) ->
     cfg = yaml.safe_load(config.read_text())
     # steps slower than the snapshot cadence, so attempts land while step N's bundle is the durable anchor
     cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 1.5
+    # a bundle every 3 steps: the kill below lands a step or two after step_3's first snapshot, well before
+    # step_6's bundle (with a bundle every step, a newer bundle without snapshots could win that race)
+    cfg["checkpointing"]["save_period"] = 3
     config.write_text(yaml.safe_dump(cfg))
     proc = start_fit(config, tmp_path / "fit.log")
-    anchor_snaps = lambda: sorted(ck_root.glob("step_*/rollout_snapshots/snapshot_*"))  # noqa: E731
+    anchor_snaps = lambda: sorted(ck_root.glob("step_3/rollout_snapshots/snapshot_*"))  # noqa: E731
     assert wait_for(lambda: len(anchor_snaps()) >= 1, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
     kill_tree(proc)
+    latest = CheckpointStore(str(ck_root)).latest()
+    assert latest is not None and latest.step == 3, latest
     proc = start_fit(config, tmp_path / "fit.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
     assert "rollout_snapshots/snapshot_" in (tmp_path / "fit.log").read_text()  # resumed from a snapshot
