@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from screl.dataplane import (
     listening_addresses,
 )
 from screl.dataplane.cluster import LOOPBACK_IPS
+from screl.dataplane.tq_client import current_client
 
 # Ray workers cannot import this test module by name: ship its actors and helpers by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -134,8 +137,14 @@ def test_put_validates_rows(dp: DataPlane) -> None:
 
 
 def test_timeout_raises_a_clear_error(dp: DataPlane) -> None:
-    with pytest.raises(DataPlaneTimeoutError, match=r"list did not finish within 1e-06s"):
-        dp.list_keys(timeout_s=1e-6)
+    # a stalled TransferQueue client loop (blocked for 1 s), so the 0.2 s wait runs out whatever the load
+    dp.list_keys()  # connected first
+    loop = current_client()._loop
+    stalled = threading.Event()
+    loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(1.0)))
+    assert stalled.wait(10)
+    with pytest.raises(DataPlaneTimeoutError, match=r"list did not finish within 0.2s"):
+        dp.list_keys(timeout_s=0.2)
     with pytest.raises(DataPlaneTimeoutError, match=r"get of 1 rows did not finish"):
         asyncio.run(dp.aget(["t_g0"], ["x"], timeout_s=1e-6))
 

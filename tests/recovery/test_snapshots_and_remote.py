@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -88,26 +90,44 @@ def test_bootstrap_state_restore_modes_and_fingerprint(tmp_path: Path) -> None:
     assert report.ok, report.format()
 
 
+_HOLD_AFTER_SNAPSHOT = """
+import sys, time
+from pathlib import Path
+from lightning.pytorch import Callback
+from screl.cli import ScrelCLI
+
+class HoldAfterSnapshot(Callback):
+    # before step 3 trains (bundle step_2 is the newest): wait for a snapshot under it, then hang until killed,
+    # so no newer bundle can be published between that snapshot and the kill
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.global_step == 2:
+            while not list(Path(sys.argv[2]).glob("step_2/rollout_snapshots/snapshot_*")):
+                time.sleep(0.05)
+            Path(sys.argv[3]).write_text("held")
+            time.sleep(3600)
+
+cli = ScrelCLI(args=["--config", sys.argv[1]], run=False)
+cli.trainer.callbacks.append(HoldAfterSnapshot())
+cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+"""
+
+
 def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) -> None:
     ck_root = tmp_path / "bundles"
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=6, sampler=IN_ORDER),
                             snapshot_attempt_interval_s=0.2)
-    cfg = yaml.safe_load(config.read_text())
-    # steps slower than the snapshot cadence, so attempts land while step N's bundle is the durable anchor
-    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 1.5
-    # a bundle every 3 steps: the kill below lands a step or two after step_3's first snapshot, well before
-    # step_6's bundle (with a bundle every step, a newer bundle without snapshots could win that race)
-    cfg["checkpointing"]["save_period"] = 3
-    config.write_text(yaml.safe_dump(cfg))
-    proc = start_fit(config, tmp_path / "fit.log")
-    anchor_snaps = lambda: sorted(ck_root.glob("step_3/rollout_snapshots/snapshot_*"))  # noqa: E731
-    assert wait_for(lambda: len(anchor_snaps()) >= 1, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
+    driver, marker = tmp_path / "hold.py", tmp_path / "held"
+    driver.write_text(_HOLD_AFTER_SNAPSHOT)
+    with (tmp_path / "fit.log").open("ab") as log:
+        proc = subprocess.Popen([sys.executable, str(driver), str(config), str(ck_root), str(marker)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    assert wait_for(marker.exists, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
     kill_tree(proc)
     latest = CheckpointStore(str(ck_root)).latest()
-    assert latest is not None and latest.step == 3, latest
+    assert latest is not None and latest.step == 2, latest
     proc = start_fit(config, tmp_path / "fit.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
-    assert "rollout_snapshots/snapshot_" in (tmp_path / "fit.log").read_text()  # resumed from a snapshot
+    assert "step_2/rollout_snapshots/snapshot_" in (tmp_path / "fit.log").read_text()  # resumed from the snapshot
     report = check_events(tmp_path / "run", IN_ORDER)
     assert report.ok, report.format()
 
