@@ -27,6 +27,20 @@ class ColocatedConfig:
 
 
 @dataclass
+class HttpServerConfig:
+    """The OpenAI-compatible policy server (``generation.expose_http_server: true``; docs/agents.md)."""
+
+    host: str = "127.0.0.1"
+    """Bind address. Anything but loopback needs ``api_key``."""
+    port: int = 0
+    """TCP port; 0 picks a free one (the URL is logged)."""
+    api_key: str | None = None
+    """When set, every ``/v1`` request must send ``Authorization: Bearer <api_key>`` (401 otherwise)."""
+    model_name: str = "screl-policy"
+    """The model id ``/v1/models`` lists."""
+
+
+@dataclass
 class GenerationConfig:
     """The generation side (``policy.generation`` in the spec)."""
 
@@ -48,7 +62,11 @@ class GenerationConfig:
     model as one object). Under ``MegatronStrategy`` its ``export_bucket_bytes`` sets the bucket size instead."""
     workflow: str = "screl.rollout.workflow.SingleTurnWorkflow"
     """Rollout workflow class (``package.module.Class``) each worker runs per sibling: generate, reward, build
-    the row (see docs/extending.md). The default generates once and scores with the task."""
+    the row (see docs/extending.md). The default generates once and scores with the task;
+    ``screl.rollout.MultiTurnWorkflow`` runs conversations with the task's environments (docs/agents.md)."""
+    workflow_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the workflow class (``MultiTurnWorkflow``: ``max_turns``, ``max_total_tokens``,
+    ``env_actors``); checked against its signature before anything starts."""
     max_new_tokens: int = 16
     """Completion length cap."""
     min_new_tokens: int = 0
@@ -81,5 +99,10 @@ class GenerationConfig:
     the engine spends paused for a refit does not count."""
     rollout_timeout_s: float | None = None
     """Deadline of one sibling's whole rollout (every generate call and the reward), same handling."""
+    expose_http_server: bool = False
+    """Serve the policy over an OpenAI-compatible HTTP server (chat and completions, with token ids, logprobs and
+    weight versions): for agents that speak OpenAI, and required by ``screl.rollout.AgentWorkflow``."""
+    http_server: HttpServerConfig = field(default_factory=HttpServerConfig)
+    """Where and how the server listens."""
     injected_latency_s: float = 0.0
     """Testing aid: random extra latency per request, uniform in [0, this] (out-of-order completions)."""

@@ -114,6 +114,8 @@ class RolloutRuntime:
         self.timeout_s = timeout_s
         self.controller: Any = None
         self.workers: list[Any] = []
+        self.server: Any = None
+        self.server_url: str | None = None
         self.dataplane: DataPlane | None = None
         self._ray_started = False
         self.events_path: str | None = None
@@ -166,7 +168,7 @@ class RolloutRuntime:
                 g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
                 max_restarts=g.max_worker_restarts,
                 backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
-                task=task, sampling=sampling_params(g), workflow=g.workflow,
+                task=task, sampling=sampling_params(g), workflow=g.workflow, workflow_args=dict(g.workflow_args),
                 reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
                 deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
                 in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
@@ -183,9 +185,24 @@ class RolloutRuntime:
                      dpc.num_storage_units)
         attached = [a.set_data_plane.remote(self.dataplane) for a in [*self.workers, self.controller]]
         self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
+        if g.expose_http_server:
+            self._start_server(policy)
         startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights loaded)",
                      len(self.workers), time.perf_counter() - t1, g.backend)
         return weights
+
+    def _start_server(self, policy: PolicySpec) -> None:
+        """The OpenAI-compatible policy server in front of the workers (``generation.expose_http_server``)."""
+        from screl.rollout.server import PolicyServer
+
+        g, hs = self.generation, self.generation.http_server
+        self.server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(
+            self.workers, policy, host=hs.host, port=hs.port, api_key=hs.api_key, model_name=hs.model_name,
+            max_tokens=g.max_new_tokens)
+        self.server_url = self._wait(self.server.start.remote(), "start the policy server", self.timeout_s)
+        self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers],
+                   "attach the policy server", self.timeout_s)
+        startup.info("screl: OpenAI-compatible policy server at %s (model %r)", self.server_url, hs.model_name)
 
     def _wait(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
         """``ray.get(ref)`` within ``timeout_s`` (default: ``step_timeout_s`` + 60 s); a timeout says what the
@@ -264,6 +281,9 @@ class RolloutRuntime:
                 log.warning("screl: controller shutdown failed: %r", err)
             ray.kill(self.controller, no_restart=True)
             self.controller = None
+        if self.server is not None:
+            ray.kill(self.server, no_restart=True)
+            self.server = None
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []

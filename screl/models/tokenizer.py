@@ -1,4 +1,5 @@
-"""A character-level tokenizer built in memory (no download), identical to the TRL benchmark peer's."""
+"""A character-level tokenizer built in memory (no download), identical to the TRL benchmark peer's (plus a
+chat template of its own, which tokenizes nothing differently)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<eos>", "<bos>")
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
 """Ordinary characters, ids 3.. in this order."""
 PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID = 0, 1, 2
+CHAR_CHAT_TEMPLATE = (
+    "<bos>{% for m in messages %}{{ m['role'] }} {{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+"""The chat template: ``<bos>``, then ``<role> <content><eos>`` per message, then ``assistant `` for the reply
+(roles and contents must keep to ``CHARS``: other characters become ``<pad>``)."""
 
 
 def char_vocab() -> dict[str, int]:
@@ -25,6 +32,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
     )
+    tokenizer.chat_template = CHAR_CHAT_TEMPLATE  # chat requests and multi-turn rollouts (screl.rollout.chat)
+    return tokenizer

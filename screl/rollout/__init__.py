@@ -16,6 +16,8 @@ from screl.rollout.engine import (
 )
 
 if TYPE_CHECKING:
+    from screl.rollout.agent import AgentWorkflow
+    from screl.rollout.multiturn import MultiTurnWorkflow
     from screl.rollout.torch_engine import TorchGenerationEngine
 
 
@@ -24,15 +26,25 @@ def __getattr__(name: str) -> Any:
         from screl.rollout.torch_engine import TorchGenerationEngine
 
         return TorchGenerationEngine
+    if name == "MultiTurnWorkflow":
+        from screl.rollout.multiturn import MultiTurnWorkflow
+
+        return MultiTurnWorkflow
+    if name == "AgentWorkflow":
+        from screl.rollout.agent import AgentWorkflow
+
+        return AgentWorkflow
     raise AttributeError(f"module 'screl.rollout' has no attribute {name!r}")
 
 
 __all__ = [
+    "AgentWorkflow",
     "EngineOptions",
     "FinishReason",
     "GenerationEngine",
     "GenerationRequest",
     "GenerationResult",
+    "MultiTurnWorkflow",
     "PauseMode",
     "SamplingParams",
     "TorchGenerationEngine",

@@ -17,7 +17,7 @@ import torch
 
 from screl.rollout.engine import GenerationResult
 
-Kind = Literal["sequence", "prompt_len", "per_completion_token", "scalar"]
+Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 _SEQUENCE_DERIVED = ("attention_mask", "token_mask")  # from the sequence and the prompt length
@@ -42,6 +42,9 @@ class RowField:
     * ``prompt_len``: ``[prompt length]`` (exactly one). Places the completion; not collated itself.
     * ``per_completion_token``: one value per completion token. Collated next-token aligned like
       ``token_mask``: row ``i``'s values at positions ``p - 1 .. p - 2 + resp``, ``fill`` elsewhere.
+    * ``completion_mask``: one 0/1 value per completion token (exactly one per schema), multiplied into
+      ``token_mask``: a multi-turn row's environment and tool tokens carry 0, so the loss, the advantages'
+      token weights and the IS diagnostics see the model's own tokens only. Not collated itself.
     * ``scalar``: ``[value]``. Collated stacked into ``(rows,)``.
 
     ``collate_as``: the name in the collated chunk (default ``name``). ``fill`` (per_completion_token):
@@ -63,7 +66,7 @@ class RowField:
     @property
     def collated(self) -> tuple[str, ...]:
         """This field's per-row tensors in a collated chunk."""
-        if self.kind == "prompt_len":
+        if self.kind in ("prompt_len", "completion_mask"):
             return ()
         own = self.collate_as or self.name
         return (own, *_SEQUENCE_DERIVED) if self.kind == "sequence" else (own,)
@@ -128,10 +131,15 @@ def _not_collated(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk
     return {}  # the prompt length only places the completion (in the other kinds)
 
 
+def _completion_mask(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    return {}  # applied to token_mask in RowSchema.collate, once the sequence field has made it
+
+
 _COLLATE: dict[str, Collate] = {
     "sequence": _sequence,
     "prompt_len": _not_collated,
     "per_completion_token": _per_completion_token,
+    "completion_mask": _completion_mask,
     "scalar": _scalar,
 }
 
@@ -141,7 +149,7 @@ class RowSchema:
     fields: tuple[RowField, ...]
 
     def __post_init__(self) -> None:
-        for kind in ("sequence", "prompt_len"):
+        for kind in ("sequence", "prompt_len", "completion_mask"):
             count = sum(f.kind == kind for f in self.fields)
             if count != 1:
                 raise ValueError(f"a RowSchema needs exactly one {kind!r} field, got {count}")
@@ -161,7 +169,7 @@ class RowSchema:
         return own + (() if _DEFAULT_MASK in own else (_DEFAULT_MASK,)) + _CHUNK_DERIVED
 
     def of_kind(self, kind: Kind) -> RowField:
-        """The schema's one field of ``kind`` (``sequence`` or ``prompt_len``)."""
+        """The schema's one field of ``kind`` (``sequence``, ``prompt_len`` or ``completion_mask``)."""
         return next(f for f in self.fields if f.kind == kind)
 
     def build(self, result: GenerationResult, reward: float,
@@ -170,6 +178,7 @@ class RowSchema:
         standard ones (a workflow that declares a field supplies it here)."""
         values: dict[str, Sequence[float] | Sequence[int]] = {
             "input_ids": list(result.prompt_token_ids) + list(result.token_ids),
+            "loss_mask": [1.0] * len(result.token_ids),
             "prompt_len": [len(result.prompt_token_ids)],
             "generation_logprobs": result.logprobs,
             "token_versions": result.weight_versions,
@@ -205,6 +214,11 @@ class RowSchema:
         out: dict[str, torch.Tensor] = {}
         for f in self.fields:
             out.update(_COLLATE[f.kind](f, columns[f.name], chunk))
+        mask = self.of_kind("completion_mask")
+        seq_keys = sequence.collated
+        out[seq_keys[2]] = out[seq_keys[2]] * _per_completion_token(
+            RowField(mask.name, torch.float32, mask.doc, "per_completion_token", fill=0.0), columns[mask.name], chunk
+        )[mask.name]
         out.setdefault(_DEFAULT_MASK, torch.ones(rows))
         out["start_weight"] = torch.tensor(meta["start_weight"] if rows else [], dtype=torch.long)
         return out
@@ -213,6 +227,8 @@ class RowSchema:
 ROW_SCHEMA = RowSchema((
     RowField("input_ids", torch.int64, "prompt + completion token ids", "sequence"),
     RowField("prompt_len", torch.int64, "[prompt length]", "prompt_len"),
+    RowField("loss_mask", torch.float32, "1 on the model's own completion tokens, 0 on environment and tool tokens "
+             "(a multi-turn row): multiplied into token_mask", "completion_mask"),
     RowField("generation_logprobs", torch.float32, "sampled-token logprobs, one per completion token",
              "per_completion_token", fill=0.0),
     RowField("token_versions", torch.int64, "weight version that sampled each completion token",

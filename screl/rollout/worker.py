@@ -67,6 +67,7 @@ class GenerationWorker:
         task: Task | None = None,
         sampling: SamplingParams | None = None,
         workflow: str = DEFAULT_WORKFLOW,
+        workflow_args: dict[str, Any] | None = None,
         row_window_s: float = 0.005,
         reward_transform: RewardTransform | None = None,
         val_task: Task | None = None,
@@ -93,7 +94,8 @@ class GenerationWorker:
         if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
         if task is not None:
-            self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA)
+            self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA,
+                                                    **(workflow_args or {}))
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self.rows = RowSink(row_window_s)
         self.reward_transform = reward_transform
@@ -283,6 +285,12 @@ class GenerationWorker:
         return version
 
     # -- vLLM's NCCL weight transfer (screl.rollout.vllm_transfer): the trainer drives these -------------------
+    async def attach_server(self, server: Any, url: str, api_key: str | None) -> None:
+        """The policy server, for a workflow that runs agents against it (``AgentWorkflow``)."""
+        attach = getattr(self.workflow, "attach_server", None)
+        if attach is not None:
+            attach(server, url, api_key)
+
     async def tensor_parallel_size(self) -> int:
         return int(getattr(self.engine, "tensor_parallel_size", 1))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from screl.validation.agent_rules import agent_rules
 from screl.validation.context import (
     ConfigError,
     Problem,
@@ -44,6 +45,7 @@ RULES = (
     failure_rules,
     batch_rules,
     generation_rules,
+    agent_rules,
     vllm_rules,
     deadline_rules,
     refit_rules,

@@ -37,7 +37,7 @@ def _data(schema: RowSchema = ROW_SCHEMA, extra: list[dict[str, list[float]]] | 
 
 
 def test_the_row_fields_and_collated_keys() -> None:
-    assert ROW_FIELDS == ("input_ids", "prompt_len", "generation_logprobs", "token_versions", "reward",
+    assert ROW_FIELDS == ("input_ids", "prompt_len", "loss_mask", "generation_logprobs", "token_versions", "reward",
                           "raw_reward", "finish_reason", "sample_mask")
     assert ROW_KEYS == ("input_ids", "attention_mask", "token_mask", "generation_logprobs", "token_versions",
                         "rewards", "raw_rewards", "finish_reason", "sample_mask", "start_weight")
@@ -50,6 +50,7 @@ def test_build_writes_the_rows_fields() -> None:
     assert list(row) == list(ROW_FIELDS)
     _exact(row["input_ids"], torch.tensor([11, 12, 13, 14]))
     _exact(row["prompt_len"], torch.tensor([3]))
+    _exact(row["loss_mask"], torch.tensor([1.0]))  # a single-turn completion is all the model's
     _exact(row["generation_logprobs"], torch.tensor([-2.0]))
     _exact(row["token_versions"], torch.tensor([4]))
     _exact(row["reward"], torch.tensor([-0.5]))

@@ -1,0 +1,95 @@
+"""The agent workflow: a user's agent code drives each rollout through the OpenAI-compatible server.
+
+``generation.workflow: screl.rollout.AgentWorkflow`` with ``workflow_args: {agent: "package.module:function"}``
+and ``generation.expose_http_server: true``. For every sibling the worker calls, on a thread of its own,
+
+    agent(client, prompt, env) -> float
+
+with ``client`` an official ``openai.OpenAI`` client bound to the server and to a session of this sibling
+(its ``X-Session-Id``), ``prompt`` the :class:`~screl.envs.PromptRecord` and ``env`` a fresh environment from
+the task (an :class:`~screl.envs.environment.EnvTask`; None for a plain task). The agent converses as it
+likes (any framework that speaks OpenAI works) and returns the rollout's reward. The server records every
+turn of the session token by token; the recorded turns become the training row
+(:func:`screl.rollout.trajectory.build_row`), so the agent never handles token ids, but it must send the
+assistant messages back unchanged so that the server can splice the past tokens verbatim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from screl.envs import Task
+from screl.envs.base import load_reward_fn
+from screl.envs.environment import EnvTask
+from screl.rollout.rows import ROW_SCHEMA, RowSchema
+from screl.rollout.trajectory import TrajectoryError, Turn, build_row
+from screl.rollout.workflow import Generate, RolloutItem, RolloutOutcome
+
+__all__ = ["AgentWorkflow"]
+
+
+class AgentWorkflow:
+    """Rollouts run by a user's agent against the policy server.
+
+    Args:
+        task: The task (an :class:`EnvTask` gives the agent an environment per rollout).
+        tokenizer: The policy's tokenizer.
+        schema: The row schema (the standard one).
+        agent: ``"package.module:function"``, called as ``agent(client, prompt, env) -> reward``.
+        max_concurrent: Agents running at once on this worker (each on a thread).
+        timeout_s: The client's per-request timeout.
+    """
+
+    def __init__(self, task: Task, tokenizer: Any, schema: RowSchema = ROW_SCHEMA, agent: str = "",
+                 max_concurrent: int = 64, timeout_s: float = 600.0) -> None:
+        if not agent:
+            raise ValueError("AgentWorkflow needs generation.workflow_args.agent ('package.module:function')")
+        self.agent: Callable[..., Any] = load_reward_fn(agent)
+        self.task, self.tokenizer, self.schema, self.timeout_s = task, tokenizer, schema, timeout_s
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="screl-agent")
+        self.server: Any = None
+        self.url: str | None = None
+        self.api_key: str | None = None
+
+    def attach_server(self, server: Any, url: str, api_key: str | None) -> None:
+        """The policy server (its actor handle, for the recorded turns) and its URL."""
+        self.server, self.url, self.api_key = server, url, api_key
+
+    async def run(self, items: Sequence[RolloutItem], generate: Generate) -> list[RolloutOutcome]:
+        if self.server is None:
+            raise RuntimeError("AgentWorkflow runs against the policy server: set generation.expose_http_server: true")
+        return list(await asyncio.gather(*(self._rollout(item) for item in items)))
+
+    def _client(self, session: str) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key=self.api_key or "none", timeout=self.timeout_s,
+                             max_retries=0, default_headers={"X-Session-Id": session})
+
+    async def _rollout(self, item: RolloutItem) -> RolloutOutcome:
+        env = self.task.make_env(item.prompt) if isinstance(self.task, EnvTask) else None
+        loop = asyncio.get_running_loop()
+        client = self._client(item.attempt)
+        try:
+            reward = float(await loop.run_in_executor(self.pool, self.agent, client, item.prompt, env))
+        except Exception as err:  # noqa: BLE001 - the agent failed on this sample: a data failure, resampled
+            await self.server.take_session.remote(item.attempt)
+            return RolloutOutcome(item.attempt, "data_error", detail=f"agent: {err!r}"[:200])
+        finally:
+            client.close()
+        turns = [Turn.from_dict(t) for t in await self.server.take_session.remote(item.attempt)]
+        if not turns:
+            return RolloutOutcome(item.attempt, "data_error", detail="agent: the agent made no request")
+        if any(t.finish_reason == "abort" for t in turns):
+            return RolloutOutcome(item.attempt, "abort", finish_reason="abort")
+        try:
+            row = build_row(turns, reward, self.schema)
+        except TrajectoryError as err:
+            return RolloutOutcome(item.attempt, "data_error", detail=f"agent: {err}"[:200])
+        last = turns[-1]
+        return RolloutOutcome(item.attempt, "sealed", row=row, reward=reward,
+                              end_version=last.weight_versions[-1] if last.weight_versions else 0,
+                              response_len=sum(len(t.token_ids) for t in turns), finish_reason=last.finish_reason)

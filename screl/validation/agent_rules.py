@@ -1,0 +1,75 @@
+"""Rules of the agent path: workflow arguments, the workflow's task, the OpenAI-compatible server's binding."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from screl.validation.context import RuleContext, get
+
+GEN = "data.init_args.generation"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _class(target: str) -> Any:
+    module, _, name = target.replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def agent_rules(c: RuleContext) -> None:
+    """``workflow_args`` against the workflow's signature; multi-turn and agent workflows against the task and
+    the server; a non-loopback server without an API key."""
+    workflow = str(c.gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    cls = _class(workflow)
+    args = c.gen.get("workflow_args") or {}
+    if cls is not None and args:
+        params = inspect.signature(cls).parameters
+        reserved = {"task", "tokenizer", "schema"}
+        unknown = sorted(k for k in args if k not in params or k in reserved)
+        if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            allowed = sorted(k for k in params if k not in reserved)
+            c.bad(f"{GEN}.workflow_args", dict(args), f"{workflow.rpartition('.')[2]} takes no argument(s) {unknown}",
+                  f"use only {allowed}")
+    name = workflow.rpartition(".")[2]
+    if name in ("MultiTurnWorkflow", "AgentWorkflow"):
+        _multi_turn_rules(c, name, args)
+    server = get(c.gen, "http_server", {}) or {}
+    host = str(server.get("host", "127.0.0.1"))
+    if c.gen.get("expose_http_server") and host not in _LOOPBACK and not server.get("api_key"):
+        c.bad(f"{GEN}.http_server.host", host, "the policy server binds a non-loopback address without an API key: "
+              "anyone who can reach it could drive the policy", "set http_server.api_key (clients send "
+              "Authorization: Bearer <key>), or bind 127.0.0.1")
+
+
+def _multi_turn_rules(c: RuleContext, name: str, args: dict[str, Any]) -> None:
+    from screl.envs.environment import EnvTask
+
+    task_path = get(c.cfg, "data.init_args.task.class_path", None)
+    task_cls = _class(str(task_path)) if task_path else None
+    if name == "MultiTurnWorkflow" and task_cls is not None and not (
+            isinstance(task_cls, type) and issubclass(task_cls, EnvTask)):
+        c.bad("data.init_args.task", task_path, "MultiTurnWorkflow drives the task's environments, and this task "
+              "has none (it is not a screl.envs.environment.EnvTask)", "use an EnvTask (e.g. "
+              "screl.envs.calculator.CalculatorTask), or the default SingleTurnWorkflow")
+    if name == "AgentWorkflow":
+        if not c.gen.get("expose_http_server"):
+            c.bad(f"{GEN}.expose_http_server", c.gen.get("expose_http_server", False), "AgentWorkflow runs the "
+                  "agent against the OpenAI-compatible server", "set expose_http_server: true")
+        if not args.get("agent"):
+            c.bad(f"{GEN}.workflow_args.agent", args.get("agent"), "AgentWorkflow needs the agent function",
+                  "set workflow_args.agent: package.module:function (called as agent(client, prompt, env))")
+    for knob, low in (("max_turns", 1), ("max_total_tokens", 2)):
+        v = args.get(knob)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            c.bad(f"{GEN}.workflow_args.{knob}", v, f"must be an integer >= {low}", f"set e.g. {knob}: {max(low, 4)}")
+    for algo in ("grpo", "ppo"):
+        block = c.cfg.get(algo) or {}
+        on = [k for k in ("val_period", "val_at_start", "val_at_end") if block.get(k)]
+        if on:
+            c.bad(f"{algo}.{on[0]}", block[on[0]], f"validation runs single-turn generations, not {name}'s "
+                  "conversations, so its reward would not measure what trains",
+                  "set val_period: 0, val_at_start: false and val_at_end: false")
