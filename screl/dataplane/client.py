@@ -85,6 +85,9 @@ __all__ = [
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0
+"""TransferQueue's start-up bound: its controller and storage actors boot one after the other, which took 22 s
+on a loaded 2-core machine (and machines 3x slower exist)."""
 
 
 def _check_can_start(num_storage_units: int) -> None:
@@ -142,6 +145,7 @@ class DataPlane:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         total_storage_size: int | None = None,
+        start_timeout_s: float | None = None,
     ) -> DataPlane:
         """Start TQ's controller and ``num_storage_units`` SimpleStorage units in the current Ray cluster.
 
@@ -149,12 +153,13 @@ class DataPlane:
             num_storage_units: Storage unit actors (``num_cpus=1`` each). A checkpoint loads only into a
                 data plane with the same number.
             partition_id: TQ partition all rows of this data plane live in.
-            timeout_s: Default timeout of every call, and of this start.
+            timeout_s: Default timeout of every call.
             total_storage_size: Capacity in samples across all units (``None``: unlimited).
+            start_timeout_s: Bound of this start (default: ``START_TIMEOUT_S``, or ``timeout_s`` if larger).
 
         Raises:
             DataPlaneError: Ray is not initialised, a TQ already runs in this cluster, or too few CPUs.
-            DataPlaneTimeoutError: TQ did not come up within ``timeout_s`` (its actors are killed).
+            DataPlaneTimeoutError: TQ did not come up within ``start_timeout_s`` (its actors are killed).
         """
         _check_can_start(num_storage_units)
         conf = OmegaConf.create(
@@ -168,7 +173,8 @@ class DataPlane:
                 }
             }
         )
-        cid = start_tq(conf, timeout_s, f"Starting TransferQueue ({num_storage_units} storage units)")
+        bound = start_timeout_s if start_timeout_s is not None else max(timeout_s, START_TIMEOUT_S)
+        cid = start_tq(conf, bound, f"Starting TransferQueue ({num_storage_units} storage units)")
         return cls(DataPlaneHandle(partition_id, cid, timeout_s), _owner=True)
 
     @classmethod

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from screl.envs.base import PromptRecord
 from screl.envs.environment import Action, Environment, EnvTask, StepResult, ToolCall
 from screl.envs.tasks import split_holdout
 
-__all__ = ["CalculatorEnv", "CalculatorTask", "evaluate_sum"]
+__all__ = ["CalculatorEnv", "CalculatorTask", "calculator_agent", "evaluate_sum"]
 
 _COMPACT = re.compile(r"^\s*=\s*([0-9+]*)")
 _JSON = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -84,7 +85,7 @@ class CalculatorEnv:
 
 class CalculatorTask(EnvTask):
     """Sums ``a+b`` with ``a, b`` in ``[0, max_operand]`` (``prompt_id = a * (max_operand + 1) + b``), solved
-    with a calculator tool.
+    with a calculator tool. Prompts carry ``task_source: calculator`` (``rollout_recovery`` overrides key on it).
 
     Args:
         max_operand: The largest operand.
@@ -100,7 +101,8 @@ class CalculatorTask(EnvTask):
             raise ValueError(f"CalculatorTask(syntax={syntax!r}) must be 'compact' or 'json'")
         self.syntax, self.call_reward, self.unaided_reward = syntax, call_reward, unaided_reward
         n = max_operand + 1
-        records = [PromptRecord(a * n + b, f"{a}+{b}", {"a": a, "b": b}) for a in range(n) for b in range(n)]
+        records = [PromptRecord(a * n + b, f"{a}+{b}", {"a": a, "b": b, "task_source": "calculator"})
+                   for a in range(n) for b in range(n)]
         self._train, self._held = split_holdout(records, holdout)
 
     def prompts(self) -> list[PromptRecord]:
@@ -116,3 +118,25 @@ class CalculatorTask(EnvTask):
         """A single-turn completion (validation): the unaided reward for the right sum."""
         correct = completion.strip().startswith(str(int(prompt.metadata["a"]) + int(prompt.metadata["b"])))
         return self.unaided_reward if correct else 0.0
+
+
+def calculator_agent(client: Any, prompt: PromptRecord, env: Environment | None, max_turns: int = 3,
+                     max_tokens: int = 4) -> float:
+    """A plain-Python agent over the OpenAI API (what ``screl.rollout.AgentWorkflow`` runs, and
+    ``examples/agent_loop.py`` shows on its own): ask, run the tool calls through ``env``, answer.
+
+    It sends the assistant messages back unchanged, so the server keeps their tokens verbatim; the sampling
+    temperature is left to the server (the run's ``generation.temperature``), which the trainer's logprobs use.
+    """
+    assert env is not None, "the calculator agent needs the task's environment"
+    messages: list[dict[str, str]] = [{"role": "user", "content": env.reset(prompt)}]
+    reward = 0.0
+    for _ in range(max_turns):
+        reply = client.chat.completions.create(model="screl-policy", messages=messages, max_tokens=max_tokens)
+        text = reply.choices[0].message.content or ""
+        step = env.step(Action(text, tuple(env.parse_tool_calls(text))))
+        reward += step.reward
+        if step.done:
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": env.observation_role, "content": step.observation}]
+    return reward

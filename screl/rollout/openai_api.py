@@ -29,7 +29,8 @@ class _Sampling(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0)
+    """None: the run's ``generation.temperature`` (the trainer's logprobs use it)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)

@@ -74,12 +74,13 @@ class PolicyServer:
     """The server actor. ``start()`` binds and returns the base URL (``http://host:port/v1``)."""
 
     def __init__(self, workers: Sequence[Any], policy: Any, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16) -> None:
+                 api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16,
+                 temperature: float = 1.0) -> None:
         check_bind(host, api_key)
         self.workers = list(workers)
         self.tokenizer = policy.build_tokenizer()
         self.host, self.port, self.api_key = host, port, api_key
-        self.model_name, self.max_tokens = model_name, max_tokens
+        self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.sticky: dict[str, int] = {}
         self._next = itertools.count()
@@ -218,10 +219,11 @@ class PolicyServer:
     def _requests(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> list[GenerationRequest]:
         max_tokens = body.max_completion_tokens or body.max_tokens or self.max_tokens
         one_token = [ids[0] for s in body.stops if len(ids := encode_text(self.tokenizer, s)) == 1]
+        temperature = self.temperature if body.temperature is None else body.temperature
         reqs = []
         for i in range(body.n):
             sampling = SamplingParams(
-                max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                max_new_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                 min_new_tokens=min(body.min_tokens, max_tokens),
                 seed=None if body.seed is None else body.seed + i, stop_token_ids=tuple(one_token),
             )
