@@ -297,6 +297,21 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "data.init_args.generation.refit_bucket_mb", "must be a number > 0"),
     ("gpus_idle_on_cpu", "grpo_tiny.yaml", {"data.init_args.generation.colocated.resources.gpus_per_node": 2},
      "data.init_args.generation.device", "would sit idle"),
+    ("workflow_args_unknown", "grpo_tool_tiny.yaml", {"data.init_args.generation.workflow_args.max_rounds": 3},
+     "data.init_args.generation.workflow_args", "MultiTurnWorkflow takes no argument(s) ['max_rounds']"),
+    ("multi_turn_needs_env_task", "grpo_tool_tiny.yaml",
+     {"data.init_args.task": {"class_path": "screl.envs.CountLetter", "init_args": {"letter": "a"}}},
+     "data.init_args.task", "is not a screl.envs.environment.EnvTask"),
+    ("multi_turn_max_turns", "grpo_tool_tiny.yaml", {"data.init_args.generation.workflow_args.max_turns": 0},
+     "data.init_args.generation.workflow_args.max_turns", "must be an integer >= 1"),
+    ("multi_turn_no_validation", "grpo_tool_tiny.yaml", {"grpo.val_period": 5},
+     "grpo.val_period", "validation runs single-turn generations"),
+    ("agent_needs_server", "grpo_agent_tiny.yaml", {"data.init_args.generation.expose_http_server": False},
+     "data.init_args.generation.expose_http_server", "runs the agent against the OpenAI-compatible server"),
+    ("agent_needs_agent", "grpo_agent_tiny.yaml", {"data.init_args.generation.workflow_args.agent": None},
+     "data.init_args.generation.workflow_args.agent", "needs the agent function"),
+    ("server_bind_needs_key", "grpo_agent_tiny.yaml", {"data.init_args.generation.http_server.host": "0.0.0.0"},
+     "data.init_args.generation.http_server.host", "binds a non-loopback address without an API key"),
 ]
 
 

@@ -5,7 +5,8 @@ expression right after it (``=3+4``), or the question's own when there is none (
 the number as a ``tool`` message. Any other reply is the final answer. Rewards:
 
 * ``call_reward`` for the first well-formed tool call;
-* 1.0 for a final answer that starts with the right sum after a tool result, ``unaided_reward`` before one.
+* 1.0 for a final answer that starts with the right sum after a tool result, ``unaided_reward`` before one;
+* ``answer_reward`` for a wrong final answer after a tool result (0 by default).
 
 With ``syntax="json"`` a tool call is written the way instruct models are taught
 (``<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>``).
@@ -41,8 +42,10 @@ class CalculatorEnv:
 
     observation_role = "tool"
 
-    def __init__(self, syntax: str = "compact", call_reward: float = 0.25, unaided_reward: float = 0.5) -> None:
+    def __init__(self, syntax: str = "compact", call_reward: float = 0.25, unaided_reward: float = 0.5,
+                 answer_reward: float = 0.0) -> None:
         self.syntax = syntax
+        self.answer_reward = answer_reward
         self.call_reward = call_reward
         self.unaided_reward = unaided_reward
         self.question = ""
@@ -80,7 +83,9 @@ class CalculatorEnv:
             self.results.append(value)
             return StepResult(str(value), reward, False)
         correct = action.text.strip().startswith(str(self.answer))
-        return StepResult("", (1.0 if self.results else self.unaided_reward) if correct else 0.0, True)
+        if not correct:
+            return StepResult("", self.answer_reward if self.results else 0.0, True)
+        return StepResult("", 1.0 if self.results else self.unaided_reward, True)
 
 
 class CalculatorTask(EnvTask):
@@ -92,14 +97,17 @@ class CalculatorTask(EnvTask):
         syntax: ``compact`` (``=`` or ``=3+4``: what the character tokenizer can write) or ``json``.
         call_reward: Reward for the episode's first well-formed tool call.
         unaided_reward: Reward for a right answer given without calling the tool.
+        answer_reward: Reward for a wrong answer given after a tool result (shaping: answering beats calling
+            again).
         holdout: Prompts kept back for validation.
     """
 
     def __init__(self, max_operand: int = 9, syntax: str = "compact", call_reward: float = 0.25,
-                 unaided_reward: float = 0.5, holdout: int = 0) -> None:
+                 unaided_reward: float = 0.5, answer_reward: float = 0.0, holdout: int = 0) -> None:
         if syntax not in ("compact", "json"):
             raise ValueError(f"CalculatorTask(syntax={syntax!r}) must be 'compact' or 'json'")
         self.syntax, self.call_reward, self.unaided_reward = syntax, call_reward, unaided_reward
+        self.answer_reward = answer_reward
         n = max_operand + 1
         records = [PromptRecord(a * n + b, f"{a}+{b}", {"a": a, "b": b, "task_source": "calculator"})
                    for a in range(n) for b in range(n)]
@@ -112,7 +120,7 @@ class CalculatorTask(EnvTask):
         return list(self._held)
 
     def make_env(self, prompt: PromptRecord) -> Environment:
-        return CalculatorEnv(self.syntax, self.call_reward, self.unaided_reward)
+        return CalculatorEnv(self.syntax, self.call_reward, self.unaided_reward, self.answer_reward)
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """A single-turn completion (validation): the unaided reward for the right sum."""
