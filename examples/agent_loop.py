@@ -37,7 +37,7 @@ def main() -> None:
             session = f"demo-{prompt.prompt_id}"
             client = openai.OpenAI(base_url=url, api_key="none", default_headers={"X-Session-Id": session})
             reward = calculator_agent(client, prompt, task.make_env(prompt))
-            turns = [Turn.from_dict(t) for t in ray.get(server.take_session.remote(session))]
+            turns = [Turn.from_dict(t) for t in ray.get(server.take_session.remote(session))[0]]
             row = build_row(turns, reward)
             ids, p = row["input_ids"].tolist(), int(row["prompt_len"][0])
             print(f"\n{prompt.text!r}: reward {reward}, {len(turns)} turn(s)")

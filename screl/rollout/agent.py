@@ -53,6 +53,7 @@ class AgentWorkflow:
         self.server: Any = None
         self.url: str | None = None
         self.api_key: str | None = None
+        self.running: set[str] = set()
 
     def attach_server(self, server: Any, url: str, api_key: str | None) -> None:
         """The policy server (its actor handle, for the recorded turns) and its URL."""
@@ -62,6 +63,13 @@ class AgentWorkflow:
         if self.server is None:
             raise RuntimeError("AgentWorkflow runs against the policy server: set generation.expose_http_server: true")
         return list(await asyncio.gather(*(self._rollout(item) for item in items)))
+
+    async def abort(self, attempts: Sequence[str]) -> None:
+        """Abort these siblings' conversations: their requests in flight end in the engine, later ones are refused,
+        and the siblings report ``abort`` (the worker forwards its aborts here)."""
+        mine = [a for a in attempts if a in self.running]
+        if mine and self.server is not None:
+            await self.server.abort_sessions.remote(mine)
 
     def _client(self, session: str) -> Any:
         import openai
@@ -73,14 +81,21 @@ class AgentWorkflow:
         env = self.task.make_env(item.prompt) if isinstance(self.task, EnvTask) else None
         loop = asyncio.get_running_loop()
         client = self._client(item.attempt)
+        self.running.add(item.attempt)
+        failure: str | None = None
         try:
             reward = float(await loop.run_in_executor(self.pool, self.agent, client, item.prompt, env))
         except Exception as err:  # noqa: BLE001 - the agent failed on this sample: a data failure, resampled
-            await self.server.take_session.remote(item.attempt)
-            return RolloutOutcome(item.attempt, "data_error", detail=f"agent: {err!r}"[:200])
+            failure = f"agent: {err!r}"[:200]
         finally:
             client.close()
-        turns = [Turn.from_dict(t) for t in await self.server.take_session.remote(item.attempt)]
+            self.running.discard(item.attempt)
+        recorded, aborted = await self.server.take_session.remote(item.attempt)
+        if aborted:
+            return RolloutOutcome(item.attempt, "abort", finish_reason="abort")
+        if failure is not None:
+            return RolloutOutcome(item.attempt, "data_error", detail=failure)
+        turns = [Turn.from_dict(t) for t in recorded]
         if not turns:
             return RolloutOutcome(item.attempt, "data_error", detail="agent: the agent made no request")
         if any(t.finish_reason == "abort" for t in turns):

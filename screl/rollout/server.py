@@ -83,6 +83,8 @@ class PolicyServer:
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.sticky: dict[str, int] = {}
+        self.inflight: dict[str, list[str]] = {}  # session -> its engine requests now generating
+        self.cancelled: set[str] = set()
         self._next = itertools.count()
         self.stats = {"requests": 0, "disconnect_aborts": 0, "errors": 0}
         self.aborted: list[dict[str, Any]] = []
@@ -117,10 +119,20 @@ class PolicyServer:
             await self._task
 
     # -- recorded conversations -------------------------------------------------------------------------
-    async def take_session(self, session_id: str) -> list[dict[str, Any]]:
-        """The turns recorded for ``session_id`` (forgotten afterwards)."""
+    async def take_session(self, session_id: str) -> tuple[list[dict[str, Any]], bool]:
+        """The turns recorded for ``session_id`` and whether it was aborted (both forgotten afterwards)."""
         self.sticky.pop(session_id, None)
-        return self.sessions.pop(session_id, [])
+        aborted = session_id in self.cancelled
+        self.cancelled.discard(session_id)
+        return self.sessions.pop(session_id, []), aborted
+
+    async def abort_sessions(self, session_ids: Sequence[str]) -> None:
+        """End these sessions: their requests in flight are aborted in the engine, later ones get a 409."""
+        for sid in session_ids:
+            self.cancelled.add(sid)
+            requests = self.inflight.get(sid)
+            if requests and sid in self.sticky:
+                await self.workers[self.sticky[sid]].abort.remote(requests)
 
     async def get_stats(self) -> dict[str, Any]:
         return {**self.stats, "sessions": len(self.sessions), "aborted": list(self.aborted)}
@@ -174,9 +186,18 @@ class PolicyServer:
         if session is not None and body.n > 1:
             return JSONResponse(api_error("n > 1 within a session_id cannot be recorded as one conversation",
                                           param="n"), status_code=400)
+        if session in self.cancelled:
+            return JSONResponse(api_error(f"session {session!r} was aborted (its rollout left the sampler's window "
+                                          "or ran past its deadline)", code="session_aborted"), status_code=409)
         requests = self._requests(body, prompt)
         worker = self._route(session)
-        results = await self._generate(worker, requests, request)
+        if session is not None:
+            self.inflight[session] = [r.request_id for r in requests]
+        try:
+            results = await self._generate(worker, requests, request)
+        finally:
+            if session is not None:
+                self.inflight.pop(session, None)
         if results is None:
             return Response(status_code=499)
         choices = [apply_stops(self.tokenizer, r, body.stops) for r in results]

@@ -262,6 +262,9 @@ class GenerationWorker:
         for item in dropped:
             item.future.cancel()
         self.engine.abort(request_ids)
+        forward = getattr(self.workflow, "abort", None)  # a workflow whose requests are not the sibling's own
+        if forward is not None:
+            await forward(request_ids)
 
     # -- weights --------------------------------------------------------------------------------------
     async def update_weights(self, weights: list[Any], version: int) -> int:

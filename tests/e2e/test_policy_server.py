@@ -3,6 +3,7 @@ engine behind it, bound to loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterator
@@ -13,12 +14,16 @@ import pytest
 import ray
 import torch
 
+from screl.envs.calculator import CalculatorTask
 from screl.models import TinyCausalLM
 from screl.modules.grpo import token_logprobs
+from screl.rollout.agent import AgentWorkflow
 from screl.rollout.chat import chat_prompt_ids
+from screl.rollout.engine import SamplingParams
 from screl.rollout.server import PolicyServer
 from screl.rollout.trajectory import Turn, build_row
 from screl.rollout.worker import spawn_workers
+from screl.rollout.workflow import RolloutItem
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
@@ -104,7 +109,7 @@ def test_32_concurrent_sessions_record_token_exact_conversations(served: Any) ->
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         sessions = list(pool.map(converse, range(32)))
     for s in sessions:
-        turns = [Turn.from_dict(t) for t in ray.get(server.take_session.remote(s))]
+        turns = [Turn.from_dict(t) for t in ray.get(server.take_session.remote(s))[0]]
         assert [t.tags["turn"] for t in turns] == [0, 1]
         row = build_row(turns, 1.0)  # raises unless turn 1 extends turn 0 token for token
         assert row["loss_mask"].sum().item() == sum(len(t.token_ids) for t in turns)
@@ -143,7 +148,7 @@ def test_a_refit_between_turns_changes_the_versions_at_the_next_token(served: An
                      {"role": "user", "content": "again"}]
         second = client.chat.completions.create(model="m", messages=messages, max_tokens=5, seed=1)
         assert set(second.choices[0].model_extra["weight_versions"]) == {1}
-        row = build_row([Turn.from_dict(t) for t in ray.get(server.take_session.remote("refit"))], 0.0)
+        row = build_row([Turn.from_dict(t) for t in ray.get(server.take_session.remote("refit"))[0]], 0.0)
         mask, versions = row["loss_mask"].tolist(), row["token_versions"].tolist()
         n0 = len(first.choices[0].model_extra["token_ids"])
         assert versions[:n0] == [0] * n0 and mask[:n0] == [1.0] * n0
@@ -183,6 +188,35 @@ def test_keys_guard_the_server() -> None:
         with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
             _client(url, api_key="wrong").models.list()
         assert [m.id for m in _client(url, api_key="sesame").models.list()] == ["screl-policy"]
+    finally:
+        ray.kill(server)
+        ray.kill(worker)
+
+
+def test_aborting_an_agents_sibling_ends_its_requests_in_the_engine() -> None:
+    [worker] = spawn_workers(1, POLICY, namespace_prefix="screl-srv-agent", max_restarts=0,
+                             backend="screl.rollout.faults.HangsOnceEngine")
+    ray.get(worker.update_weights.remote([POLICY.build_model().state_dict()], 0), timeout=120)
+    server, url = _serve([worker])
+    task = CalculatorTask()
+    wf = AgentWorkflow(task, POLICY.build_tokenizer(), agent="screl.envs.calculator:calculator_agent")
+    wf.attach_server(server, url, None)
+    prompt = task.prompts()[5]
+    item = RolloutItem("g5_g0_a1", prompt, (), SamplingParams())
+
+    async def scenario() -> Any:
+        run = asyncio.ensure_future(wf.run([item], None))  # type: ignore[arg-type]
+        while (await server.get_stats.remote())["requests"] < 1:  # the agent's first request hangs in the engine
+            await asyncio.sleep(0.05)
+        await wf.abort([item.attempt, "someone-else"])
+        return await asyncio.wait_for(run, 60)
+
+    try:
+        [outcome] = asyncio.run(scenario())
+        assert outcome.status == "abort" and outcome.row is None
+        # the session is forgotten: a new sibling of the same prompt is served from scratch
+        again = asyncio.run(wf.run([RolloutItem("g5_g0_a2", prompt, (), SamplingParams())], None))  # type: ignore[arg-type]
+        assert again[0].status == "sealed" and again[0].row is not None
     finally:
         ray.kill(server)
         ray.kill(worker)
