@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from typing import Any
 
@@ -37,6 +38,12 @@ def agent_rules(c: RuleContext) -> None:
     name = workflow.rpartition(".")[2]
     if name in ("MultiTurnWorkflow", "AgentWorkflow"):
         _multi_turn_rules(c, name, args)
+    missing = [m for m, needed in (("fastapi", c.gen.get("expose_http_server")), ("uvicorn", c.gen.get(
+        "expose_http_server")), ("openai", name == "AgentWorkflow")) if needed and importlib.util.find_spec(m) is None]
+    if missing:
+        c.bad(f"{GEN}.expose_http_server" if c.gen.get("expose_http_server") else f"{GEN}.workflow",
+              c.gen.get("expose_http_server") or workflow, f"needs {', '.join(missing)}, which is not installed",
+              "pip install -e '.[serve]'")
     server = get(c.gen, "http_server", {}) or {}
     host = str(server.get("host", "127.0.0.1"))
     if c.gen.get("expose_http_server") and host not in _LOOPBACK and not server.get("api_key"):
