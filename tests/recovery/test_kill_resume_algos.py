@@ -84,13 +84,12 @@ def test_kill9_a_multi_turn_tool_run_loses_no_finished_conversation(tmp_path: Pa
     was sealed before a kill is trained once after the resume, unfinished ones are redispatched."""
     rng = random.Random(2)
     ck_root = tmp_path / "bundles"
-    steps = 12
+    steps = 8
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER,
                                             source="grpo_tool_tiny.yaml"))
     run_dir = tmp_path / "run"
-    kills = kill_chain(config, ["generation", "mid_step", "snapshot_write", "checkpoint_write"], run_dir, ck_root,
-                       rng)
-    assert len(kills) >= 3, f"only {len(kills)} kills landed before the run finished: {kills}"
+    kills = kill_chain(config, ["generation", "mid_step", "snapshot_write"], run_dir, ck_root, rng)
+    assert len(kills) >= 2, f"only {len(kills)} kills landed before the run finished: {kills}"
     final_outcome(run_dir, steps, IN_ORDER)
     latest = CheckpointStore(str(ck_root)).latest()
     assert latest is not None and latest.step == steps
