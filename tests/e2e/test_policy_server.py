@@ -94,6 +94,23 @@ def test_stop_strings_cut_the_text_and_the_tokens(served: Any) -> None:
         assert tok.decode(cut.model_extra["token_ids"]) == text[:3 + len(stop)]
 
 
+def test_message_level_token_ids_splice_the_past_without_a_session(served: Any) -> None:
+    client = _client(served[1])
+    first = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "5+2"}], max_tokens=4,
+                                           seed=8)
+    reply = first.choices[0].message
+    past = reply.model_extra["prompt_token_ids"] + reply.model_extra["generation_token_ids"]
+    sent_back = {"role": "assistant", "content": reply.content, **{k: reply.model_extra[k] for k in (
+        "prompt_token_ids", "generation_token_ids")}}
+    second = client.chat.completions.create(model="m", max_tokens=4, seed=8, messages=[
+        {"role": "user", "content": "5+2"}, sent_back, {"role": "tool", "content": "7"}])
+    prompt = second.model_extra["prompt_token_ids"]
+    assert prompt[:len(past)] == past
+    tok = POLICY.build_tokenizer()
+    tail = tok.decode(prompt[len(past):], skip_special_tokens=False)
+    assert tail.endswith("tool 7<eos>assistant ") and len(tail) <= len("<eos>tool 7<eos>assistant ")
+
+
 def test_32_concurrent_sessions_record_token_exact_conversations(served: Any) -> None:
     server, url, _, _ = served
 
