@@ -40,6 +40,17 @@ class HttpServerConfig:
     """The model id ``/v1/models`` lists."""
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def bind_problem(host: str, api_key: str | None) -> str | None:
+    """Why the policy server may not bind ``host`` (a non-loopback address without an API key), or None."""
+    if host in LOOPBACK_HOSTS or api_key:
+        return None
+    return (f"generation.http_server.host={host!r} is not loopback and no generation.http_server.api_key is set: "
+            "anyone who can reach the port could drive the policy")
+
+
 @dataclass
 class GenerationConfig:
     """The generation side (``policy.generation`` in the spec)."""

@@ -188,9 +188,14 @@ class RowSchema:
             "sample_mask": [1.0],
             **(extra or {}),
         }
+        return self.tensors(values, "pass them to build(..., extra=...)")
+
+    def tensors(self, values: Mapping[str, Sequence[float] | Sequence[int]], fix: str) -> dict[str, torch.Tensor]:
+        """The row of these per-field values, each in its field's dtype (ValueError, ending with ``fix``, naming
+        any field without values)."""
         missing = [name for name in self.names if name not in values]
         if missing:
-            raise ValueError(f"no values for the row fields {missing}: pass them to build(..., extra=...)")
+            raise ValueError(f"no values for the row fields {missing}: {fix}")
         return {f.name: torch.tensor(values[f.name], dtype=f.dtype) for f in self.fields}
 
     def merge(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:

@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from screl.config_generation import bind_problem
 from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.openai_api import (
@@ -41,16 +42,14 @@ from screl.rollout.trajectory import turn_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOOPBACK", "PolicyServer", "apply_stops", "check_bind"]
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+__all__ = ["PolicyServer", "apply_stops", "check_bind"]
 
 
 def check_bind(host: str, api_key: str | None) -> None:
-    """A non-loopback bind without an API key is refused (anyone on the network could drive the policy)."""
-    if host not in LOOPBACK and not api_key:
-        raise ValueError(f"generation.http_server.host={host!r} is not loopback: set generation.http_server.api_key "
-                         "(clients then send Authorization: Bearer <key>), or bind 127.0.0.1")
+    """A non-loopback bind without an API key is refused (``bind_problem``)."""
+    problem = bind_problem(host, api_key)
+    if problem is not None:
+        raise ValueError(f"{problem}; set the key (clients then send Authorization: Bearer <key>), or bind 127.0.0.1")
 
 
 def apply_stops(tokenizer: Any, result: GenerationResult, stops: Sequence[str]) -> tuple[GenerationResult, str, bool]:

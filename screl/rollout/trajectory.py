@@ -95,7 +95,4 @@ def build_row(turns: Sequence[Turn], reward: float, schema: RowSchema = ROW_SCHE
         "finish_reason": [FINISH_CODES.get(turns[-1].finish_reason, FINISH_CODES["stop"])],
         "sample_mask": [sample_mask],
     }
-    missing = [name for name in schema.names if name not in values]
-    if missing:
-        raise ValueError(f"no values for the row fields {missing}: a multi-turn workflow fills the standard ones only")
-    return {f.name: torch.tensor(values[f.name], dtype=f.dtype) for f in schema.fields}
+    return schema.tensors(values, "a multi-turn workflow fills the standard ones only")

@@ -7,10 +7,10 @@ import importlib.util
 import inspect
 from typing import Any
 
+from screl.config_generation import bind_problem
 from screl.validation.context import RuleContext, get
 
 GEN = "data.init_args.generation"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _class(target: str) -> Any:
@@ -46,10 +46,10 @@ def agent_rules(c: RuleContext) -> None:
               "pip install -e '.[serve]'")
     server = get(c.gen, "http_server", {}) or {}
     host = str(server.get("host", "127.0.0.1"))
-    if c.gen.get("expose_http_server") and host not in _LOOPBACK and not server.get("api_key"):
-        c.bad(f"{GEN}.http_server.host", host, "the policy server binds a non-loopback address without an API key: "
-              "anyone who can reach it could drive the policy", "set http_server.api_key (clients send "
-              "Authorization: Bearer <key>), or bind 127.0.0.1")
+    problem = bind_problem(host, server.get("api_key"))
+    if c.gen.get("expose_http_server") and problem is not None:
+        c.bad(f"{GEN}.http_server.host", host, f"the policy server binds a non-loopback address without an API key "
+              f"({problem})", "set http_server.api_key (clients send Authorization: Bearer <key>), or bind 127.0.0.1")
 
 
 def _multi_turn_rules(c: RuleContext, name: str, args: dict[str, Any]) -> None:
