@@ -7,6 +7,8 @@ CPU-only build those calls raise. :func:`apply` replaces exactly these, process-
 
 - ``torch.cuda.current_device()`` returns ``torch.device("cpu")`` (megatron passes it as ``device=``);
 - ``torch.cuda.synchronize()`` is a no-op;
+- ``Tensor.cuda()`` returns the tensor as it is (megatron moves the last pipeline stage's copy of tied
+  embeddings there before the all-reduce that initializes it from the first stage);
 - the default causal and sliding-window attention masks are built on the CPU (megatron hard-codes
   ``device="cuda"`` there);
 - the tensor-parallel RNG tracker keeps CPU generator states (:class:`CpuRNGStatesTracker`), and
@@ -103,10 +105,15 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, i
     return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
 
 
+def _tensor_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
 def _patches() -> dict[str, tuple[Any, str, Callable[..., Any]]]:
     return {
         "current_device": (torch.cuda, "current_device", _cpu_current_device),
         "synchronize": (torch.cuda, "synchronize", _noop_synchronize),
+        "tensor_cuda": (torch.Tensor, "cuda", _tensor_stays_on_cpu),
         "get_rng_state": (_mp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         "set_rng_state": (_mp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
         "causal_mask": (_fused_softmax, "get_default_causal_mask", _cpu_causal_mask),

@@ -56,6 +56,14 @@ class ParallelismConfig:
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         )
 
+    def check_cpu(self) -> None:
+        """Refuse what megatron-core cannot run on the CPU, naming the setting."""
+        if self.sequence_parallel:
+            raise ValueError(
+                "MegatronStrategy: sequence_parallel=True is not supported on CPU (megatron-core's torch norms "
+                "reject it; it needs Transformer Engine or Apex norms). Use sequence_parallel=False or a GPU."
+            )
+
     def validate(self, world_size: int) -> int:
         """Check the sizes against ``world_size`` and return the data-parallel size.
 

@@ -5,7 +5,7 @@ microbatch, :class:`LossReduction` turns ``(batch, output)`` into the loss to ba
 detached values to report (``forward``), then folds the microbatches' values into one number
 (``reduce``). On CUDA, Megatron's own schedule (``get_forward_backward_func``: 1F1B when pipelined)
 drives it; on the CPU, where those schedules allocate CUDA tensors, a plain loop over the same
-``forward_step``/``backward_step`` does (no pipeline parallelism).
+``forward_step``/``backward_step`` does, pipelined over gloo point-to-point sends when PP > 1.
 
 Loss scaling follows Megatron: a ``(loss, values)`` result is averaged over microbatches (the loop
 divides by their number) and over data-parallel ranks (the gradient all-reduce averages); a
@@ -97,6 +97,69 @@ def _cpu_forward_backward(
     return store
 
 
+def _send(tensor: Tensor, dst: int, with_shape: bool) -> None:
+    if with_shape:
+        dist.send(torch.tensor(tensor.shape, dtype=torch.int64), dst)
+    dist.send(tensor.detach().contiguous(), dst)
+
+
+def _recv(src: int, dtype: torch.dtype, shape: torch.Size | None = None) -> Tensor:
+    if shape is None:  # activations: [sequence, micro-batch, hidden], lengths vary by micro-batch
+        dims = torch.empty(3, dtype=torch.int64)
+        dist.recv(dims, src)
+        shape = torch.Size(dims.tolist())
+    out = torch.empty(shape, dtype=dtype)
+    dist.recv(out, src)
+    return out
+
+
+def _cpu_pipeline_forward_backward(
+    forward_step_func: Callable[[Iterator[Any], nn.Module], tuple[Any, Callable[[Any], LossResult]]],
+    data_iterator: Iterator[Any],
+    model: nn.Module,
+    num_microbatches: int,
+    forward_only: bool,
+) -> list[Any]:
+    """A pipelined schedule on the CPU (megatron-core's allocate CUDA tensors): every micro-batch forward through
+    the stages, activations sent point to point (gloo) with their shape, then every backward in the same order
+    (GPipe's fill-drain order, where Megatron's 1F1B interleaves them to bound activation memory; the gradients
+    are the same). Micro-batches may differ in length."""
+    config = get_model_config(model)
+    model_type = get_model_type(model)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    prev = None if first else parallel_state.get_pipeline_model_parallel_prev_rank()
+    nxt = None if last else parallel_state.get_pipeline_model_parallel_next_rank()
+    dtype = config.pipeline_dtype or torch.float32
+    cp_size = parallel_state.get_context_parallel_world_size()
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    store: list[Any] = []
+    inputs: list[Tensor | None] = []
+    outputs: list[Any] = []
+    total_tokens = torch.zeros([], dtype=torch.int)
+    with no_sync():
+        for i in range(num_microbatches):
+            x = None if prev is None else _recv(prev, dtype).requires_grad_(not forward_only)
+            out, tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, x, store, config,
+                                       cp_size, is_first_microbatch=i == 0, current_microbatch=i, is_last_stage=last)
+            total_tokens = total_tokens + tokens
+            if nxt is not None:
+                _send(out, nxt, with_shape=True)
+            if not forward_only:
+                inputs.append(x)
+                outputs.append(out)
+    if forward_only:
+        return store
+    for i in range(num_microbatches):
+        with no_sync() if i < num_microbatches - 1 else contextlib.nullcontext():
+            grad = None if nxt is None else _recv(nxt, dtype, outputs[i].shape)
+            input_grad = backward_step(inputs[i], outputs[i], grad, model_type, config)
+        if prev is not None:
+            _send(input_grad, prev, with_shape=False)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+    return store
+
+
 def _scalable(result: LossResult) -> LossResult:
     """Megatron scales the loss in place: give it a copy, so reported values that alias it stay intact."""
     return (result[0].clone(), *result[1:])  # type: ignore[return-value]
@@ -130,12 +193,8 @@ def forward_backward(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     device = next(model.parameters()).device
     if device.type == "cpu":
-        if pp > 1:
-            raise NotImplementedError(
-                f"pipeline_model_parallel_size={pp} cannot run on CPU: megatron-core's pipeline schedules "
-                "allocate CUDA tensors. Use pipeline_model_parallel_size=1 on CPU."
-            )
-        store = _cpu_forward_backward(step_func, data, model, len(microbatches), forward_only)
+        run = _cpu_pipeline_forward_backward if pp > 1 else _cpu_forward_backward
+        store = run(step_func, data, model, len(microbatches), forward_only)
     else:
         if pp > 1 and (seq_length is None or micro_batch_size is None):
             raise ValueError(

@@ -104,9 +104,13 @@ def _global_name(module: MegatronModule, name: str) -> str:
     return f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
 
 
-def _local_params(module: MegatronModule) -> list[tuple[_ParamMeta, Tensor]]:
+def _local_params(module: MegatronModule, tied_copy: bool = True) -> list[tuple[_ParamMeta, Tensor]]:
+    """This rank's parameters; ``tied_copy=False`` leaves out the last pipeline stage's copy of tied embeddings."""
     out = []
+    skip = not tied_copy and bool(getattr(module, "share_embeddings_and_output_weights", False))
     for name, p in module.named_parameters():
+        if skip and name == "output_layer.weight":  # PP > 1: the first stage exports the embedding it copies
+            continue
         if ".experts." in name:
             raise NotImplementedError(f"export_weights: expert (MoE) parameters are not supported ({name}).")
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
@@ -259,7 +263,7 @@ def iter_export_buckets(
             f"export_weights: num_query_groups={layout.num_query_groups} must be a multiple of "
             f"tensor_model_parallel_size={tp}."
         )
-    params = _local_params(module)
+    params = _local_params(module, tied_copy=False)
     param_device = params[0][1].device if params else torch.device("cpu")
     out_device = None if device is None else torch.device(device)
     stages = _pipeline_stages([m for m, _ in params], pp)

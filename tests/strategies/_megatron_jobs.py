@@ -103,7 +103,21 @@ class TokenSumLoss:
         return torch.stack([v["sum"] for v in values]).sum(), torch.stack([v["n"] for v in values]).sum()
 
 
-def make_strategy(tp: int, world: int, per_token: bool = False) -> Any:
+class FromLogits:
+    """``loss`` over the logprobs of the last pipeline stage's logits (earlier stages return hidden states)."""
+
+    def __init__(self, strategy: Any, loss: Any) -> None:
+        self.strategy, self.loss = strategy, loss
+
+    def forward(self, batch: dict[str, Tensor], output: Tensor) -> Any:
+        ids = batch["ids"]
+        return self.loss.forward(batch, self.strategy.token_logprobs(output[:, :-1], ids[:, 1:]))
+
+    def reduce(self, values: list[dict[str, Tensor]]) -> Any:
+        return self.loss.reduce(values)
+
+
+def make_strategy(tp: int, world: int, per_token: bool = False, pp: int = 1) -> Any:
     """A ``MegatronStrategy`` set up by hand (no Trainer) on the already-initialized process group."""
     from lightning.pytorch import LightningModule
     from lightning.pytorch.accelerators import CPUAccelerator
@@ -113,7 +127,7 @@ def make_strategy(tp: int, world: int, per_token: bool = False) -> Any:
     hf = hf_model()
     provider = GPTModelProvider.from_hf_config(hf.config, calculate_per_token_loss=per_token)
     strategy = MegatronStrategy(
-        parallelism=ParallelismConfig(tensor_model_parallel_size=tp),
+        parallelism=ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         model_provider=provider,
         accelerator=CPUAccelerator(),
         parallel_devices=[torch.device("cpu")] * world,
@@ -123,7 +137,7 @@ def make_strategy(tp: int, world: int, per_token: bool = False) -> Any:
     strategy.connect(module)
     strategy.setup_environment()
     module.model = strategy.build_model()
-    load_hf_weights(module.model, hf.state_dict())
+    load_hf_weights(module.model, hf.state_dict(), strict=pp == 1)  # a stage holds its layers only
     strategy.wrap_megatron_modules()
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=ADAM_EPS)
     strategy.optimizers = [optimizer]
@@ -150,11 +164,17 @@ def full_grads(strategy: Any) -> dict[str, Tensor]:
 
 
 def train_step(
-    strategy: Any, b: dict[str, Tensor], n_micro: int, loss: Any, record: dict[str, list[Any]] | None
+    strategy: Any, b: dict[str, Tensor], n_micro: int, loss: Any, record: dict[str, list[Any]] | None,
+    pipelined: bool = False,
 ) -> float:
     """One optimizer step on this rank's share of ``b`` split into ``n_micro`` microbatches."""
     mbs = microbatches(dp_shard(b), n_micro)
-    value = strategy.forward_backward(mbs, lambda m, mb: logprobs(strategy, m, mb), loss)
+    if pipelined:  # the model's output is hidden states on every stage but the last
+        value = strategy.forward_backward(
+            mbs, lambda m, mb: m(mb["ids"], torch.arange(mb["ids"].shape[1]).expand_as(mb["ids"]), None),
+            FromLogits(strategy, loss))
+    else:
+        value = strategy.forward_backward(mbs, lambda m, mb: logprobs(strategy, m, mb), loss)
     norm = strategy.clip_gradients(MAX_GRAD_NORM)
     if record is not None:
         record["grads"].append(full_grads(strategy))
@@ -189,10 +209,10 @@ def load(strategy: Any, path: str) -> dict[str, Any]:
     return loaded
 
 
-def run_training(strategy: Any, n_micro: int, loss: Any, steps: int) -> dict[str, list[Any]]:
+def run_training(strategy: Any, n_micro: int, loss: Any, steps: int, pipelined: bool = False) -> dict[str, list[Any]]:
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "grad_norm": []}
     for step in range(steps):
-        record["loss"].append(train_step(strategy, batch(step), n_micro, loss, record))
+        record["loss"].append(train_step(strategy, batch(step), n_micro, loss, record, pipelined))
     return record
 
 
@@ -274,15 +294,17 @@ def parallel_job(rank: int, out: str) -> None:
     result["dp2"]["export"] = s.export_weights()
     destroy_model_parallel(remove_shim=False)
 
+    s = make_strategy(tp=1, world=2, pp=2)  # tied embeddings: the last stage's copy starts as the first's
+    result["pp2"] = run_training(s, n_micro=2, loss=MeanLoss(), steps=STEPS, pipelined=True)
+    result["pp2"]["export"] = s.export_weights()
+    destroy_model_parallel(remove_shim=False)
+
     result["pp2_export"] = pipeline_export()
     torch.save(result, f"{out}.{rank}")
 
 
 def pipeline_export() -> dict[str, Any]:
-    """PP=2 export on CPU (model building and collectives only: the strategy rejects PP training on CPU).
-
-    Untied embeddings: with tied ones and PP>1 megatron-core moves the shared weight with ``.cuda()``.
-    """
+    """PP=2 export of a model with untied embeddings (each stage holds only its own end of the model)."""
     from megatron.core import parallel_state
     from screl.strategies import GPTModelProvider, ParallelismConfig, export_weights, load_hf_weights
     from screl.strategies.parallel import initialize_model_parallel

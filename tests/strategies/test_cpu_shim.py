@@ -30,6 +30,8 @@ def test_apply_replaces_the_cuda_only_calls(shim: object) -> None:
     assert cpu_shim.is_applied()
     assert torch.cuda.current_device() == torch.device("cpu")
     torch.cuda.synchronize()
+    t = torch.ones(2)
+    assert t.cuda() is t
     mask = fused_softmax.get_default_causal_mask(3)
     assert mask.device.type == "cpu"
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
@@ -56,6 +58,7 @@ def test_remove_restores_megatron_and_torch_cuda() -> None:
     before = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
+        torch.Tensor.cuda,
         fused_softmax.get_default_causal_mask,
         mp_random._get_cuda_rng_state,
         mp_random._CUDA_RNG_STATE_TRACKER,
@@ -66,6 +69,7 @@ def test_remove_restores_megatron_and_torch_cuda() -> None:
     after = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
+        torch.Tensor.cuda,
         fused_softmax.get_default_causal_mask,
         mp_random._get_cuda_rng_state,
         mp_random._CUDA_RNG_STATE_TRACKER,

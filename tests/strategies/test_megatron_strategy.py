@@ -63,7 +63,7 @@ def test_bad_sizes_name_the_sizes_and_world_size() -> None:
     assert ParallelismConfig(tensor_model_parallel_size=2).validate(8) == 4
 
 
-def test_strategy_rejects_bad_sizes_and_pipeline_on_cpu_before_connecting() -> None:
+def test_strategy_rejects_bad_sizes_and_sequence_parallel_on_cpu_before_connecting() -> None:
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
@@ -77,8 +77,6 @@ def test_strategy_rejects_bad_sizes_and_pipeline_on_cpu_before_connecting() -> N
 
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 .* does not divide the world size 2"):
         strategy(tensor_model_parallel_size=4).setup_environment()
-    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 is not supported on CPU"):
-        strategy(pipeline_model_parallel_size=2).setup_environment()
     with pytest.raises(ValueError, match=r"sequence_parallel=True is not supported on CPU"):
         strategy(tensor_model_parallel_size=2, sequence_parallel=True).setup_environment()
 
@@ -104,6 +102,21 @@ def test_tp2_matches_tp1_losses_and_reduced_gradients(
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=LOSS_ATOL)
         assert max(expected["grad_norm"]) > jobs.MAX_GRAD_NORM  # clipping took effect
         assert len(got["grads"]) == jobs.STEPS
+        for grads, ref_grads in zip(got["grads"], expected["grads"], strict=True):
+            assert_state_close(grads, ref_grads)
+        assert_state_close(got["export"], expected["export"])
+
+
+@pytest.mark.slow
+def test_pp2_matches_pp1_losses_and_reduced_gradients(
+    reference: dict[str, Any], parallel: list[dict[str, Any]]
+) -> None:
+    """PP=2 on CPU (gloo point-to-point activations, tied embeddings across the stages) = the one-process run."""
+    expected = reference["mean"]
+    for rank_result in parallel:
+        got = rank_result["pp2"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=LOSS_ATOL)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=LOSS_ATOL)
         for grads, ref_grads in zip(got["grads"], expected["grads"], strict=True):
             assert_state_close(grads, ref_grads)
         assert_state_close(got["export"], expected["export"])
