@@ -46,7 +46,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.transformer.module import MegatronModule
 from screl.strategies import checkpoint as ckpt
-from screl.strategies import grad_buffers, weights
+from screl.strategies import grad_buffers, launch, weights
 from screl.strategies.module_state import (
     load_template,
     module_sharded_state,
@@ -137,22 +137,26 @@ class MegatronStrategy(DDPStrategy):
         self.set_world_ranks()
         self.parallelism.validate(self.world_size)
         if self.root_device.type == "cpu":
-            self._check_cpu_support()
+            self.parallelism.check_cpu()
         super().setup_environment()
         initialize_model_parallel(self.parallelism, self.seed, cpu=self.on_cpu)
 
-    def _check_cpu_support(self) -> None:
-        pp = self.parallelism.pipeline_model_parallel_size
-        if pp > 1:
-            raise ValueError(
-                f"MegatronStrategy: pipeline_model_parallel_size={pp} is not supported on CPU (megatron-core's "
-                "pipeline schedules allocate CUDA tensors). Use pipeline_model_parallel_size=1 or a GPU."
-            )
-        if self.parallelism.sequence_parallel:
-            raise ValueError(
-                "MegatronStrategy: sequence_parallel=True is not supported on CPU (megatron-core's torch norms "
-                "reject it; it needs Transformer Engine or Apex norms). Use sequence_parallel=False or a GPU."
-            )
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        launch.claim_init_file(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        """Lightning's, except that ranks Lightning started on one node rendezvous through a file, not a TCP store
+        listening on every interface (:mod:`screl.strategies.launch`)."""
+        method = launch.init_method(self)
+        if method is not None and not torch.distributed.is_initialized():
+            self.set_world_ranks()
+            torch.distributed.init_process_group(self._get_process_group_backend(), init_method=method,
+                                                 rank=self.global_rank, world_size=self.world_size,
+                                                 timeout=self._timeout)
+        super().setup_distributed()  # an initialized group is kept as it is
 
     @property
     def data_parallel_size(self) -> int:

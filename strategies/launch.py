@@ -1,0 +1,37 @@
+"""Starting the process group on one machine without a listening socket.
+
+torch's TCP store, which ``init_process_group``'s default ``env://`` rendezvous starts on rank 0, listens on every
+interface, whatever ``MASTER_ADDR`` says. When Lightning starts the ranks itself (``screl fit`` with
+``trainer.devices: N`` on one node), :class:`~screl.strategies.MegatronStrategy` rendezvouses through a file
+instead (``init_method="file://..."``): the launching process picks the file before it starts the others, which
+inherit its name in :data:`INIT_FILE_ENV`. Nothing listens, so nothing can be reached from outside.
+
+Launchers that start the processes themselves (torchrun, SLURM, several nodes) keep their own rendezvous: a
+multi-node job needs a store its peers can reach, on the cluster's network (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import Any
+
+INIT_FILE_ENV = "SCREL_DIST_INIT_FILE"
+"""The rendezvous file of one launch, set by the launching process for the ranks it starts."""
+
+
+def claim_init_file(strategy: Any) -> None:
+    """In the process that launches the ranks (one node, Lightning's own launcher): name the rendezvous file."""
+    env = strategy.cluster_environment
+    if strategy.num_nodes == 1 and env is not None and not env.creates_processes_externally:
+        os.environ.setdefault(INIT_FILE_ENV, os.path.join(tempfile.gettempdir(), f"screl-pg-{uuid.uuid4().hex}"))
+
+
+def init_method(strategy: Any) -> str | None:
+    """``file://`` rendezvous of this launch, or None (keep Lightning's ``env://``)."""
+    path = os.environ.get(INIT_FILE_ENV)
+    if path is None or strategy.num_nodes != 1:
+        return None
+    return f"file://{path}"
+
