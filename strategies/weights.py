@@ -344,8 +344,8 @@ def _local_slice(meta: _ParamMeta, full: Tensor, layout: _Layout, tp: int, tp_ra
 def load_hf_weights(module: MegatronModule, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
     """Copy a Hugging Face Qwen2/Llama state dict into this rank's shard (no collectives).
 
-    ``strict``: every model parameter must be found and every Hugging Face key used (``lm_head.weight``
-    may be left over when the model ties it to the embedding).
+    ``strict``: every model parameter must be found and, without pipeline parallelism, every Hugging Face key
+    used (``lm_head.weight`` may be left over when the model ties it to the embedding).
     """
     layout = _layout(module)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -373,6 +373,8 @@ def load_hf_weights(module: MegatronModule, state_dict: Mapping[str, Tensor], st
                 )
             param.copy_(local)
     if strict:
-        unused = sorted(set(state_dict) - used - {"lm_head.weight"})
+        # under pipeline parallelism the other stages' layers (and ends of the model) are left over by design
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        unused = sorted(set(state_dict) - used - {"lm_head.weight"}) if pp == 1 else []
         if missing or unused:
             raise KeyError(f"load_hf_weights: missing keys {missing[:5]}, unexpected keys {unused[:5]}.")

@@ -71,14 +71,24 @@ def megatron_token_logprobs(
     attends to padding, and positions count from 0 as in the Hugging Face model, so the real tokens'
     logprobs equal the unpadded ones. Padded positions hold garbage that the token mask drops.
     """
+    require_right_padding(attention_mask)
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return megatron_logprobs_of(strategy, model(input_ids, position_ids, None), input_ids, temperature)
+
+
+def require_right_padding(attention_mask: Tensor) -> None:
+    """Megatron's positions count from 0 on every row: refuse a row with padding before a real token."""
     mask = attention_mask.bool()
     if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
         raise ValueError(
             "GRPO under MegatronStrategy needs right-padded rows (attention_mask 1...1 0...0); "
             "got a row with padding before a real token"
         )
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logits = model(input_ids, position_ids, None)[:, :-1]
+
+
+def megatron_logprobs_of(strategy: Any, logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+    """The next-token logprobs ``[rows, len - 1]`` of a ``GPTModel``'s logits (vocabulary-parallel under TP)."""
+    logits = logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
     return strategy.token_logprobs(logits, input_ids[:, 1:])  # type: ignore[no-any-return]
@@ -361,6 +371,10 @@ class GRPO(LightningModule):
     def _backward_chunk(self, batch: dict[str, Any], chunk: _Chunk) -> tuple[Tensor, dict[str, list[Tensor]]]:
         """Backpropagate the chunk micro-batch by micro-batch; returns its loss (summed over the data-parallel
         shards of the chunk) and each micro-batch's metrics."""
+        if self._megatron_strategy is not None and self._megatron_strategy.parallelism.pipeline_model_parallel_size > 1:
+            from screl.modules.pipelined import pipelined_chunk
+
+            return pipelined_chunk(self, batch, chunk)
         grad_scale = self._grad_scale(batch)
         mb = self.micro_batch_size or max(chunk.rows, 1)
         loss_total = torch.zeros((), device=self.device)
@@ -391,6 +405,11 @@ class GRPO(LightningModule):
             curr = token_logprobs(self.model, ids, attention, self.temperature)
         else:
             curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
+        return self._loss_of(batch, chunk, sl, curr)
+
+    def _loss_of(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`_micro_batch_loss` from the rows' current logprobs ``curr``."""
+        ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
         prev = curr.detach()
         on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
         gen = behaviour(prev, batch["generation_logprobs"][sl], on_policy, self.behaviour_logprobs)

@@ -1,4 +1,4 @@
-"""GRPO under ``MegatronStrategy`` end to end on CPU: TP=2 (and DP=2) over 2 gloo ranks on loopback.
+"""GRPO under ``MegatronStrategy`` end to end on CPU: TP=2, DP=2 and PP=2 over 2 gloo ranks on loopback.
 
 Each spawned rank (``torch.multiprocessing.spawn``, file:// rendezvous, see ``_megatron_jobs.spawn``)
 builds ``screl fit``'s CLI objects for ``configs/grpo_megatron_tiny.yaml`` (shortened) and fits them;
@@ -125,8 +125,13 @@ def reference_step(cfg: dict[str, Any], chunk: dict[str, Any], weights: dict[str
     return {k: float(trainer.callback_metrics[k]) for k in ("train/loss", "train/grad_norm")}
 
 
-LAYOUTS = {"tp2": 2, "dp2": 1}
-"""Layout: tensor_model_parallel_size over the 2 ranks (``dp2``: TP=1, each replica a shard of groups)."""
+LAYOUTS: dict[str, dict[str, int]] = {
+    "tp2": {"tensor_model_parallel_size": 2},
+    "dp2": {"tensor_model_parallel_size": 1},
+    "pp2": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2},
+}
+"""Parallel sizes over the 2 ranks (``dp2``: each replica a shard of groups; ``pp2``: two pipeline stages, the
+activations sent between them over gloo, the loss and metrics on the last stage)."""
 
 Run = tuple[str, dict[str, Any], list[dict[str, Any]]]
 
@@ -136,18 +141,18 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     layout = str(request.param)
     workdir = tmp_path_factory.mktemp(f"grpo_megatron_{layout}")
     cfg = run_config(str(workdir / "run"))
-    cfg["trainer"]["strategy"]["init_args"]["parallelism"]["tensor_model_parallel_size"] = LAYOUTS[layout]
+    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(LAYOUTS[layout])
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = jobs.spawn(grpo_job, 2, str(workdir))
     return layout, cfg, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
 
 
 def full_chunk(layout: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chunk of one step: TP peers hold all of it; DP replicas a contiguous shard of groups each."""
+    """The chunk of one step: TP and PP peers hold all of it; DP replicas a contiguous shard of groups each."""
     from screl.datamodule import ROW_KEYS
 
     first = chunks[0]
-    if layout == "tp2":
+    if layout in ("tp2", "pp2"):
         assert "dp_shards" not in first
         assert all(torch.equal(c["input_ids"], first["input_ids"]) for c in chunks)  # broadcast, not sharded
         return first
