@@ -231,8 +231,10 @@ def _generation_line(cfg: dict[str, Any]) -> str:
 
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
     res = worker_resources(g)
+    custom = "".join(f" + {v:g} {k}" for k, v in res.custom.items())
+    where = " (only on nodes offering " + ", ".join(res.custom) + ")" if res.custom else ""
     return (f"{g.num_workers} worker(s), backend {g.backend} on {g.device}, {res.num_cpus:g} CPU / {res.num_gpus:g} "
-            f"GPU each; refits in {g.refit_bucket_mb:g} MiB buckets")
+            f"GPU{custom} each{where}; refits in {g.refit_bucket_mb:g} MiB buckets")
 
 
 def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:

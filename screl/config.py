@@ -294,6 +294,10 @@ class DataPlaneConfig:
     """Storage backend; native checkpointing supports only ``simple``."""
     num_storage_units: int = 1
     """TransferQueue storage unit actors."""
+    storage_node_resource: str | None = None
+    """Place the storage units only on nodes that offer this custom Ray resource (e.g. ``head_node`` given to
+    ``ray start --head --resources``). None: TransferQueue spreads them over every live node, generation nodes
+    included, so losing such a node loses the rows it held (docs/scaling.md)."""
     partition_id: str = "train"
     """Partition rollout rows are written to."""
 

@@ -64,10 +64,16 @@ class GenerationConfig:
     num_workers: int = 1
     """Generation worker actors (each holds a copy of the policy)."""
     num_cpus_per_worker: float = 1.0
-    """Logical CPUs Ray reserves for each worker."""
+    """Logical CPUs Ray reserves for each worker (0 only with ``resources`` or ``num_gpus_per_worker``: a worker
+    placed by those alone, e.g. on generation nodes that offer no CPU to the rest of the run)."""
     num_gpus_per_worker: float | None = None
     """GPUs Ray reserves for each worker. None: ``colocated.resources`` (num_nodes x gpus_per_node) split
     over the workers when ``device`` is cuda, else 0."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each worker reserves, e.g. ``{rollout_node: 1}``: the workers run only on nodes that
+    offer them (``ray start --resources='{"rollout_node": 4}'``), which is how a multi-node run puts
+    generation on its own nodes (docs/scaling.md). ``CPU``/``GPU`` go in ``num_cpus_per_worker``/
+    ``num_gpus_per_worker`` instead."""
     refit_bucket_mb: float = 64.0
     """Weights travel to the workers in buckets of about this many MiB (the trainer never serializes the whole
     model as one object). Under ``MegatronStrategy`` its ``export_bucket_bytes`` sets the bucket size instead."""

@@ -55,8 +55,11 @@ def spawn_controller(
 ) -> Any:
     """Start the ``RolloutController`` actor (CPU, asyncio) and return its handle; hand it the data plane with
     ``set_data_plane`` (TransferQueue starts while it boots)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
-        num_cpus=0, max_concurrency=1000
+        num_cpus=0, max_concurrency=1000, scheduling_strategy=here  # the run's state lives beside its driver
     )
     return actor.remote(run, task, generation, workers, run_dir, seed, config_dict, val_prompt_ids)
 
@@ -72,7 +75,8 @@ def worker_resources(g: GenerationConfig) -> WorkerResources:
         gpus = total_gpus / g.num_workers if total_gpus else 1.0
     else:
         gpus = 0.0
-    return WorkerResources(num_cpus=g.num_cpus_per_worker, num_gpus=gpus, spread=res.num_nodes > 1)
+    return WorkerResources(num_cpus=g.num_cpus_per_worker, num_gpus=gpus, spread=res.num_nodes > 1,
+                           custom=dict(g.resources))
 
 
 def engine_options(g: GenerationConfig, run: RunConfig, seed: int) -> EngineOptions:
@@ -87,14 +91,14 @@ def check_cluster_fits(g: GenerationConfig, cluster: dict[str, float]) -> None:
     leave them pending forever); the message names the knobs."""
     need = worker_resources(g)
     problems = []
-    for kind, per_worker, knob in (("CPU", need.num_cpus, "num_cpus_per_worker"),
-                                   ("GPU", need.num_gpus, "num_gpus_per_worker")):
+    knobs = {"CPU": "num_cpus_per_worker; ray.num_cpus for a local cluster", "GPU": "num_gpus_per_worker"}
+    for kind, per_worker in need.demand().items():
         total = per_worker * g.num_workers
         have = float(cluster.get(kind, 0.0))
         if total > have:
+            knob = knobs.get(kind, f"resources.{kind}; start a node that offers it: ray start --resources")
             problems.append(f"{g.num_workers} worker(s) x {per_worker:g} {kind} = {total:g} {kind}, the Ray cluster "
-                            f"has {have:g} (data.init_args.generation.{knob}, num_workers; ray.num_cpus for a local "
-                            "cluster)")
+                            f"has {have:g} (data.init_args.generation.{knob}; num_workers)")
     if problems:
         raise RuntimeError("the generation workers do not fit the Ray cluster: " + "; ".join(problems))
 
@@ -161,7 +165,8 @@ class RolloutRuntime:
         check_cluster_fits(g, ray.cluster_resources())
         t1 = time.perf_counter()
         dp_future = in_daemon_thread(
-            lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id)
+            lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id,
+                                    storage_node_resource=dpc.storage_node_resource)
         )
         try:
             self.workers = spawn_workers(

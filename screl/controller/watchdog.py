@@ -1,5 +1,5 @@
 """Pinging the generation workers: the stall watchdog's dead-worker report (see ``screl.data.watchdog``) and the
-health checks between requests."""
+health checks between requests, which also notice a worker whose Ray node left the cluster."""
 
 from __future__ import annotations
 
@@ -42,13 +42,82 @@ async def unreachable_workers(workers: Sequence[Any], timeout_s: float = 5.0) ->
     return [i for i, ok in enumerate(alive) if not ok]
 
 
+def _node_table() -> dict[str, dict[str, Any]]:
+    import ray
+
+    return {str(n["NodeID"]): n for n in ray.nodes()}
+
+
+def _hosts(nodes: dict[str, dict[str, Any]], demand: dict[str, float]) -> list[str]:
+    """Live nodes whose total resources could hold one worker (Ray restarts a lost worker on one of them)."""
+    return [nid for nid, n in nodes.items()
+            if n.get("Alive") and all(float(n.get("Resources", {}).get(k, 0.0)) >= v for k, v in demand.items())]
+
+
+class NodeTracker:
+    """Which Ray node each generation worker runs on, and which workers a lost node took with it for good.
+
+    A worker on a node that left the cluster is restarted by Ray elsewhere when some live node offers its
+    resources (``generation.num_cpus_per_worker``, ``num_gpus_per_worker``, ``resources``); when none does, Ray
+    would keep it pending forever, so it is reported lost (and with no worker left the run fails naming the node).
+    """
+
+    def __init__(self, workers: Sequence[Any], demand: dict[str, float]) -> None:
+        self.workers = workers
+        self.demand = demand
+        self.node_of: dict[int, str] = {}
+
+    async def learn(self, indices: Sequence[int], timeout_s: float) -> None:
+        """Ask the workers in ``indices`` whose node is not known yet where they run."""
+        ask = [i for i in indices if i not in self.node_of]
+
+        async def one(i: int) -> None:
+            try:
+                self.node_of[i] = await asyncio.wait_for(self.workers[i].node_id.remote(), timeout_s)
+            except Exception:  # noqa: BLE001 - restarting, dead or hung: asked again next round
+                pass
+
+        await asyncio.gather(*(one(i) for i in ask))
+
+    async def lost(self, live: Sequence[int], timeout_s: float) -> list[tuple[int, str]]:
+        """``(worker, why)`` for each live worker whose node is gone with no live node able to host it again."""
+        await self.learn(live, timeout_s)
+        nodes = await asyncio.get_running_loop().run_in_executor(None, _node_table)
+        found = []
+        for i in live:
+            nid = self.node_of.get(i)
+            node = nodes.get(nid) if nid is not None else None
+            if node is None or node.get("Alive"):
+                continue
+            del self.node_of[i]  # relearned once Ray restarted it elsewhere
+            where = f"Ray node {nid} ({node.get('NodeManagerAddress', '?')})"
+            if _hosts(nodes, self.demand):
+                log.warning("screl: generation worker %d was on %s, which left the cluster; Ray restarts it on a "
+                            "live node", i, where)
+                continue
+            found.append((i, f"worker {i} was on {where}, which left the Ray cluster, and no live node offers "
+                             f"{self.demand} to restart it (data.init_args.generation.resources, "
+                             "num_cpus_per_worker, num_gpus_per_worker)"))
+        return found
+
+
 async def health_checks(controller: Any) -> None:
     """The controller's loop between requests, every ``async_rl.watchdog.health_check_interval_s``: a worker dead
-    for good gets no more work and its rollouts move to the others (``RolloutCore.worker_lost``)."""
+    for good, or on a lost node that no live node can replace, gets no more work and its rollouts move to the
+    others (``RolloutCore.worker_lost``)."""
+    from screl.controller.runtime import worker_resources
+
     interval = float(controller.run.async_rl.watchdog.health_check_interval_s or 5.0)
+    tracker = NodeTracker(controller.workers, worker_resources(controller.generation).demand())
+    await tracker.learn(range(len(controller.workers)), 5.0)
     while not controller.shutting_down:
         await asyncio.sleep(interval)
         live = [i for i in range(len(controller.workers)) if i not in controller.core.dead]
+        for i, gone in await tracker.lost(live, min(5.0, interval)):
+            if not controller.shutting_down:
+                log.warning("screl: generation worker %d is lost: %s", i, gone)
+                await controller._execute(controller.core.worker_lost(i, gone, restartable=False))
+        live = [i for i in live if i not in controller.core.dead]
         verdicts = await asyncio.gather(*(dead_for_good(controller.workers[i], min(5.0, interval)) for i in live))
         for i, why in zip(live, verdicts, strict=True):
             if why is not None and not controller.shutting_down:

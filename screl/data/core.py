@@ -277,18 +277,20 @@ class RolloutCore:
         eff.abort = {w: ids for w, ids in eff.abort.items() if ids}
         return eff
 
-    def worker_lost(self, worker: int, detail: str) -> Effects:
+    def worker_lost(self, worker: int, detail: str, restartable: bool = True) -> Effects:
         """Worker ``worker`` is dead for good (found by a health check or a failed call): nothing more goes to it,
         its live attempts fail as infra failures and are retried on the others. With no worker left, the pump
-        stops with :class:`WorkersLostError`."""
+        stops with :class:`WorkersLostError`. ``restartable``: more restarts would have brought it back (the
+        message then names ``max_worker_restarts``); False when nothing could (its node is gone)."""
         if worker in self.dead:
             return Effects()
         self.dead.add(worker)
         eff = Effects()
         if len(self.dead) == len(self.load):
+            why = (": Ray does not restart them past data.init_args.generation.max_worker_restarts" if restartable
+                   else "; add capacity and resume the run from its last checkpoint")
             eff.error = WorkersLostError(
-                f"every generation worker is dead for good (workers {sorted(self.dead)}; last: {detail}): Ray does "
-                "not restart them past data.init_args.generation.max_worker_restarts")
+                f"every generation worker is dead for good (workers {sorted(self.dead)}; last: {detail}){why}")
             return eff
         mine = [a for a, (_, _, w) in self.attempts.items() if w == worker]
         return eff.extend(self.call_failed(mine, f"worker {worker} is dead: {detail}")) if mine else eff

@@ -146,6 +146,7 @@ class DataPlane:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         total_storage_size: int | None = None,
         start_timeout_s: float | None = None,
+        storage_node_resource: str | None = None,
     ) -> DataPlane:
         """Start TQ's controller and ``num_storage_units`` SimpleStorage units in the current Ray cluster.
 
@@ -156,6 +157,8 @@ class DataPlane:
             timeout_s: Default timeout of every call.
             total_storage_size: Capacity in samples across all units (``None``: unlimited).
             start_timeout_s: Bound of this start (default: ``START_TIMEOUT_S``, or ``timeout_s`` if larger).
+            storage_node_resource: Only nodes offering this custom Ray resource host storage units (None: TQ
+                spreads them round-robin over every live node).
 
         Raises:
             DataPlaneError: Ray is not initialised, a TQ already runs in this cluster, or too few CPUs.
@@ -169,6 +172,7 @@ class DataPlane:
                     "SimpleStorage": {
                         "num_data_storage_units": num_storage_units,
                         "total_storage_size": total_storage_size,
+                        "required_node_resource": storage_node_resource,
                     },
                 }
             }

@@ -26,8 +26,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -339,6 +339,10 @@ class GenerationWorker:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on (the controller's node-loss check reads it)."""
+        return str(ray.get_runtime_context().get_node_id())
+
     async def ping(self) -> bool:
         return True
 
@@ -422,9 +426,18 @@ class WorkerResources:
     num_gpus: float = 0.0
     spread: bool = False
     """Place workers on different nodes where possible (generation spans several nodes)."""
+    custom: Mapping[str, float] = field(default_factory=dict)
+    """Custom Ray resources (``generation.resources``): only nodes offering them host a worker."""
+
+    def demand(self) -> dict[str, float]:
+        """Every resource one worker needs, by Ray's names (``CPU``, ``GPU``, custom ones)."""
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom}
+        return {k: float(v) for k, v in need.items() if v}
 
     def actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.custom:
+            opts["resources"] = dict(self.custom)
         if self.spread:
             opts["scheduling_strategy"] = "SPREAD"
         return opts

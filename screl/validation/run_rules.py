@@ -238,6 +238,10 @@ def batch_rules(c: RuleContext) -> None:
     if not get(c.cfg, "data_plane.enabled", True):
         c.bad("data_plane.enabled", False, "the single controller moves every rollout through TransferQueue",
               "set data_plane.enabled: true")
+    node_res = get(c.cfg, "data_plane.storage_node_resource", None)
+    if node_res is not None and (not isinstance(node_res, str) or not node_res or node_res in ("CPU", "GPU")):
+        c.bad("data_plane.storage_node_resource", node_res, "must be a Ray resource name that the storage nodes "
+              "offer (a custom one, e.g. head_node)", "set it to a resource given to ray start --resources, or null")
     P, G = c.P, c.G
     tgbs = get(c.cfg, "model.init_args.train_global_batch_size")
     if tgbs is not None and tgbs != P * G:
@@ -279,14 +283,32 @@ def generation_rules(c: RuleContext) -> None:
 
 def _resource_rules(c: RuleContext) -> None:
     gen, key = c.gen, "data.init_args.generation"
-    for knob, default in (("num_cpus_per_worker", 1.0), ("refit_bucket_mb", 64.0)):
-        v = gen.get(knob, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            c.bad(f"{key}.{knob}", v, "must be a number > 0", f"set {knob} > 0")
+    v = gen.get("refit_bucket_mb", 64.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        c.bad(f"{key}.refit_bucket_mb", v, "must be a number > 0", "set refit_bucket_mb > 0")
+    cpus = gen.get("num_cpus_per_worker", 1.0)
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
+        c.bad(f"{key}.num_cpus_per_worker", cpus, "must be a number >= 0", "set num_cpus_per_worker > 0")
+    elif cpus == 0 and not (gen.get("resources") or gen.get("num_gpus_per_worker")):
+        c.bad(f"{key}.num_cpus_per_worker", 0, "a worker that reserves nothing can land on any node, any number "
+              "of them on one", "set num_cpus_per_worker > 0, or place the workers with resources or "
+              "num_gpus_per_worker")
     g = gen.get("num_gpus_per_worker")
     if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
         c.bad(f"{key}.num_gpus_per_worker", g, "must be a number >= 0 or null (derived)",
               "set num_gpus_per_worker >= 0 or null")
+    custom = gen.get("resources") or {}
+    if not isinstance(custom, dict):
+        c.bad(f"{key}.resources", custom, "must be a mapping of Ray resource name to amount",
+              "write resources: {rollout_node: 1}")
+        custom = {}
+    for name, amount in custom.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            c.bad(f"{key}.resources.{name}", amount, f"{name} is not a custom resource",
+                  "set it with num_cpus_per_worker / num_gpus_per_worker instead" if name in ("CPU", "GPU")
+                  else "drop it: Ray sizes memory itself")
+        elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+            c.bad(f"{key}.resources.{name}", amount, "must be a number > 0", f"set resources.{name} > 0")
     gpus = (gen.get("num_gpus_per_worker") or 0) + get(gen, "colocated.resources.gpus_per_node", 0)
     if gen.get("backend", "torch") == "torch" and gen.get("device", "cpu") == "cpu" and gpus > 0:
         c.bad(f"{key}.device", "cpu", "GPUs are set aside for generation (num_gpus_per_worker or "

@@ -290,3 +290,17 @@ def test_a_worker_dead_for_good_gets_no_more_work_and_its_rollouts_move() -> Non
     d.apply(d.core.worker_lost(1, "ActorDiedError"))
     assert d.error is not None and "every generation worker is dead for good (workers [0, 1]" in str(d.error)
     assert "data.init_args.generation.max_worker_restarts" in str(d.error)
+
+
+def test_workers_lost_with_their_node_fail_the_run_without_blaming_restarts() -> None:
+    d = Driver(make_core())
+    d.pump()
+    d.apply(d.core.worker_lost(0, "worker 0 was on Ray node n1 (10.0.0.7), which left the Ray cluster",
+                               restartable=False))
+    assert d.error is None, "worker 1 carries on"
+    d.apply(d.core.worker_lost(1, "worker 1 was on Ray node n1 (10.0.0.7), which left the Ray cluster",
+                               restartable=False))
+    assert d.error is not None
+    assert str(d.error).endswith("which left the Ray cluster); add capacity and resume the run from its last "
+                                 "checkpoint")
+    assert "max_worker_restarts" not in str(d.error)

@@ -145,6 +145,18 @@ def test_workers_that_do_not_fit_the_cluster_fail_naming_the_knobs() -> None:
         check_cluster_fits(_gen(device="cuda"), {"CPU": 8.0})
 
 
+def test_custom_resources_reach_the_actor_options_and_the_fit_check() -> None:
+    g = _gen(num_workers=2, resources={"rollout_node": 1.5})
+    res = worker_resources(g)
+    assert res.actor_options()["resources"] == {"rollout_node": 1.5}
+    assert res.demand() == {"CPU": 1.0, "rollout_node": 1.5}
+    assert "resources" not in worker_resources(_gen()).actor_options()
+    check_cluster_fits(g, {"CPU": 2.0, "rollout_node": 3.0})
+    with pytest.raises(RuntimeError, match=r"2 worker\(s\) x 1.5 rollout_node = 3 rollout_node, the Ray cluster "
+                                           r"has 0 \(data.init_args.generation.resources.rollout_node; start a node"):
+        check_cluster_fits(g, {"CPU": 8.0})
+
+
 def test_engine_options_carry_the_generation_settings() -> None:
     g = _gen(max_batch_size=7, backend_args={"k": 1}, num_threads=2)
     run = RunConfig.from_dict({"grpo": {}, "async_rl": {"recompute_kv_cache_after_weight_updates": True}})
