@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -62,27 +63,71 @@ class DataPlaneCheckpoint(Callback):
 
     def save(self, trainer: Trainer, step: int) -> None:
         dm: Any = trainer.datamodule  # type: ignore[attr-defined]
-        if dm is None or dm.runtime is None:
+        if dm is None:
             return
-        with tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
-            ckpt = os.path.join(tmp, LIGHTNING_CKPT)
-            trainer.save_checkpoint(ckpt)
-            dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
-            state = dm.runtime.capture(dp_dir)
-            with self.store.begin(step) as writer:
-                writer.write_file(LIGHTNING_CKPT, ckpt)
-                if dp_dir is not None:
-                    writer.write_dir(DATA_PLANE, dp_dir)
-                writer.write_torch(CONTROLLER_STATE, state)
-                writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
-                writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
-                                                           "admitted": state["admitted"]})
-                writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
-                writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
-                               "mode": "authoritative" if dp_dir is not None else "shadow",
-                               "replay_digest": state["replay_index"]["digest"],
-                               "groups": len(state["replay_index"]["groups"])})
+        if trainer.world_size > 1:
+            if not self._save_ranks(trainer, dm, step):
+                return
+        elif dm.runtime is None:
+            return
+        else:
+            with tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
+                ckpt = os.path.join(tmp, LIGHTNING_CKPT)
+                trainer.save_checkpoint(ckpt)
+                with self.store.begin(step) as writer:
+                    if os.path.isdir(ckpt):  # sharded (MegatronStrategy)
+                        writer.write_dir(LIGHTNING_CKPT, ckpt)
+                    else:
+                        writer.write_file(LIGHTNING_CKPT, ckpt)
+                    self._write_rollout_side(writer, dm, tmp)
+        self._published(trainer, step)
+
+    def _save_ranks(self, trainer: Trainer, dm: Any, step: int) -> bool:
+        """Several training processes: every rank writes its own share of the Lightning checkpoint (its model and
+        optimizer shards under ``MegatronStrategy``) straight into the unpublished bundle, node by node; then
+        rank 0 records those parts, writes the rollout side and publishes. A failure anywhere publishes nothing
+        and raises on every rank."""
+        if not dm._on_rank_zero(lambda: dm.runtime is not None):
+            return False
+        writer = self.store.begin(step) if trainer.is_global_zero else None
+        try:
+            url = dm._on_rank_zero(lambda: writer.staged_url(LIGHTNING_CKPT))  # type: ignore[union-attr]
+            trainer.save_checkpoint(url)  # a collective; every rank's share is durable when it returns
+
+            def publish() -> None:
+                assert writer is not None
+                with writer, tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
+                    writer.adopt(LIGHTNING_CKPT)
+                    self._write_rollout_side(writer, dm, tmp)
+
+            dm._on_rank_zero(publish)
+            return True
+        except BaseException:
+            if writer is not None:
+                with contextlib.suppress(RuntimeError):  # already committed or aborted
+                    writer.abort()
+            raise
+
+    def _write_rollout_side(self, writer: Any, dm: Any, tmp: str) -> None:
+        """The controller state and the data plane, captured under one barrier, and the manifest (rank 0)."""
+        dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
+        state = dm.runtime.capture(dp_dir)
+        if dp_dir is not None:
+            writer.write_dir(DATA_PLANE, dp_dir)
+        writer.write_torch(CONTROLLER_STATE, state)
+        writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
+        writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
+                                                   "admitted": state["admitted"]})
+        writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+        writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
+                       "mode": "authoritative" if dp_dir is not None else "shadow",
+                       "replay_digest": state["replay_index"]["digest"],
+                       "groups": len(state["replay_index"]["groups"])})
+
+    def _published(self, trainer: Trainer, step: int) -> None:
         self.last_saved = step
+        if not trainer.is_global_zero:
+            return
         if self.config.keep_top_k is not None:
             self.store.retain(self.config.keep_top_k)
         log.info("screl: checkpoint step_%d published to %s", step, self.store.url(f"step_{step}"))

@@ -197,11 +197,14 @@ class ScrelCLI(LightningCLI):
             )
         self.datamodule.config_dict = self.config_dict()
         ck, rc = run.checkpointing, run.rollout_checkpointing
-        local_root = os.path.join(self.trainer.default_root_dir, ".screl_restore")
+        # every training process fetches its own copy (ranks need not share a disk); rank 0 also the rollout side
+        rank = os.environ.get("RANK") or f"{os.environ.get('NODE_RANK', '0')}_{os.environ.get('LOCAL_RANK', '0')}"
+        local_root = os.path.join(self.trainer.default_root_dir, ".screl_restore", f"rank_{rank}")
         resume = fetch_resume(
             str(ck.checkpoint_dir), local_root, restore_mode=rc.restore_mode,
             snapshots_enabled=rc.snapshot_attempt_interval_s is not None, config=self.config_dict(),
             extra_excluded_paths=list(rc.extra_fingerprint_excluded_paths), storage_options=ck.storage_options,
+            rollout_side=rank in ("0", "0_0"),
         )
         if resume is not None:
             self.datamodule.resume = resume

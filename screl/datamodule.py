@@ -164,12 +164,6 @@ class RolloutDataModule(LightningDataModule):
                 "RolloutDataModule needs the WeightSync callback (it refits the generation workers after each "
                 "step): run through `screl fit`, which adds it, or pass callbacks=[screl.callbacks.WeightSync()]"
             )
-        if trainer.world_size > 1 and self.run.checkpointing.enabled:
-            raise NotImplementedError(
-                f"checkpointing.enabled with {trainer.world_size} training processes is not supported yet "
-                "(the bundle is written from rank 0 only): set checkpointing.enabled: false or train on one "
-                "process"
-            )
         plan = self.thread_plan()
         torch.set_num_threads(plan.train)
 

@@ -39,11 +39,14 @@ def fetch_resume(
     config: dict[str, Any] | None = None,
     extra_excluded_paths: list[str] | None = None,
     storage_options: dict[str, Any] | None = None,
+    rollout_side: bool = True,
 ) -> Resume | None:
     """Select per ``restore_mode`` (read-only) and download under ``local_root``; None = a fresh start.
 
     A trainer bundle gives everything; a periodic snapshot under it replaces the rollout state (newer
     progress); a bootstrap snapshot gives the rollout state of a run that never finished a step.
+    ``rollout_side=False`` (training ranks other than 0): only the Lightning checkpoint is downloaded, whole
+    (a sharded one is a directory: each rank reads its shards from its own copy, no shared disk needed).
     """
     store = CheckpointStore(checkpoint_dir, storage_options or None)
     plan = select_restore(
@@ -62,10 +65,13 @@ def fetch_resume(
     ckpt: str | None = None
     if plan.bundle is not None:
         ckpt = os.path.join(local, LIGHTNING_CKPT)
-        store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
-    state = store.read_torch(rollout, CONTROLLER_STATE)
+        if any(name.startswith(LIGHTNING_CKPT + "/") for name in plan.bundle.parts):  # sharded (MegatronStrategy)
+            store.download_dir(plan.bundle, LIGHTNING_CKPT, ckpt)
+        else:
+            store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
+    state = store.read_torch(rollout, CONTROLLER_STATE) if rollout_side else {}
     dp_dir: str | None = None
-    if any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
+    if rollout_side and any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
         dp_dir = os.path.join(local, DATA_PLANE)
         store.download_dir(rollout, DATA_PLANE, dp_dir)
     return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source)

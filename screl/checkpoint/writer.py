@@ -151,6 +151,34 @@ class StagedWriter:
                 written.append(self.write_file(f"{prefix}/{fname}", os.path.join(dirpath, fname)))
         return written
 
+    def staged_url(self, name: str) -> str:
+        """Where other processes write part ``name`` themselves (a file, or a directory of files), each its own
+        share, before :meth:`adopt` records it: nothing passes through this process."""
+        check_part_name(name)
+        self._check_writable(name)
+        return self.store.url(f"{self.tmp_relpath}/{name}")
+
+    def adopt(self, name: str) -> list[PartInfo]:
+        """Record what other processes wrote at :meth:`staged_url` as part ``name`` (a file) or parts
+        ``name/<relative path>`` (a directory), reading each back for its size and SHA-256."""
+        base = self.store.path(f"{self.tmp_relpath}/{name}")
+        self.store.fs.invalidate_cache()
+        if not self.store.fs.exists(base):
+            raise FileNotFoundError(f"nothing was written to part {name!r} ({self.store.url(self.tmp_relpath)})")
+        files = [base] if self.store.fs.isfile(base) else sorted(self.store.fs.find(base))
+        adopted = []
+        for path in files:
+            part = name if path == base else f"{name}/{path[len(base):].lstrip('/')}"
+            self._check_writable(part)
+            digest, size = hashlib.sha256(), 0
+            with self.store.fs.open(path, "rb") as f:
+                while chunk := f.read(CHUNK_BYTES):
+                    digest.update(chunk)
+                    size += len(chunk)
+            self.parts[part] = PartInfo(part, size, digest.hexdigest())
+            adopted.append(self.parts[part])
+        return adopted
+
     def write_torch(self, name: str, obj: Any) -> PartInfo:
         """``torch.save`` ``obj`` as part ``name``."""
         import torch

@@ -1,0 +1,125 @@
+"""Checkpoint bundles from 2 training processes (``MegatronStrategy`` over 2 gloo ranks, launched by ``screl fit``
+itself, nothing listening beyond loopback): every rank writes its shards into the unpublished bundle, rank 0 publishes. The whole job is SIGKILLed
+at a seeded point after a bundle, then resumed at the same layout, and at TP=1 on one process from a copy of the
+same bundles. In sync mode both reproduce the uninterrupted run's losses, and the event checker finds nothing
+lost or trained twice."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from screl.checkpoint.store import CheckpointStore
+from screl.data.event_check import check_events
+from screl.dataplane.cluster import LOOPBACK_IPS, listening_addresses
+
+from .conftest import kill_tree, recovery_config, start_fit, wait_for
+from .test_resume_parity import _per_step
+
+pytestmark = pytest.mark.slow
+
+SYNC = {"name": "in_order", "max_lookahead_versions": 0}
+STEPS = 4
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "dp2": {"tensor_model_parallel_size": 1}}
+
+
+def _config(base: Path, parallelism: dict[str, int]) -> Path:
+    path = recovery_config(base, str(base / "bundles"), steps=STEPS, sampler=SYNC, source="grpo_megatron_tiny.yaml")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(parallelism)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _on_one_process(config: Path) -> Path:
+    """The same run on one training process at TP=1 (the bundles were written at TP=2)."""
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"]["devices"] = 1
+    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = {"tensor_model_parallel_size": 1}
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def _fit_ranks(pids: set[int]) -> int:
+    """How many of ``pids`` are ``screl fit`` training processes (Lightning starts rank 1 as ``-m screl.cli``)."""
+    count = 0
+    for pid in pids:
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        count += "screl.cli" in cmd and "fit" in cmd
+    return count
+
+
+def _run_watching_sockets(config: Path, log: Path) -> tuple[list[tuple[int, str, int]], int]:
+    """Run to the end: every listening socket of the process tree seen beyond loopback, and the most training
+    processes seen at once."""
+    proc = start_fit(config, log)
+    wide, ranks = [], 0
+    while proc.poll() is None:
+        try:
+            tree = {proc.pid} | {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        wide += [a for a in listening_addresses(tree) if a[1] not in LOOPBACK_IPS]
+        ranks = max(ranks, _fit_ranks(tree))
+        time.sleep(0.5)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    return wide, ranks
+
+
+def _copy_run(src: Path, dst: Path, config: Path) -> Path:
+    """A second copy of a killed run (its bundles and events), to resume differently."""
+    for name in ("bundles", "run"):
+        shutil.copytree(src / name, dst / name)
+    text = config.read_text().replace(str(src), str(dst))
+    (dst / "config.yaml").write_text(text)
+    return dst / "config.yaml"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_bundles_survive_a_kill_and_resume_at_any_tp(tmp_path: Path, layout: str) -> None:
+    reference_cfg = _config(tmp_path / "ref", LAYOUTS[layout])
+    wide, ranks = _run_watching_sockets(reference_cfg, tmp_path / "ref.log")  # `screl fit` started rank 1 itself
+    assert ranks == 2
+    assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
+    reference = _per_step(tmp_path / "ref" / "root")
+    assert sorted(reference) == list(range(STEPS))
+
+    rng = random.Random(f"multirank-{layout}")
+    kill_after = rng.choice([1, 2])
+    cut = tmp_path / "cut"
+    config = _config(cut, LAYOUTS[layout])
+    store = CheckpointStore(str(cut / "bundles"))
+    proc = start_fit(config, tmp_path / "cut.log")
+    assert wait_for(lambda: (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists(), 300, proc), \
+        (tmp_path / "cut.log").read_text()[-3000:]
+    time.sleep(rng.uniform(0.0, 1.0))  # somewhere in the next step
+    kill_tree(proc)
+    bundle = store.latest()
+    assert bundle is not None and bundle.step >= kill_after
+    assert any(p.startswith("lightning.ckpt/") for p in bundle.parts), "a sharded checkpoint, one part per file"
+    resumes: list[tuple[Path, Path]] = [(cut, config)]
+    if layout == "tp2":
+        other = tmp_path / "tp1"
+        resumes.append((other, _on_one_process(_copy_run(cut, other, config))))
+    for base, cfg in resumes:
+        log = base / "resume.log"
+        proc = start_fit(cfg, log)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        assert f"resuming from {base / 'bundles'}/step_{bundle.step}" in log.read_text()
+        report = check_events(base / "run", SYNC)
+        assert report.ok, report.format()
+        resumed = _per_step(base / "root")
+        assert set(range(bundle.step, STEPS)) <= set(resumed)
+        for step in range(bundle.step, STEPS):
+            assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), (base.name, step)
+
+
