@@ -25,7 +25,7 @@ from .test_resume_parity import _per_step
 pytestmark = pytest.mark.slow
 
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
-STEPS = 4
+STEPS = 3
 LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "dp2": {"tensor_model_parallel_size": 1}}
 
 
