@@ -46,7 +46,12 @@ def pipelined_chunk(module: Any, batch: dict[str, Any], chunk: Any) -> tuple[Ten
         require_right_padding(batch["attention_mask"][sl])
         return model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)  # type: ignore[no-any-return]
 
-    loss_total = strategy.forward_backward(slices, forward_step, _Reduction())
+    if not strategy.on_cpu and chunk.rows % mb:  # Megatron's GPU schedule sends fixed-shape activations
+        raise ValueError(
+            f"pipeline parallelism on GPU needs whole micro-batches: the chunk's {chunk.rows} rows are not a multiple "
+            f"of model.init_args.micro_batch_size={mb}; make micro_batch_size divide the rows per chunk")
+    loss_total = strategy.forward_backward(slices, forward_step, _Reduction(),
+                                           seq_length=int(batch["input_ids"].shape[1]), micro_batch_size=mb)
     shards = int(batch.get("dp_shards", 1))
     if shards > 1:  # the schedule reports the mean over data-parallel ranks; the chunk's loss is their sum
         loss_total = loss_total * shards
