@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from screl.checkpoint.pickle_scan import check_pickles_under
 from screl.checkpoint.restore import select_restore
 from screl.checkpoint.store import CheckpointStore, PublishedDir
 
@@ -74,4 +75,5 @@ def fetch_resume(
     if rollout_side and any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
         dp_dir = os.path.join(local, DATA_PLANE)
         store.download_dir(rollout, DATA_PLANE, dp_dir)
+        check_pickles_under(dp_dir, f"{rollout.url}/{DATA_PLANE}")  # TransferQueue unpickles these
     return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source)

@@ -58,3 +58,73 @@ def test_a_plain_controller_state_loads(tmp_path: Path) -> None:
     resume = fetch_resume(str(tmp_path / "ck"), str(tmp_path / "local"), config={})
     assert resume is not None and resume.step == 3
     assert resume.controller_state["in_flight"] == state["in_flight"] and torch.equal(resume.controller_state["weights"], torch.arange(3))
+
+
+def _tq_like_pickle(obj: Any) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+def test_a_data_plane_pickle_importing_a_callable_is_refused_before_transfer_queue_sees_it(
+    tmp_path: Path, protocol: int
+) -> None:
+    import pickle
+
+    marker = tmp_path / "pwned"
+    store = _bundle(tmp_path / "ck", {"train_steps": 3}, {"state_dict": {}})
+    info = store.latest()
+    assert info is not None
+    with store.begin(4) as w:
+        w.write_bytes(LIGHTNING_CKPT, _torch_bytes({"state_dict": {}}))
+        w.write_bytes(CONTROLLER_STATE, _torch_bytes({"train_steps": 4}))
+        w.write_bytes("data_plane/metadata.json", b'{"storage_saved": true}')
+        w.write_bytes("data_plane/controller_state.pkl", _tq_like_pickle({"partitions": {}}))
+        w.write_bytes("data_plane/simple_storage/unit_0.pkl",
+                      pickle.dumps({"rows": [_Payload(marker)]}, protocol=protocol))
+        w.commit({"trainer_version": 4})
+    with pytest.raises(ValueError, match=r"data_plane/simple_storage/unit_0\.pkl imports posix\.mkdir: "
+                                         r"TransferQueue would unpickle it"):
+        fetch_resume(str(tmp_path / "ck"), str(tmp_path / "local"), config={})
+    assert not marker.exists()
+
+
+def test_a_stack_global_built_from_unknown_values_is_refused() -> None:
+    import pickletools
+
+    from screl.checkpoint.pickle_scan import UnsafePickleError, check_pickle
+
+    # module and name pushed, then a tuple built from them: STACK_GLOBAL cannot tell what is on the stack
+    crafted = b"\x80\x04\x8c\x02os\x8c\x06system\x86\x8c\x01a\x93."
+    assert [op.name for op, _, _ in pickletools.genops(crafted)][-3:] == ["SHORT_BINUNICODE", "STACK_GLOBAL", "STOP"]
+    with pytest.raises(UnsafePickleError, match=r"x\.pkl: a STACK_GLOBAL whose module and name are not the strings"):
+        check_pickle(crafted, "x.pkl")
+    with pytest.raises(UnsafePickleError, match=r"y\.pkl imports builtins\.eval"):
+        check_pickle(b"\x80\x04\x8c\x08builtins\x94\x8c\x04eval\x94\x93.", "y.pkl")
+    with pytest.raises(UnsafePickleError, match=r"z\.pkl is not a readable pickle"):
+        check_pickle(b"\x80\x04\x8c", "z.pkl")
+
+
+class _SmuggledStorage:
+    """Pickles as ``torch.storage._load_from_bytes(b)`` where ``b`` (a legacy torch.save) carries the payload."""
+
+    def __init__(self, marker: Path) -> None:
+        buf = io.BytesIO()
+        torch.save({"hook": _Payload(marker)}, buf, _use_new_zipfile_serialization=False)
+        self.raw = buf.getvalue()
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (torch.storage._load_from_bytes, (self.raw,))
+
+
+def test_code_smuggled_inside_a_storage_blob_is_found() -> None:
+    import pickle
+
+    from screl.checkpoint.pickle_scan import UnsafePickleError, check_pickle
+
+    smuggled = pickle.dumps({"rows": _SmuggledStorage(Path("/nonexistent/marker"))}, protocol=5)
+    with pytest.raises(UnsafePickleError, match=r"unit\.pkl imports posix\.mkdir"):
+        check_pickle(smuggled, "unit.pkl")
+    plain = pickle.dumps({"rows": [torch.arange(3).untyped_storage()]}, protocol=5)  # what a real unit holds
+    check_pickle(plain, "unit.pkl")

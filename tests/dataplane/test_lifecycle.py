@@ -84,3 +84,12 @@ def test_start_needs_ray_cpus(ray_cluster: None) -> None:
     with pytest.raises(DataPlaneError, match=r"needs 101 free logical CPUs"):
         DataPlane.start(num_storage_units=100)
     assert ray.is_initialized() and tq_actors_alive() == []
+
+
+def test_a_real_snapshot_passes_the_pickle_scan(saved: tuple[Path, list[str], Rows, DataPlaneHandle]) -> None:
+    """TransferQueue's own pickles import only what screl's scan allows (so a resume is never refused for them)."""
+    from screl.checkpoint.pickle_scan import check_pickles_under, pickle_globals
+
+    assert check_pickles_under(str(saved[0]), "data_plane") >= 2  # the controller and the storage unit
+    imported = {g for p in saved[0].rglob("*.pkl") for g in pickle_globals(p.read_bytes())}
+    assert any(g.startswith("torch.") for g in imported), imported  # the rows' tensors are in there
