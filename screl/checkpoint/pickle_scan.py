@@ -80,7 +80,8 @@ def pickle_globals(data: bytes) -> Iterator[str]:
     for op, arg, _pos in pickletools.genops(data):
         name = op.name
         if name in _BYTES_OPS:
-            yield from _embedded_pickles(bytes(arg))
+            if isinstance(arg, (bytes, bytearray)):
+                yield from _embedded_pickles(bytes(arg))
             pushed = []
         elif name in _STRING_OPS:
             pushed.append(arg)
