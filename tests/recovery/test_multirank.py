@@ -1,8 +1,8 @@
-"""Checkpoint bundles from 2 training processes (``MegatronStrategy`` over 2 gloo ranks, launched by ``screl fit``
-itself, nothing listening beyond loopback): every rank writes its shards into the unpublished bundle, rank 0 publishes. The whole job is SIGKILLed
-at a seeded point after a bundle, then resumed at the same layout, and at TP=1 on one process from a copy of the
-same bundles. In sync mode both reproduce the uninterrupted run's losses, and the event checker finds nothing
-lost or trained twice."""
+"""Checkpoint bundles from 2 training processes (``MegatronStrategy`` over 2 gloo ranks, started by ``screl fit``
+itself, nothing listening beyond loopback): every rank writes its shards into the unpublished bundle, and rank 0
+publishes it. The whole job is SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and
+at TP=1 with DP=2 from a copy of the same bundles. In sync mode both reproduce the uninterrupted run's losses,
+and the event checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
 
@@ -37,11 +37,10 @@ def _config(base: Path, parallelism: dict[str, int]) -> Path:
     return path
 
 
-def _on_one_process(config: Path) -> Path:
-    """The same run on one training process at TP=1 (the bundles were written at TP=2)."""
+def _relayout(config: Path, parallelism: dict[str, int]) -> Path:
+    """The same run at other parallel sizes (the bundles were written at TP=2)."""
     cfg = yaml.safe_load(config.read_text())
-    cfg["trainer"]["devices"] = 1
-    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = {"tensor_model_parallel_size": 1}
+    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(parallelism)
     config.write_text(yaml.safe_dump(cfg))
     return config
 
@@ -84,19 +83,20 @@ def _copy_run(src: Path, dst: Path, config: Path) -> Path:
     return dst / "config.yaml"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_rank_bundles_survive_a_kill_and_resume_at_any_tp(tmp_path: Path, layout: str) -> None:
-    reference_cfg = _config(tmp_path / "ref", LAYOUTS[layout])
+def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path) -> None:
+    """TP=2 killed at a seeded point after a bundle; resumed at TP=2, and from a copy of the same bundles at TP=1
+    with DP=2 (each replica half of the groups): both reproduce the uninterrupted TP=2 run."""
+    reference_cfg = _config(tmp_path / "ref", LAYOUTS["tp2"])
     wide, ranks = _run_watching_sockets(reference_cfg, tmp_path / "ref.log")  # `screl fit` started rank 1 itself
     assert ranks == 2
     assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
     reference = _per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
 
-    rng = random.Random(f"multirank-{layout}")
+    rng = random.Random("multirank")
     kill_after = rng.choice([1, 2])
     cut = tmp_path / "cut"
-    config = _config(cut, LAYOUTS[layout])
+    config = _config(cut, LAYOUTS["tp2"])
     store = CheckpointStore(str(cut / "bundles"))
     proc = start_fit(config, tmp_path / "cut.log")
     assert wait_for(lambda: (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists(), 300, proc), \
@@ -106,10 +106,8 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_any_tp(tmp_path: Path, la
     bundle = store.latest()
     assert bundle is not None and bundle.step >= kill_after
     assert any(p.startswith("lightning.ckpt/") for p in bundle.parts), "a sharded checkpoint, one part per file"
-    resumes: list[tuple[Path, Path]] = [(cut, config)]
-    if layout == "tp2":
-        other = tmp_path / "tp1"
-        resumes.append((other, _on_one_process(_copy_run(cut, other, config))))
+    other = tmp_path / "dp2"
+    resumes = [(cut, config), (other, _relayout(_copy_run(cut, other, config), LAYOUTS["dp2"]))]
     for base, cfg in resumes:
         log = base / "resume.log"
         proc = start_fit(cfg, log)
@@ -120,6 +118,7 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_any_tp(tmp_path: Path, la
         resumed = _per_step(base / "root")
         assert set(range(bundle.step, STEPS)) <= set(resumed)
         for step in range(bundle.step, STEPS):
-            assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), (base.name, step)
-
-
+            got, want = resumed[step], reference[step]
+            if base is other:  # under DP=2 `reward` is rank 0's half of the chunk; loss and grad norm are the whole's
+                got, want = (got[0], got[2]), (want[0], want[2])
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-8), (base.name, step)
