@@ -58,7 +58,10 @@ def _allowed(qualname: str) -> bool:
 
 
 def _embedded_pickles(data: bytes) -> Iterator[str]:
-    """The globals of the pickles inside a bytes value that looks like a pickle (legacy ``torch.save`` output)."""
+    """The globals of the pickles inside a bytes value that looks like a pickle (legacy ``torch.save`` output).
+    ``torch.load`` also reads zip and tar archives, unpickling their members: a bytes value in either is refused."""
+    if data.startswith(b"PK") or data[257:262] == b"ustar":
+        raise UnsafePickleError("a bytes value holding a zip or tar archive (torch.load would unpickle its members)")
     if not data.startswith(b"\x80"):
         return
     stream = io.BytesIO(data)

@@ -126,5 +126,9 @@ def test_code_smuggled_inside_a_storage_blob_is_found() -> None:
     smuggled = pickle.dumps({"rows": _SmuggledStorage(Path("/nonexistent/marker"))}, protocol=5)
     with pytest.raises(UnsafePickleError, match=r"unit\.pkl imports posix\.mkdir"):
         check_pickle(smuggled, "unit.pkl")
+    zipped = _SmuggledStorage(Path("/nonexistent/marker"))
+    zipped.raw = _torch_bytes({"hook": _Payload(Path("/nonexistent/marker"))})  # torch.save's zip format
+    with pytest.raises(UnsafePickleError, match=r"unit\.pkl: a bytes value holding a zip or tar archive"):
+        check_pickle(pickle.dumps(zipped, protocol=5), "unit.pkl")
     plain = pickle.dumps({"rows": [torch.arange(3).untyped_storage()]}, protocol=5)  # what a real unit holds
     check_pickle(plain, "unit.pkl")
