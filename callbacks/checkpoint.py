@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE, LIGHTNING_CKPT
+from screl.checkpoint.resume import DATA_PLANE, LIGHTNING_CKPT, write_controller_parts
 from screl.checkpoint.store import CheckpointStore
 from screl.config import CheckpointingConfig
 
@@ -114,11 +114,7 @@ class DataPlaneCheckpoint(Callback):
         state = dm.runtime.capture(dp_dir)
         if dp_dir is not None:
             writer.write_dir(DATA_PLANE, dp_dir)
-        writer.write_torch(CONTROLLER_STATE, state)
-        writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
-        writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
-                                                   "admitted": state["admitted"]})
-        writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+        write_controller_parts(writer, state)
         writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
                        "mode": "authoritative" if dp_dir is not None else "shadow",
                        "replay_digest": state["replay_index"]["digest"],

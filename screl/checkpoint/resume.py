@@ -18,6 +18,15 @@ CONTROLLER_STATE = "controller_state.pt"
 DATA_PLANE = "data_plane"
 
 
+def write_controller_parts(writer: Any, state: dict[str, Any]) -> None:
+    """The controller state captured at the data-plane barrier, and its sidecars, as bundle or snapshot parts."""
+    writer.write_torch(CONTROLLER_STATE, state)
+    writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
+    writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
+                                               "admitted": state["admitted"]})
+    writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+
+
 @dataclass(frozen=True)
 class Resume:
     """What a run resumes from, on local disk: the Lightning checkpoint (None for a bootstrap snapshot: the

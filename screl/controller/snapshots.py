@@ -32,7 +32,7 @@ from screl.checkpoint import (
     trainer_anchor,
     write_bootstrap_anchor,
 )
-from screl.checkpoint.resume import CONTROLLER_STATE, DATA_PLANE
+from screl.checkpoint.resume import DATA_PLANE, write_controller_parts
 from screl.config import CheckpointingConfig, RolloutCheckpointingConfig
 
 if TYPE_CHECKING:
@@ -107,11 +107,7 @@ class SnapshotPump:
 
             def publish() -> None:
                 writer.write_dir(DATA_PLANE, dp_dir)
-                writer.write_torch(CONTROLLER_STATE, state)
-                writer.write_torch("replay_buffer_metadata.pt", state["replay_index"])
-                writer.write_torch("rollout_recovery.pt", {"ledger": state["ledger"], "in_flight": state["in_flight"],
-                                                           "admitted": state["admitted"]})
-                writer.write_torch("replacement_reserve.pt", state["replacement_reserve"])
+                write_controller_parts(writer, state)
                 header = SnapshotManifest(
                     base_train_step=step, trainer_version=state["trainer_version"],
                     sampler_dispatch_index=int(state["dispatch_index"]), mutation_version=state["mutation_version"],
