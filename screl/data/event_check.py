@@ -357,10 +357,16 @@ class _Checker:
         while len(self.anchors) > _MAX_ANCHORS:
             del self.anchors[min(self.anchors)]
 
-    def _restored_anchor(self, e: RestoreEvent) -> tuple[dict[str, _AnchorState], PromptState] | None:
+    def _restored_anchor(
+        self, e: RestoreEvent
+    ) -> tuple[dict[str, _AnchorState], PromptState | None] | None:
         """The anchor a restore resumed from: the step's capture with the restore's mutation version (a
         checkpoint, or a snapshot that was published), else the step's latest. Later anchors of that step are
-        void (e.g. a snapshot captured, then killed before it was published)."""
+        void (e.g. a snapshot captured, then killed before it was published). A fresh start resumes from the
+        empty state: no capture before it was ever published, so all of them are void."""
+        if (e.extra or {}).get("fresh"):
+            self.anchors.clear()  # nothing was published: every capture so far is void
+            return {}, None
         candidates = self.anchors.get(e.step, [])
         index = len(candidates) - 1
         if e.mutation_version is not None:

@@ -434,6 +434,27 @@ class TestRestore:
         # without a mutation version the step's latest anchor is assumed (logs written before it existed)
         assert _rules(self._unpublished_snapshot() + [RestoreEvent(step=1, group_ids=("b",))]) == ["lost-on-restore"]
 
+    def test_a_fresh_start_voids_every_capture_before_it(self) -> None:
+        # the first snapshot was captured (b and c buffered) and the run was killed before it was published,
+        # so the next run starts fresh: nothing is lost, and the same prompts are trained anew
+        log = [
+            ReserveEvent(group_id="b", prompt_id=1, start_weight=0, target_step=0),
+            CommitEvent(group_id="b", end_weight=0),
+            SnapshotEvent(step=0, mutation_version=2),
+            RestoreEvent(step=0, group_ids=(), extra={"fresh": True}),
+            ReserveEvent(group_id="b2", prompt_id=1, start_weight=0, target_step=0),
+            CommitEvent(group_id="b2", end_weight=0),
+            SelectEvent(trainer_version=0, group_ids=("b2",)),
+            TrainStepEvent(step=0, group_ids=("b2",)),
+        ]
+        report = check_events(log, IN_ORDER, final=True)
+        assert report.ok, report.format()
+        assert report.outcomes == {"superseded": 1, "trained": 1}
+        # the void capture's groups cannot come back later either
+        assert _rules([*log[:4], RestoreEvent(step=0, group_ids=("b",), mutation_version=2)]) == ["restore-state"]
+        # without the fresh mark, the same log loses b (the capture is taken as the anchor)
+        assert _rules([*log[:3], RestoreEvent(step=0, group_ids=())]) == ["lost-on-restore"]
+
     def test_restore_from_an_unlogged_anchor_is_flagged(self) -> None:
         log = self._unpublished_snapshot() + [RestoreEvent(step=1, group_ids=("b", "c"), mutation_version=9)]
         assert "restore-anchor" in _rules(log)
