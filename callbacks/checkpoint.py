@@ -73,7 +73,7 @@ class DataPlaneCheckpoint(Callback):
         else:
             with tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
                 ckpt = os.path.join(tmp, LIGHTNING_CKPT)
-                trainer.save_checkpoint(ckpt)
+                trainer.save_checkpoint(ckpt, weights_only=False)  # the full state: optimizer, loops, callbacks
                 with self.store.begin(step) as writer:
                     if os.path.isdir(ckpt):  # sharded (MegatronStrategy)
                         writer.write_dir(LIGHTNING_CKPT, ckpt)
@@ -92,7 +92,7 @@ class DataPlaneCheckpoint(Callback):
         writer = self.store.begin(step) if trainer.is_global_zero else None
         try:
             url = dm._on_rank_zero(lambda: writer.staged_url(LIGHTNING_CKPT))  # type: ignore[union-attr]
-            trainer.save_checkpoint(url)  # a collective; every rank's share is durable when it returns
+            trainer.save_checkpoint(url, weights_only=False)  # a collective: every share is durable on return
 
             def publish() -> None:
                 assert writer is not None

@@ -82,3 +82,19 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     spec = SmolLM2(cache_dir=str(tmp_path_factory.mktemp("screl-cache")))
     spec.ensure_converted()
     return spec
+
+
+def _file_rank(path: Path, slow_files: set[Path]) -> int:
+    """0: the fault-injection files (each test runs several `screl fit` subprocesses), 1: other files with slow
+    tests, 2: the rest."""
+    if "recovery" in path.parts:
+        return 0
+    return 1 if path in slow_files else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The costliest files first, so that under ``-n 2`` (``--dist loadfile --no-loadscope-reorder``) the
+    kill chains start at once and the many quick files fill in around them, instead of the one-test files
+    (the longest ones) starting last and running side by side at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: _file_rank(item.path, slow_files))  # stable: files stay whole and in order

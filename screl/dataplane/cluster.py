@@ -67,6 +67,10 @@ def start_local_ray(
     if address is not None:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=level)
         return True
+    # Ray prestarts one idle Python worker per logical CPU for the first driver; screl's few actors start
+    # their own, so on a small machine the idle ones only compete with them for the cores (about 3 CPU-s
+    # and 2 s of wall time per start-up on 2 cores). SCREL users may still set it to 1.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(
         address="local",
         num_cpus=num_cpus,
