@@ -111,9 +111,11 @@ class DataPlaneCheckpoint(Callback):
     def _write_rollout_side(self, writer: Any, dm: Any, tmp: str) -> None:
         """The controller state and the data plane, captured under one barrier, and the manifest (rank 0)."""
         dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
-        state = dm.runtime.capture(dp_dir)
+        remote = (writer.staged_url(DATA_PLANE), writer.store.storage_options) if dp_dir is not None else None
+        state = dm.runtime.capture(dp_dir, remote)
         if dp_dir is not None:
             writer.write_dir(DATA_PLANE, dp_dir)
+            writer.adopt(DATA_PLANE, new_only=True)  # the shares TransferQueue actors on other nodes uploaded
         write_controller_parts(writer, state)
         writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
                        "mode": "authoritative" if dp_dir is not None else "shadow",

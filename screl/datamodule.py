@@ -225,7 +225,7 @@ class RolloutDataModule(LightningDataModule):
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
         restore = None
         if self.resume is not None:
-            restore = (self.resume.controller_state, self.resume.data_plane_dir)
+            restore = (self.resume.controller_state, self.resume.data_plane_dir, self.resume.data_plane_remote)
         self.runtime = runtime
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
                       config_dict=self.config_dict, val_task=self.val_task)

@@ -38,6 +38,9 @@ class Resume:
     data_plane_dir: str | None
     source_url: str
     source: str
+    data_plane_remote: dict[str, Any] | None = None
+    """The published ``data_plane/`` (``url``, ``storage_options``, ``digests``: relative path -> SHA-256), for
+    TransferQueue actors on other nodes to fetch their own copy (``screl.dataplane.snapshot``)."""
 
 
 def fetch_resume(
@@ -85,4 +88,8 @@ def fetch_resume(
         dp_dir = os.path.join(local, DATA_PLANE)
         store.download_dir(rollout, DATA_PLANE, dp_dir)
         check_pickles_under(dp_dir, f"{rollout.url}/{DATA_PLANE}")  # TransferQueue unpickles these
+        remote = {"url": store.url(f"{rollout.relpath}/{DATA_PLANE}"), "storage_options": store.storage_options,
+                  "digests": {name[len(DATA_PLANE) + 1:]: part.sha256 for name, part in rollout.parts.items()
+                              if name.startswith(DATA_PLANE + "/")}}
+        return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote)
     return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source)

@@ -158,17 +158,23 @@ class StagedWriter:
         self._check_writable(name)
         return self.store.url(f"{self.tmp_relpath}/{name}")
 
-    def adopt(self, name: str) -> list[PartInfo]:
+    def adopt(self, name: str, *, new_only: bool = False) -> list[PartInfo]:
         """Record what other processes wrote at :meth:`staged_url` as part ``name`` (a file) or parts
-        ``name/<relative path>`` (a directory), reading each back for its size and SHA-256."""
+        ``name/<relative path>`` (a directory), reading each back for its size and SHA-256. ``new_only``: a
+        directory this process wrote into too; the parts it recorded already are left as they are (and there
+        may be nothing new)."""
         base = self.store.path(f"{self.tmp_relpath}/{name}")
         self.store.fs.invalidate_cache()
         if not self.store.fs.exists(base):
+            if new_only:
+                return []
             raise FileNotFoundError(f"nothing was written to part {name!r} ({self.store.url(self.tmp_relpath)})")
         files = [base] if self.store.fs.isfile(base) else sorted(self.store.fs.find(base))
         adopted = []
         for path in files:
             part = name if path == base else f"{name}/{path[len(base):].lstrip('/')}"
+            if new_only and part in self.parts:
+                continue
             self._check_writable(part)
             digest, size = hashlib.sha256(), 0
             with self.store.fs.open(path, "rb") as f:

@@ -43,6 +43,7 @@ from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent
 from screl.data.ledger import RecoveryPolicy
 from screl.data.reserve import ReservePolicy
 from screl.data.watchdog import StallWatchdog
+from screl.dataplane.snapshot import RemoteTree
 from screl.envs import Task
 from screl.rollout.rows import ROW_FIELDS
 
@@ -454,10 +455,12 @@ class RolloutController:
         return await self.snapshots.attempt()  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ checkpoints
-    async def capture(self, data_plane_dir: str | None, open_step: str = "reject") -> dict[str, Any]:
+    async def capture(self, data_plane_dir: str | None, open_step: str = "reject",
+                      remote: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """Everything needed to resume (the core's :class:`ControllerState` as a dict), captured as the data-plane
         barrier is taken; with ``data_plane_dir`` the native TransferQueue snapshot is written there (local path)
-        while clears wait. Generation and row writes keep running."""
+        while clears wait, and the shares of TQ actors on other nodes to ``remote`` (the staged ``data_plane/``
+        URL and its storage options), from those nodes. Generation and row writes keep running."""
         async with self.barrier:
             state, eff = self.core.capture(open_step)
             if self.validation is not None:
@@ -465,18 +468,26 @@ class RolloutController:
             for event in eff.events:  # logged at capture (the checker's anchor), whether or not the publish succeeds
                 self.emit(event)
             if data_plane_dir is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.dp.save, data_plane_dir)
+                tree = RemoteTree(remote[0], remote[1]) if remote is not None else None
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.dp.save(data_plane_dir, remote=tree)
+                )
         return state.to_dict()
 
-    async def restore(self, state: dict[str, Any], data_plane_dir: str | None) -> dict[str, Any]:
-        """Load a captured state before ``start``: re-offer completed groups, plan the unfinished ones."""
+    async def restore(self, state: dict[str, Any], data_plane_dir: str | None,
+                      data_plane_remote: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load a captured state before ``start``: re-offer completed groups, plan the unfinished ones
+        (``data_plane_remote``: the published snapshot, for TQ actors on other nodes to fetch)."""
         if self._pump is not None:
             raise RuntimeError("restore() must run before start()")
         loaded = ControllerState.from_dict(state)
         self._val_redo = [int(v) for v in loaded.validation.get("pending", [])]
         present: set[str] | None = None
         if data_plane_dir is not None and loaded.mode != "shadow":
-            await asyncio.get_running_loop().run_in_executor(None, self.dp.load, data_plane_dir)
+            tree = RemoteTree(**data_plane_remote) if data_plane_remote is not None else None
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.dp.load(data_plane_dir, remote=tree)
+            )
             present = set(await self.dp.alist_keys())
         eff, summary = self.core.restore(loaded, present)
         for warning in summary.pop("warnings"):

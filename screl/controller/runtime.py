@@ -131,11 +131,11 @@ class RolloutRuntime:
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
-        restore: tuple[dict[str, Any], str | None] | None = None,
+        restore: tuple[dict[str, Any], str | None, dict[str, Any] | None] | None = None,
         config_dict: dict[str, Any] | None = None, val_task: Task | None = None,
     ) -> None:
-        """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir), the
-        controller resumes from it before its pump starts."""
+        """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir, the published
+        snapshot for TQ actors on other nodes), the controller resumes from it before its pump starts."""
         rc = self.run.ray
         t0 = time.perf_counter()
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
@@ -266,10 +266,11 @@ class RolloutRuntime:
         """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""
         return self._wait(self.controller.snapshot_now.remote(), "take a rollout snapshot", self.timeout_s)  # type: ignore[no-any-return]
 
-    def capture(self, data_plane_dir: str | None) -> dict[str, Any]:
-        """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``)."""
-        return self._wait(self.controller.capture.remote(data_plane_dir), "capture its checkpoint state",  # type: ignore[no-any-return]
-                          self.timeout_s)
+    def capture(self, data_plane_dir: str | None, remote: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``, the
+        shares held on other nodes uploaded to ``remote``: a URL and its storage options)."""
+        return self._wait(self.controller.capture.remote(data_plane_dir, remote=remote),  # type: ignore[no-any-return]
+                          "capture its checkpoint state", self.timeout_s)
 
     def stats(self) -> dict[str, Any]:
         return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]

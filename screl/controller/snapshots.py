@@ -100,13 +100,15 @@ class SnapshotPump:
             return "skipped:missing_trainer_anchor"
         with tempfile.TemporaryDirectory(prefix="screl-snapshot-") as tmp, writer:
             dp_dir = os.path.join(tmp, DATA_PLANE)
-            state = await ctl.capture(dp_dir, open_step="rollback")
+            state = await ctl.capture(dp_dir, open_step="rollback",
+                                      remote=(writer.staged_url(DATA_PLANE), self.store.storage_options))
             if state["train_steps"] != step:
                 writer.abort()
                 return "skipped:trainer_state_changed"
 
             def publish() -> None:
                 writer.write_dir(DATA_PLANE, dp_dir)
+                writer.adopt(DATA_PLANE, new_only=True)  # the shares TransferQueue actors on other nodes uploaded
                 write_controller_parts(writer, state)
                 header = SnapshotManifest(
                     base_train_step=step, trainer_version=state["trainer_version"],

@@ -47,10 +47,12 @@ import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
+from screl.dataplane import snapshot  # noqa: E402
 from screl.dataplane.columns import Column, check_keys, from_batch, to_batch  # noqa: E402
 from screl.dataplane.columns import column_samples as _samples  # noqa: E402, F401 - tests import it from here
 from screl.dataplane.columns import to_column as _to_column  # noqa: E402, F401 - tests import it from here
 from screl.dataplane.errors import DataPlaneError, DataPlaneKeyError, DataPlaneTimeoutError  # noqa: E402
+from screl.dataplane.snapshot import RemoteTree  # noqa: E402
 from screl.dataplane.tq_client import (  # noqa: E402
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
@@ -419,27 +421,32 @@ class DataPlane:
         metadata: Mapping[str, Any] | None = None,
         *,
         timeout_s: float | None = None,
-    ) -> None:
+        remote: RemoteTree | None = None,
+    ) -> list[str]:
         """Save every partition (controller state + storage units) to ``local_dir`` with TQ's checkpoint.
 
         TQ writes ``<dir>.tmp`` then swaps it in: ``metadata.json``, ``controller_state.pkl`` and
-        ``simple_storage/``. Do not clear rows concurrently (TQ would save a mixed view).
+        ``simple_storage/``. Do not clear rows concurrently (TQ would save a mixed view). TQ actors on other nodes
+        write their parts on their own disks: those go straight to ``remote.url`` from there
+        (:mod:`screl.dataplane.snapshot`); returns their relative paths (none when every part is in ``local_dir``).
+
+        Raises:
+            DataPlaneError: TQ actors live on other nodes and no ``remote`` was given.
         """
         path = self._local(local_dir)
         self._ensure_connected()
         meta = dict(metadata or {})
-        with TorchThreads():
-            bounded_wait(
-                in_daemon_thread(lambda: tq.save_checkpoint(path, metadata=meta)),
-                self._timeout(timeout_s),
-                f"TransferQueue save to {path}",
-            )
+        return snapshot.save_tq(path, meta, self._timeout(timeout_s), remote)
 
-    def load(self, local_dir: str | os.PathLike[str], *, timeout_s: float | None = None) -> None:
+    def load(
+        self, local_dir: str | os.PathLike[str], *, timeout_s: float | None = None, remote: RemoteTree | None = None
+    ) -> None:
         """Restore a :meth:`save` into this data plane.
 
         TQ requires a freshly started system (no rows in any partition) with the same number of storage
-        units as at save time (units are matched by position); load is not transactional.
+        units as at save time (units are matched by position); load is not transactional. TQ actors on other
+        nodes read their parts there: with ``remote`` (the published snapshot and its digests), each such node
+        gets its own checked copy first, removed after the load.
         """
         path = self._local(local_dir)
         if not (path / "metadata.json").exists():
@@ -451,12 +458,7 @@ class DataPlane:
                 f"TransferQueue load needs a freshly started data plane, but it holds rows {nonempty}: "
                 f"shut it down and DataPlane.start() a new one with the same num_storage_units."
             )
-        with TorchThreads():
-            bounded_wait(
-                in_daemon_thread(lambda: tq.load_checkpoint(path)),
-                self._timeout(timeout_s),
-                f"TransferQueue load of {path}",
-            )
+        snapshot.load_tq(path, self._timeout(timeout_s), remote)
 
     # ---- teardown
 

@@ -263,3 +263,33 @@ def test_file_urls_and_empty_directories(tmp_path: Path) -> None:
     assert store.download_dir(0, "data_plane", tmp_path / "out") == []
     assert (tmp_path / "out").is_dir()
     assert (tmp_path / "ck" / "step_0" / "manifest.json").is_file()
+
+
+def test_a_directory_written_partly_here_and_partly_by_other_processes(store: CheckpointStore, tmp_path: Path) -> None:
+    """The TransferQueue snapshot's shape: this process writes some files of ``data_plane/``, the nodes holding
+    the rest upload them to the staged URL themselves, and ``adopt(new_only=True)`` records only theirs."""
+    import fsspec
+
+    here = tmp_path / "dp"
+    (here / "storage_units").mkdir(parents=True)
+    (here / "metadata.json").write_text("{}")
+    (here / "storage_units" / "su_info.json").write_text("[]")
+    rows = os.urandom(5000)
+    with store.begin(4) as w:
+        staged = w.staged_url("data_plane")
+        w.write_dir("data_plane", here)
+        with fsspec.open(f"{staged}/storage_units/su_0_x.pkl", "wb", **store.storage_options) as f:
+            f.write(rows)  # another node's share
+        adopted = w.adopt("data_plane", new_only=True)
+        assert [p.name for p in adopted] == ["data_plane/storage_units/su_0_x.pkl"]
+        assert w.adopt("data_plane", new_only=True) == []  # recorded now: nothing new
+        assert w.adopt("nothing_here", new_only=True) == []
+        with pytest.raises(FileNotFoundError, match="nothing was written to part 'nothing_here'"):
+            w.adopt("nothing_here")
+        w.commit({"trainer_version": 4})
+    latest = store.latest()
+    assert latest is not None
+    assert sorted(latest.parts) == ["data_plane/metadata.json", "data_plane/storage_units/su_0_x.pkl",
+                                    "data_plane/storage_units/su_info.json"]
+    assert latest.parts["data_plane/storage_units/su_0_x.pkl"].sha256 == hashlib.sha256(rows).hexdigest()
+    assert store.read_bytes(latest, "data_plane/storage_units/su_0_x.pkl") == rows

@@ -11,6 +11,10 @@ Run as a script, it starts a head node and one more node, prints one JSON line p
 - ``kill <node_id>``: SIGKILL that node's raylet (its workers die with it), as a lost machine would;
 - end of input: shut the whole cluster down.
 
+With ``private_dir``, every node but the head runs in its own mount namespace with an empty tmpfs over that
+directory: the head's files there are not on the other nodes' "disks", as on machines without a shared filesystem
+(it needs the right to ``unshare`` mounts, as root has here; :class:`NoPrivateDisk` otherwise).
+
 :class:`RayNodes` drives it from a test.
 """
 
@@ -30,15 +34,21 @@ HEALTH = {"health_check_initial_delay_ms": 500, "health_check_period_ms": 500, "
 """The GCS declares a node dead about 1.5 s after its raylet stops answering (Ray's default: about 15 s)."""
 
 
+class NoPrivateDisk(RuntimeError):
+    """The cluster process may not create a mount namespace here."""
+
+
 class RayNodes:
     """The cluster process: ``head`` and ``nodes`` (the other nodes' JSON lines), ``add()``, ``kill(node_id)``."""
 
     def __init__(self, head_cpus: int, node_cpus: int, head_resources: dict[str, float],
-                 node_resources: dict[str, float]) -> None:
+                 node_resources: dict[str, float], private_dir: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         spec = json.dumps({"head_cpus": head_cpus, "node_cpus": node_cpus, "head_resources": head_resources,
-                           "node_resources": node_resources})
+                           "node_resources": node_resources, "private_dir": private_dir})
         self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, **LOOPBACK}, start_new_session=True)
+                                     text=True, env={**os.environ, **LOOPBACK, **(env or {})},
+                                     start_new_session=True)
         self.head = self._read()
         self.nodes = [self._read()]
 
@@ -51,7 +61,11 @@ class RayNodes:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the Ray cluster process ended (rc {self.proc.wait()})")
-        return json.loads(line)  # type: ignore[no-any-return]
+        got: dict[str, Any] = json.loads(line)
+        if "no_private_disk" in got:
+            self.__exit__(None, None, None)
+            raise NoPrivateDisk(got["no_private_disk"])
+        return got
 
     def _send(self, command: str) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -91,6 +105,21 @@ def _describe(node: Any, address: str) -> dict[str, Any]:
     return {"address": address, "node_id": node.node_id, "raylet_pid": node.all_processes["raylet"][0].process.pid}
 
 
+def _private_mounts(path: str) -> str | None:
+    """Move this process's main thread (and the processes it starts from now on) to a new mount namespace with
+    an empty tmpfs over ``path``; None, or why not."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        return f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"
+    for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "tmpfs", "screl-node-disk", path]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"{' '.join(cmd)}: {done.stderr.strip()}"
+    return None
+
+
 def _serve(spec: dict[str, Any]) -> None:
     from ray.cluster_utils import Cluster
 
@@ -105,6 +134,11 @@ def _serve(spec: dict[str, Any]) -> None:
         print(json.dumps(_describe(node, cluster.address)), flush=True)
 
     print(json.dumps(_describe(cluster.head_node, cluster.address)), flush=True)
+    why = _private_mounts(spec["private_dir"]) if spec.get("private_dir") else None
+    if why is not None:
+        print(json.dumps({"no_private_disk": why}), flush=True)
+        cluster.shutdown()
+        return
     add()
     try:
         for line in sys.stdin:
