@@ -1,19 +1,39 @@
-"""Policy specs (model + tokenizer builders) shared by the trainer and the generation workers."""
+"""Policy specs (model + tokenizer builders) shared by the trainer and the generation workers.
 
-from screl.models.hf import HFCausalLM
-from screl.models.smollm2 import SmolLM2, convert_gguf, smollm2_gguf
-from screl.models.spec import PolicySpec, resolve_dtype
-from screl.models.tiny import MODEL_SCALES, TinyCausalLM
-from screl.models.tokenizer import (
-    BOS_TOKEN_ID,
-    CHARS,
-    EOS_TOKEN_ID,
-    PAD_TOKEN_ID,
-    SPECIAL_TOKENS,
-    build_char_tokenizer,
-    char_vocab,
-)
-from screl.models.value import ValueModel, critic_state
+The names load on first use (PEP 562): a process that needs only :class:`PolicySpec`, like the controller actor,
+does not import Hugging Face transformers (about a CPU-second per process start).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from screl.models.hf import HFCausalLM
+    from screl.models.smollm2 import SmolLM2, convert_gguf, smollm2_gguf
+    from screl.models.spec import PolicySpec, resolve_dtype
+    from screl.models.tiny import MODEL_SCALES, TinyCausalLM
+    from screl.models.tokenizer import (
+        BOS_TOKEN_ID,
+        CHARS,
+        EOS_TOKEN_ID,
+        PAD_TOKEN_ID,
+        SPECIAL_TOKENS,
+        build_char_tokenizer,
+        char_vocab,
+    )
+    from screl.models.value import ValueModel, critic_state
+
+_WHERE = {
+    "HFCausalLM": "hf",
+    "SmolLM2": "smollm2", "convert_gguf": "smollm2", "smollm2_gguf": "smollm2",
+    "PolicySpec": "spec", "resolve_dtype": "spec",
+    "MODEL_SCALES": "tiny", "TinyCausalLM": "tiny",
+    "BOS_TOKEN_ID": "tokenizer", "CHARS": "tokenizer", "EOS_TOKEN_ID": "tokenizer", "PAD_TOKEN_ID": "tokenizer",
+    "SPECIAL_TOKENS": "tokenizer", "build_char_tokenizer": "tokenizer", "char_vocab": "tokenizer",
+    "ValueModel": "value", "critic_state": "value",
+}
 
 __all__ = [
     "BOS_TOKEN_ID",
@@ -34,3 +54,16 @@ __all__ = [
     "resolve_dtype",
     "smollm2_gguf",
 ]
+assert sorted(__all__) == sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'screl.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"screl.models.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -8,10 +8,12 @@ pickles across Ray and fits a jsonargparse config (``policy: {class_path: screl.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # annotations only: a process that never builds a model need not import transformers
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
