@@ -111,7 +111,8 @@ class DataPlaneCheckpoint(Callback):
     def _write_rollout_side(self, writer: Any, dm: Any, tmp: str) -> None:
         """The controller state and the data plane, captured under one barrier, and the manifest (rank 0)."""
         dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
-        remote = (writer.staged_url(DATA_PLANE), writer.store.storage_options) if dp_dir is not None else None
+        remote = None if dp_dir is None else {"url": writer.staged_url(DATA_PLANE),
+                                              "storage_options": writer.store.storage_options}
         state = dm.runtime.capture(dp_dir, remote)
         if dp_dir is not None:
             writer.write_dir(DATA_PLANE, dp_dir)

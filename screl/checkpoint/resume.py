@@ -84,6 +84,7 @@ def fetch_resume(
             store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
     state = store.read_torch(rollout, CONTROLLER_STATE) if rollout_side else {}
     dp_dir: str | None = None
+    remote: dict[str, Any] | None = None
     if rollout_side and any(name.startswith(DATA_PLANE + "/") for name in rollout.parts):
         dp_dir = os.path.join(local, DATA_PLANE)
         store.download_dir(rollout, DATA_PLANE, dp_dir)
@@ -91,5 +92,4 @@ def fetch_resume(
         remote = {"url": store.url(f"{rollout.relpath}/{DATA_PLANE}"), "storage_options": store.storage_options,
                   "digests": {name[len(DATA_PLANE) + 1:]: part.sha256 for name, part in rollout.parts.items()
                               if name.startswith(DATA_PLANE + "/")}}
-        return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote)
-    return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source)
+    return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote)

@@ -456,11 +456,11 @@ class RolloutController:
 
     # ------------------------------------------------------------------ checkpoints
     async def capture(self, data_plane_dir: str | None, open_step: str = "reject",
-                      remote: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                      remote: dict[str, Any] | None = None) -> dict[str, Any]:
         """Everything needed to resume (the core's :class:`ControllerState` as a dict), captured as the data-plane
         barrier is taken; with ``data_plane_dir`` the native TransferQueue snapshot is written there (local path)
-        while clears wait, and the shares of TQ actors on other nodes to ``remote`` (the staged ``data_plane/``
-        URL and its storage options), from those nodes. Generation and row writes keep running."""
+        while clears wait, and the shares of TQ actors on other nodes to ``remote`` (``url``: the staged
+        ``data_plane/``, and its ``storage_options``), from those nodes. Generation and row writes keep running."""
         async with self.barrier:
             state, eff = self.core.capture(open_step)
             if self.validation is not None:
@@ -468,7 +468,7 @@ class RolloutController:
             for event in eff.events:  # logged at capture (the checker's anchor), whether or not the publish succeeds
                 self.emit(event)
             if data_plane_dir is not None:
-                tree = RemoteTree(remote[0], remote[1]) if remote is not None else None
+                tree = RemoteTree(**remote) if remote is not None else None
                 await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.dp.save(data_plane_dir, remote=tree)
                 )

@@ -266,9 +266,9 @@ class RolloutRuntime:
         """Attempt a periodic rollout snapshot right away (tests, and a save before a planned stop)."""
         return self._wait(self.controller.snapshot_now.remote(), "take a rollout snapshot", self.timeout_s)  # type: ignore[no-any-return]
 
-    def capture(self, data_plane_dir: str | None, remote: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    def capture(self, data_plane_dir: str | None, remote: dict[str, Any] | None = None) -> dict[str, Any]:
         """The controller's checkpoint state (and the native TransferQueue snapshot in ``data_plane_dir``, the
-        shares held on other nodes uploaded to ``remote``: a URL and its storage options)."""
+        shares held on other nodes uploaded to ``remote``: ``url`` and ``storage_options``)."""
         return self._wait(self.controller.capture.remote(data_plane_dir, remote=remote),  # type: ignore[no-any-return]
                           "capture its checkpoint state", self.timeout_s)
 

@@ -101,7 +101,8 @@ class SnapshotPump:
         with tempfile.TemporaryDirectory(prefix="screl-snapshot-") as tmp, writer:
             dp_dir = os.path.join(tmp, DATA_PLANE)
             state = await ctl.capture(dp_dir, open_step="rollback",
-                                      remote=(writer.staged_url(DATA_PLANE), self.store.storage_options))
+                                      remote={"url": writer.staged_url(DATA_PLANE),
+                                              "storage_options": self.store.storage_options})
             if state["train_steps"] != step:
                 writer.abort()
                 return "skipped:trainer_state_changed"

@@ -422,13 +422,13 @@ class DataPlane:
         *,
         timeout_s: float | None = None,
         remote: RemoteTree | None = None,
-    ) -> list[str]:
+    ) -> None:
         """Save every partition (controller state + storage units) to ``local_dir`` with TQ's checkpoint.
 
         TQ writes ``<dir>.tmp`` then swaps it in: ``metadata.json``, ``controller_state.pkl`` and
         ``simple_storage/``. Do not clear rows concurrently (TQ would save a mixed view). TQ actors on other nodes
         write their parts on their own disks: those go straight to ``remote.url`` from there
-        (:mod:`screl.dataplane.snapshot`); returns their relative paths (none when every part is in ``local_dir``).
+        (:mod:`screl.dataplane.snapshot`).
 
         Raises:
             DataPlaneError: TQ actors live on other nodes and no ``remote`` was given.
@@ -436,7 +436,7 @@ class DataPlane:
         path = self._local(local_dir)
         self._ensure_connected()
         meta = dict(metadata or {})
-        return snapshot.save_tq(path, meta, self._timeout(timeout_s), remote)
+        snapshot.save_tq(path, meta, self._timeout(timeout_s), remote)
 
     def load(
         self, local_dir: str | os.PathLike[str], *, timeout_s: float | None = None, remote: RemoteTree | None = None

@@ -179,8 +179,8 @@ def remove_on(local_dir: str, nodes: list[str], timeout_s: float) -> None:
     _all([_pinned(_remove, n).remote(local_dir) for n in nodes], timeout_s, "removing the snapshot copy")
 
 
-def save_tq(path: Path, metadata: dict[str, Any], timeout_s: float, remote: RemoteTree | None) -> list[str]:
-    """TQ's save into ``path``, the other nodes' shares uploaded to ``remote``; their relative paths."""
+def save_tq(path: Path, metadata: dict[str, Any], timeout_s: float, remote: RemoteTree | None) -> None:
+    """TQ's save into ``path``, the other nodes' shares uploaded to ``remote``."""
     others = other_tq_nodes()
     if others and remote is None:
         raise DataPlaneError(
@@ -192,16 +192,14 @@ def save_tq(path: Path, metadata: dict[str, Any], timeout_s: float, remote: Remo
     with TorchThreads():
         bounded_wait(in_daemon_thread(lambda: tq.save_checkpoint(path, metadata=metadata)), timeout_s,
                      f"TransferQueue save to {path}")
-    if not others:
-        return []
-    assert remote is not None
-    return upload_shares(str(path), others, remote, timeout_s)
+    if others:
+        assert remote is not None
+        upload_shares(str(path), others, remote, timeout_s)
 
 
 def load_tq(path: Path, timeout_s: float, remote: RemoteTree | None) -> None:
     """TQ's load of ``path``, each other node given its checked copy of ``remote`` first (removed after)."""
-    others = other_tq_nodes() if remote is not None else {}
-    copied = download_shares(str(path), others, remote, timeout_s) if remote is not None and others else []
+    copied = [] if remote is None else download_shares(str(path), other_tq_nodes(), remote, timeout_s)
     try:
         with TorchThreads():
             bounded_wait(in_daemon_thread(lambda: tq.load_checkpoint(path)), timeout_s,
