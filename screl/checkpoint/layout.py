@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "BUNDLE_KIND",
     "BUNDLE_SCHEMA_VERSION",
+    "ATOMIC_TMP_PREFIX",
     "CHUNK_BYTES",
     "MANIFEST_NAME",
     "RESERVED_TOP_LEVEL",
@@ -46,6 +47,9 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_STEP_RE = re.compile(r"^tmp_step_(\d+)_[0-9a-f]+$")
 TRASH_STEP_RE = re.compile(r"^trash_step_(\d+)_[0-9a-f]+$")
+#: A local atomic JSON write stages ``<dir>/.tmp_<uuid>_<name>`` and renames it; a SIGKILL between the two
+#: leaves that file behind. It is never state: readers skip it, and the next write of that file sweeps it.
+ATOMIC_TMP_PREFIX = ".tmp_"
 
 
 class IncompleteError(FileNotFoundError):

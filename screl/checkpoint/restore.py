@@ -30,6 +30,7 @@ from screl.checkpoint.fingerprint import (
     validate_bootstrap_anchor,
     validate_excluded_paths,
 )
+from screl.checkpoint.layout import ATOMIC_TMP_PREFIX
 from screl.checkpoint.snapshots import (
     BOOTSTRAP_ANCHOR,
     SnapshotInfo,
@@ -95,7 +96,8 @@ def select_restore(
     if bundle is not None:
         return _from_bundle(store, bundle, restore_mode, snapshots_enabled, notes)
 
-    bootstrap_exists = bool(store.children(BOOTSTRAP_ANCHOR))
+    # A killed anchor write leaves only its staging file: no rollout state, and no lineage yet.
+    bootstrap_exists = any(not n.startswith(ATOMIC_TMP_PREFIX) for n in store.children(BOOTSTRAP_ANCHOR))
     if not snapshots_enabled:
         if bootstrap_exists:
             notes.append(

@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from screl.checkpoint.layout import (
+    ATOMIC_TMP_PREFIX,
     BUNDLE_KIND,
     BUNDLE_SCHEMA_VERSION,
     CHUNK_BYTES,
@@ -186,7 +188,9 @@ class CheckpointStore:
             with self.fs.open(target, "wb") as f:
                 f.write(data)
             return
-        tmp = f"{parent}/.tmp_{uuid.uuid4().hex}_{target.rsplit('/', 1)[-1]}"
+        name = target.rsplit("/", 1)[-1]
+        self._sweep_atomic_leftovers(parent, name)
+        tmp = f"{parent}/{ATOMIC_TMP_PREFIX}{uuid.uuid4().hex}_{name}"
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)
@@ -196,6 +200,13 @@ class CheckpointStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def _sweep_atomic_leftovers(self, parent: str, name: str) -> None:
+        """Delete what a killed earlier write of ``parent/name`` left (one writer per checkpoint dir)."""
+        leftover = re.compile(rf"^{re.escape(ATOMIC_TMP_PREFIX)}[0-9a-f]{{32}}_{re.escape(name)}$")
+        for entry in os.listdir(parent):
+            if leftover.match(entry):
+                os.unlink(os.path.join(parent, entry))
 
     def remove_tree(self, relpath: str) -> None:
         """Delete ``relpath`` and everything under it (no error when absent)."""

@@ -192,6 +192,21 @@ def test_bootstrap_snapshots_without_a_manifest_are_refused(store: CheckpointSto
         select_restore(store, "latest", True, CONFIG)
 
 
+def test_a_killed_anchor_write_leaves_no_lineage_and_the_next_write_sweeps_it(
+    store: CheckpointStore, unchanged: None
+) -> None:
+    # What SIGKILL between the staging write and the rename of bootstrap/manifest.json leaves (the CI flake).
+    leftover = f"{BOOTSTRAP_ANCHOR}/.tmp_{'0f' * 16}_manifest.json"
+    put(store, leftover, b'{"schema_version"')
+    plan = select_restore(store, "latest", True, CONFIG)
+    assert plan.source == "fresh" and plan.bootstrap is None and plan.fingerprint == bootstrap_fingerprint(CONFIG)
+    assert select_restore(store, "trainer_checkpoint", True, CONFIG).source == "fresh"
+    if store.atomic_rename:
+        write_bootstrap_anchor(store, CONFIG)
+        assert store.children(BOOTSTRAP_ANCHOR) == ["manifest.json"]
+        assert select_restore(store, "latest", True, CONFIG).bootstrap is not None
+
+
 def test_incomplete_bundles_are_not_trainer_checkpoints(store: CheckpointStore, unchanged: None) -> None:
     _bundle(store, 1)
     put(store, "step_5/lightning.ckpt", b"an interrupted object-store publish")
