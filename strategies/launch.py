@@ -2,7 +2,8 @@
 
 torch's TCP store, which ``init_process_group``'s default ``env://`` rendezvous starts on rank 0, listens on every
 interface, whatever ``MASTER_ADDR`` says. When Lightning starts the ranks itself (``screl fit`` with
-``trainer.devices: N`` on one node), :class:`~screl.strategies.MegatronStrategy` rendezvouses through a file
+``trainer.devices: N`` on one node), screl's strategies (:class:`~screl.strategies.MegatronStrategy`,
+:class:`~screl.strategies.DDPStrategy`, both through :class:`FileRendezvous`) rendezvous through a file
 instead (``init_method="file://..."``): the launching process picks the file before it starts the others, which
 inherit its name in :data:`INIT_FILE_ENV`. Nothing listens, so nothing can be reached from outside.
 
@@ -15,7 +16,15 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import DDPStrategy as _Base
+else:
+    _Base = object
 
 INIT_FILE_ENV = "SCREL_DIST_INIT_FILE"
 """The rendezvous file of one launch, set by the launching process for the ranks it starts."""
@@ -35,3 +44,23 @@ def init_method(strategy: Any) -> str | None:
         return None
     return f"file://{path}"
 
+
+
+class FileRendezvous(_Base):
+    """Mixin for a subclass of Lightning's ``DDPStrategy`` (listed before it): ranks Lightning starts on one node
+    meet through a file, not a TCP store listening on every interface; other launches keep ``env://``."""
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        claim_init_file(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        method = init_method(self)
+        if method is not None and not torch.distributed.is_initialized():
+            self.set_world_ranks()
+            torch.distributed.init_process_group(self._get_process_group_backend(), init_method=method,
+                                                 rank=self.global_rank, world_size=self.world_size,
+                                                 timeout=self._timeout)
+        super().setup_distributed()  # an initialized group is kept as it is

@@ -66,7 +66,7 @@ from typing_extensions import override
 __all__ = ["MegatronStrategy"]
 
 
-class MegatronStrategy(DDPStrategy):
+class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
     """Megatron-core TP/PP/CP/DP training under Lightning.
 
     Args:
@@ -140,23 +140,6 @@ class MegatronStrategy(DDPStrategy):
             self.parallelism.check_cpu()
         super().setup_environment()
         initialize_model_parallel(self.parallelism, self.seed, cpu=self.on_cpu)
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        launch.claim_init_file(self)
-
-    @override
-    def setup_distributed(self) -> None:
-        """Lightning's, except that ranks Lightning started on one node rendezvous through a file, not a TCP store
-        listening on every interface (:mod:`screl.strategies.launch`)."""
-        method = launch.init_method(self)
-        if method is not None and not torch.distributed.is_initialized():
-            self.set_world_ranks()
-            torch.distributed.init_process_group(self._get_process_group_backend(), init_method=method,
-                                                 rank=self.global_rank, world_size=self.world_size,
-                                                 timeout=self._timeout)
-        super().setup_distributed()  # an initialized group is kept as it is
 
     @property
     def data_parallel_size(self) -> int:
