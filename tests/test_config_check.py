@@ -320,6 +320,20 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "data.init_args.generation.workflow_args.agent", "needs the agent function"),
     ("server_bind_needs_key", "grpo_agent_tiny.yaml", {"data.init_args.generation.http_server.host": "0.0.0.0"},
      "data.init_args.generation.http_server.host", "binds a non-loopback address without an API key"),
+    ("lightning_ddp_listens", "grpo_tiny.yaml", {"trainer.strategy": "ddp"},
+     "trainer.strategy", "torch's TCP store, which listens on every network interface"),
+    ("lightning_ddp_class_listens", "grpo_tiny.yaml",
+     {"trainer.strategy": {"class_path": "lightning.pytorch.strategies.DDPStrategy"}},
+     "trainer.strategy", "screl.strategies.DDPStrategy is the same strategy"),
+    ("spawned_ranks", "grpo_tiny.yaml", {"trainer.strategy": "ddp_spawn"},
+     "trainer.strategy", "do not survive it"),
+    ("spawned_screl_ddp", "grpo_ddp_tiny.yaml", {"trainer.strategy.init_args": {"start_method": "spawn"}},
+     "trainer.strategy", "do not survive it"),
+    ("sharded_strategy", "grpo_tiny.yaml", {"trainer.strategy": "fsdp"},
+     "trainer.strategy", "leaves rank 0 no full copy"),
+    ("ppo_data_parallel", "ppo_tiny.yaml",
+     {"trainer.devices": 2, "trainer.strategy": {"class_path": "screl.strategies.DDPStrategy"}},
+     "trainer.strategy", "PPO over 2 data-parallel processes is not supported yet"),
 ]
 
 

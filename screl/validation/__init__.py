@@ -36,10 +36,12 @@ from screl.validation.storage_rules import (
     recovery_rules,
     snapshot_rules,
 )
+from screl.validation.trainer_rules import strategy_rules
 
 #: Every rule, one per config block, in the order their problems are listed.
 RULES = (
     algorithm_rules,
+    strategy_rules,
     sampler_block_rules,
     loss_rules,
     failure_rules,

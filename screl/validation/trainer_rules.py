@@ -1,0 +1,62 @@
+"""``trainer.strategy``: the Lightning strategies a screl run can train under.
+
+A screl run trains where the controller is: rank 0 holds the controller and refits the generation workers from
+its full copy of the policy, and every rank is a process Lightning starts with the script launcher (so each runs
+``screl fit`` and builds its own modules). That rules out three families of Lightning's built-in strategies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from screl.validation.context import RuleContext, get, model_kind
+
+KEY = "trainer.strategy"
+SCREL_DDP = "screl.strategies.DDPStrategy"
+_LIGHTNING_DDP = ("ddp", "ddp_find_unused_parameters_true", "ddp_find_unused_parameters_false")
+_SPAWNING = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+_SHARDED = ("fsdp", "deepspeed", "FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+def _name(strategy: Any) -> tuple[str, dict[str, Any]]:
+    """A registry name or class path, and the init_args given with a class path."""
+    if isinstance(strategy, dict):
+        return str(strategy.get("class_path", "")), dict(strategy.get("init_args") or {})
+    return str(strategy or "auto"), {}
+
+
+def _processes(devices: Any) -> int:
+    """Training processes per node that ``trainer.devices`` asks for (1 for ``auto`` and anything unclear)."""
+    if isinstance(devices, bool):
+        return 1
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    return 1
+
+
+def strategy_rules(c: RuleContext) -> None:
+    name, init_args = _name(get(c.cfg, KEY))
+    procs = _processes(get(c.cfg, "trainer.devices", 1)) * int(get(c.cfg, "trainer.num_nodes", 1) or 1)
+    if model_kind(c.cfg) == "ppo" and procs > 1 and not name.endswith("MegatronStrategy"):
+        c.bad(KEY, name, f"PPO over {procs} data-parallel processes is not supported yet (GAE whitening and the "
+              "loss normalizers are not reduced over replicas)", "set trainer.devices: 1, or use "
+              "screl.strategies.MegatronStrategy with tensor_model_parallel_size equal to the device count")
+    short = name.rsplit(".", 1)[-1]
+    if name.startswith(_SPAWNING) or (short in ("DDPStrategy", "MegatronStrategy")
+                                      and init_args.get("start_method", "popen") != "popen"):
+        c.bad(KEY, name, "a spawned or forked rank gets the LightningModule and the datamodule by pickling, and "
+              "their Ray and TransferQueue handles do not survive it", f"set trainer.strategy: {{class_path: "
+              f"{SCREL_DDP}}} (every rank starts as its own `screl fit`)")
+    elif any(short.startswith(s) for s in _SHARDED):
+        c.bad(KEY, name, "the refit sends rank 0's full copy of the policy to the generation workers, and a "
+              "sharded strategy leaves rank 0 no full copy", "for sharded training set trainer.strategy: "
+              "{class_path: screl.strategies.MegatronStrategy} (tensor/pipeline/data parallel, docs/megatron.md); "
+              f"for data parallel {{class_path: {SCREL_DDP}}}")
+    elif name in _LIGHTNING_DDP or (short == "DDPStrategy" and not name.startswith("screl.")):
+        c.bad(KEY, name, "Lightning's DDP rendezvouses through torch's TCP store, which listens on every network "
+              f"interface; {SCREL_DDP} is the same strategy, and ranks on one node meet through a file instead",
+              f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/scaling.md)")
