@@ -321,13 +321,20 @@ class GRPO(LightningModule):
 
     def _step_trained_rows_everywhere(self, batch: dict[str, Any]) -> float:
         """Rows of the step the loss saw, over every data-parallel shard (all ranks then agree to raise)."""
-        if self._megatron_strategy is None or int(batch.get("dp_shards", 1)) <= 1:
-            return self._step_trained_rows
-        from megatron.core import parallel_state
+        return float(self._sum_over_shards(torch.tensor(self._step_trained_rows, device=self.device), batch))
 
-        total = torch.tensor(self._step_trained_rows, device=self.device)
-        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        return float(total)
+    def _sum_over_shards(self, value: Tensor, batch: dict[str, Any]) -> Tensor:
+        """``value`` summed over the data-parallel replicas holding shards of this chunk: Megatron's
+        data-parallel group, or the whole world under a plain DDP (as is, when the chunk was not sharded)."""
+        if int(batch.get("dp_shards", 1)) <= 1:
+            return value
+        group = None
+        if self._megatron_strategy is not None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_data_parallel_group()
+        torch.distributed.all_reduce(value, group=group)
+        return value
 
     def _chunk_tensors(self, batch: dict[str, Any]) -> _Chunk:
         """The chunk's masks, advantages and loss normalizers, shared by all of its micro-batches."""
@@ -390,11 +397,7 @@ class GRPO(LightningModule):
             loss_total = loss_total + loss.detach()
             for k, v in metrics.items():
                 metrics_acc.setdefault(k, []).append(v.detach().float())
-        if self._megatron_strategy is not None and int(batch.get("dp_shards", 1)) > 1:  # the whole chunk's loss
-            from megatron.core import parallel_state
-
-            torch.distributed.all_reduce(loss_total, group=parallel_state.get_data_parallel_group())
-        return loss_total, metrics_acc
+        return self._sum_over_shards(loss_total, batch), metrics_acc  # the whole chunk's loss
 
     def _micro_batch_loss(self, batch: dict[str, Any], chunk: _Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy loss of rows ``sl`` (scaled to the chunk) and its metrics, with ``logprob_mismatch``

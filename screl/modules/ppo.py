@@ -69,13 +69,16 @@ def _right_padded_positions(input_ids: Tensor, attention_mask: Tensor) -> Tensor
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
 
+DP_UNSUPPORTED = "GAE whitening and the loss normalizers are not reduced over data-parallel replicas yet"
+
+
 def _check_megatron_layout(strategy: Any) -> None:
     """PPO under MegatronStrategy: tensor parallelism only, for now (every problem named at once)."""
     par = strategy.parallelism
     bad = []
     if strategy.data_parallel_size > 1:
-        bad.append(f"data-parallel size {strategy.data_parallel_size} (GAE whitening and the loss normalizers are "
-                   "not reduced over data-parallel replicas yet: set tensor_model_parallel_size to the device count)")
+        bad.append(f"data-parallel size {strategy.data_parallel_size} ({DP_UNSUPPORTED}: set "
+                   "tensor_model_parallel_size to the device count)")
     if par.pipeline_model_parallel_size > 1 or par.context_parallel_size > 1:
         bad.append("pipeline_model_parallel_size or context_parallel_size > 1 (every rank runs the whole sequence "
                    "through the whole model)")
@@ -190,6 +193,11 @@ class PPO(GRPO):
         the critic a Megatron trunk of the value spec with the same value head, both holding the Hugging Face
         weights they had (a warm-started critic's included)."""
         strategy = self._megatron()
+        trainer = self._trainer
+        if strategy is None and trainer is not None and trainer.world_size > 1:
+            raise ValueError(f"trainer.strategy: PPO over {trainer.world_size} data-parallel processes is not "
+                             f"supported yet ({DP_UNSUPPORTED}); set trainer.devices: 1, or use MegatronStrategy "
+                             "with tensor_model_parallel_size equal to the device count")
         if strategy is None or self._megatron_strategy is not None:
             return
         _check_megatron_layout(strategy)

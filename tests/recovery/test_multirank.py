@@ -1,11 +1,13 @@
-"""Checkpoint bundles from 2 training processes (``MegatronStrategy`` over 2 gloo ranks, started by ``screl fit``
-itself, nothing listening beyond loopback): every rank writes its shards into the unpublished bundle, and rank 0
-publishes it. The whole job is SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and
-at TP=1 with DP=2 from a copy of the same bundles. In sync mode both reproduce the uninterrupted run's losses,
-and the event checker finds nothing lost or trained twice."""
+"""Checkpoint bundles from 2 training processes (2 gloo ranks, started by ``screl fit`` itself, nothing listening
+beyond loopback). Under ``MegatronStrategy`` every rank writes its shards into the unpublished bundle, and rank 0
+publishes it; the whole job is SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and
+at TP=1 with DP=2 from a copy of the same bundles. Under screl's ``DDPStrategy`` rank 0 writes the one Lightning
+checkpoint, and the killed job resumes. In sync mode every resume reproduces the uninterrupted run's losses, and
+the event checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import time
@@ -27,6 +29,16 @@ pytestmark = pytest.mark.slow
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
 STEPS = 3
 LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "dp2": {"tensor_model_parallel_size": 1}}
+
+
+def _ddp_config(base: Path, devices: int) -> Path:
+    path = recovery_config(base, str(base / "bundles"), steps=STEPS, sampler=SYNC, source="grpo_ddp_tiny.yaml")
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["devices"] = devices
+    if devices == 1:
+        del cfg["trainer"]["strategy"]
+    path.write_text(yaml.safe_dump(cfg))
+    return path
 
 
 def _config(base: Path, parallelism: dict[str, int]) -> Path:
@@ -122,3 +134,46 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path
             if base is other:  # under DP=2 `reward` is rank 0's half of the chunk; loss and grad norm are the whole's
                 got, want = (got[0], got[2]), (want[0], want[2])
             assert got == pytest.approx(want, rel=1e-5, abs=1e-8), (base.name, step)
+
+
+def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_path: Path) -> None:
+    """screl.strategies.DDPStrategy over 2 ranks, each training half of every step's groups, reproduces a
+    one-process run's loss and gradient norm step by step (the gradients are summed over the shards), before a
+    seeded SIGKILL of the whole job and after its resume from rank 0's Lightning checkpoint."""
+    reference_cfg = _ddp_config(tmp_path / "ref", devices=1)
+    proc = start_fit(reference_cfg, tmp_path / "ref.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    reference = _per_step(tmp_path / "ref" / "root")
+    assert sorted(reference) == list(range(STEPS))
+
+    kill_after = random.Random("ddp").choice([1, 2])
+    cut = tmp_path / "cut"
+    config = _ddp_config(cut, devices=2)
+    log = tmp_path / "cut.log"
+    proc = start_fit(config, log)
+    wide, ranks = [], 0
+
+    def bundle_published() -> bool:
+        nonlocal ranks
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = {proc.pid} | {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+            wide.extend(a for a in listening_addresses(tree) if a[1] not in LOOPBACK_IPS)
+            ranks = max(ranks, _fit_ranks(tree))
+        return (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists()
+
+    assert wait_for(bundle_published, 300, proc, poll_s=0.5), log.read_text()[-3000:]
+    kill_tree(proc)
+    assert ranks == 2 and not wide, (ranks, sorted(set(wide)))  # `screl fit` started rank 1; they met via a file
+    bundle = CheckpointStore(str(cut / "bundles")).latest()
+    assert bundle is not None and bundle.step >= kill_after
+    assert "lightning.ckpt" in bundle.parts, sorted(bundle.parts)  # one file: every rank holds the same state
+    proc = start_fit(config, cut / "resume.log")
+    assert proc.wait(timeout=600) == 0, (cut / "resume.log").read_text()[-3000:]
+    assert f"resuming from {cut / 'bundles'}/step_{bundle.step}" in (cut / "resume.log").read_text()
+    report = check_events(cut / "run", SYNC)
+    assert report.ok, report.format()
+    trained = _per_step(cut / "root")
+    assert sorted(trained) == list(range(STEPS))
+    for step in range(STEPS):  # `reward` is rank 0's half of the chunk; loss and grad norm are the whole's
+        got, want = (trained[step][0], trained[step][2]), (reference[step][0], reference[step][2])
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-8), step
