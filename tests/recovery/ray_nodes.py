@@ -4,16 +4,17 @@
 every Ray server on 127.0.0.1 (screl.dataplane.cluster); ``ray.cluster_utils.Cluster``, Ray's own tool for
 several nodes on one machine, starts the same GCS and raylet processes as ``ray start`` without that check.
 
-Run as a script, it starts a head node and one more node, prints one JSON line per node (``address``,
-``node_id``, ``raylet_pid``), then answers commands on stdin, one per line:
+Run as a script, it starts a head node and one node of each kind given (its CPUs and resources), prints one JSON
+line per node (``address``, ``node_id``, ``raylet_pid``), then answers commands on stdin, one per line:
 
-- ``add``: start another node like the second one; prints its JSON line;
+- ``add <kind>``: start another node of that kind (its index in the list); prints its JSON line;
 - ``kill <node_id>``: SIGKILL that node's raylet (its workers die with it), as a lost machine would;
 - end of input: shut the whole cluster down.
 
-With ``private_dir``, every node but the head runs in its own mount namespace with an empty tmpfs over that
-directory: the head's files there are not on the other nodes' "disks", as on machines without a shared filesystem
-(it needs the right to ``unshare`` mounts, as root has here; :class:`NoPrivateDisk` otherwise).
+With ``private_dir``, the nodes other than the head run in a mount namespace of their own (one for all of them)
+with an empty tmpfs over that directory: the head's files there are not on the other nodes' "disks", as on
+machines without a shared filesystem (it needs the right to ``unshare`` mounts, as root has here;
+:class:`NoPrivateDisk` otherwise).
 
 :class:`RayNodes` drives it from a test.
 """
@@ -39,18 +40,19 @@ class NoPrivateDisk(RuntimeError):
 
 
 class RayNodes:
-    """The cluster process: ``head`` and ``nodes`` (the other nodes' JSON lines), ``add()``, ``kill(node_id)``."""
+    """The cluster process: ``head`` and ``nodes`` (the other nodes' JSON lines, one per kind to start with),
+    ``add(kind)``, ``kill(node_id)``. A kind is ``(cpus, resources)``."""
 
-    def __init__(self, head_cpus: int, node_cpus: int, head_resources: dict[str, float],
-                 node_resources: dict[str, float], private_dir: str | None = None,
+    def __init__(self, head_cpus: int, head_resources: dict[str, float],
+                 kinds: list[tuple[int, dict[str, float]]], private_dir: str | None = None,
                  env: dict[str, str] | None = None) -> None:
-        spec = json.dumps({"head_cpus": head_cpus, "node_cpus": node_cpus, "head_resources": head_resources,
-                           "node_resources": node_resources, "private_dir": private_dir})
+        spec = json.dumps({"head_cpus": head_cpus, "head_resources": head_resources, "kinds": kinds,
+                           "private_dir": private_dir})
         self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, **LOOPBACK, **(env or {})},
                                      start_new_session=True)
         self.head = self._read()
-        self.nodes = [self._read()]
+        self.nodes = [self._read() for _ in kinds]
 
     @property
     def address(self) -> str:
@@ -73,8 +75,8 @@ class RayNodes:
         self.proc.stdin.flush()
         return self._read()
 
-    def add(self) -> dict[str, Any]:
-        node = self._send("add")
+    def add(self, kind: int) -> dict[str, Any]:
+        node = self._send(f"add {kind}")
         self.nodes.append(node)
         return node
 
@@ -128,8 +130,9 @@ def _serve(spec: dict[str, Any]) -> None:
         "_system_config": HEALTH})
     nodes = {}
 
-    def add() -> None:
-        node = cluster.add_node(num_cpus=spec["node_cpus"], resources=spec["node_resources"])
+    def add(kind: int) -> None:
+        cpus, resources = spec["kinds"][kind]
+        node = cluster.add_node(num_cpus=cpus, resources=resources)
         nodes[node.node_id] = node
         print(json.dumps(_describe(node, cluster.address)), flush=True)
 
@@ -139,12 +142,13 @@ def _serve(spec: dict[str, Any]) -> None:
         print(json.dumps({"no_private_disk": why}), flush=True)
         cluster.shutdown()
         return
-    add()
+    for kind in range(len(spec["kinds"])):
+        add(kind)
     try:
         for line in sys.stdin:
             command, *args = line.split()
             if command == "add":
-                add()
+                add(int(args[0]))
             elif command == "kill":
                 node = nodes.pop(args[0])
                 pid = node.all_processes["raylet"][0].process.pid
