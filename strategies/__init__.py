@@ -8,8 +8,9 @@ The names load on first use (PEP 562): a DDP run does not import megatron-core.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from screl._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from screl.strategies.ddp import DDPStrategy
@@ -46,13 +47,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'screl.strategies' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"screl.strategies.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -6,8 +6,9 @@ does not import Hugging Face transformers (about a CPU-second per process start)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from screl._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from screl.models.hf import HFCausalLM
@@ -54,16 +55,6 @@ __all__ = [
     "resolve_dtype",
     "smollm2_gguf",
 ]
-assert sorted(__all__) == sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'screl.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"screl.models.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -1,0 +1,36 @@
+"""``screl.models`` and ``screl.strategies`` load their names on first use (``screl._lazy``): each exported name
+resolves to its module's object, and a process that needs one part does not import the heavy rest."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import screl.strategies
+
+import screl.models
+
+PACKAGES = [screl.models, screl.strategies]
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_every_exported_name_is_its_modules_object(package: ModuleType) -> None:
+    assert sorted(package.__all__) == sorted(package._WHERE) == dir(package)
+    for name in package.__all__:
+        module = importlib.import_module(f"{package.__name__}.{package._WHERE[name]}")
+        assert getattr(package, name) is getattr(module, name)
+    with pytest.raises(AttributeError, match=f"module '{package.__name__}' has no attribute 'Nope'"):
+        package.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize(("stmt", "heavy"), [
+    ("from screl.strategies import DDPStrategy", "megatron"),
+    ("from screl.models import PolicySpec", "transformers"),
+])
+def test_one_name_does_not_import_the_rest(stmt: str, heavy: str) -> None:
+    code = f"import sys; {stmt}; print(sorted(m for m in sys.modules if m.split('.')[0] == {heavy!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
