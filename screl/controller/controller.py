@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
@@ -48,6 +49,9 @@ from screl.envs import Task
 from screl.rollout.rows import ROW_FIELDS
 
 log = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 10.0
+"""How long :meth:`RolloutController.stats` waits for a worker's count (a hung worker's is left out)."""
 
 __all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 
@@ -317,7 +321,8 @@ class RolloutController:
         import ray
 
         core = self.core
-        puts = await asyncio.gather(*(w.row_puts.remote() for w in self.workers), return_exceptions=True)
+        puts = await asyncio.gather(*(asyncio.wait_for(w.row_puts.remote(), STATS_TIMEOUT_S) for w in self.workers),
+                                    return_exceptions=True)
         return {
             "trainer_version": core.trainer_version, "gen_version": core.gen_version,
             "train_steps": core.train_steps, "buffered": core.buffer.num_buffered, "ready": core.buffer.num_ready,
@@ -365,15 +370,25 @@ class RolloutController:
             await self._wait_changed(min(left, 0.5))
 
     async def _refit_workers(self, weights: list[Any], version: int, timeout_s: float = 600.0) -> None:
-        """Push ``weights`` to every live worker within ``timeout_s``; a dead or restarting one is refreshed before
-        its next request, one that hangs fails the refit naming it."""
+        """Push ``weights`` to every live worker within ``timeout_s``."""
+        await self._on_live_workers(lambda w: w.update_weights.remote(weights, version), version, timeout_s,
+                                    "load the weights of")
+
+    async def _relabel_workers(self, version: int, timeout_s: float = 600.0) -> None:
+        """Tell every live worker its unchanged weights now serve ``version`` (PPO's critic warmup)."""
+        await self._on_live_workers(lambda w: w.set_version.remote(version), version, timeout_s,
+                                    "relabel its weights as")
+
+    async def _on_live_workers(self, call: Callable[[Any], Any], version: int, timeout_s: float, what: str) -> None:
+        """``call`` on every live worker within ``timeout_s``: a dead or restarting one is refreshed before its
+        next request, one that hangs fails the refit naming it."""
         import ray
 
-        async def load(w: Any) -> Any:
-            return await w.update_weights.remote(weights, version)
+        async def one(w: Any) -> Any:
+            return await call(w)
 
         live = [i for i in range(len(self.workers)) if i not in self.core.dead]
-        calls = {i: asyncio.ensure_future(load(self.workers[i])) for i in live}
+        calls = {i: asyncio.ensure_future(one(self.workers[i])) for i in live}
         if not calls:  # every worker is dead for good: the pump's WorkersLostError reaches the trainer next
             return
         _, pending = await asyncio.wait(calls.values(), timeout=timeout_s)
@@ -381,7 +396,7 @@ class RolloutController:
             for t in pending:
                 t.cancel()
             hung = [i for i, t in calls.items() if t in pending]
-            raise TimeoutError(f"generation worker(s) {hung} did not load the weights of version {version} within "
+            raise TimeoutError(f"generation worker(s) {hung} did not {what} version {version} within "
                                f"{timeout_s:.0f} s (data.init_args.step_timeout_s): a hung engine, see the workers' "
                                "logs (screl fit --verbose)")
         for worker_index, task in calls.items():
@@ -393,17 +408,6 @@ class RolloutController:
             elif isinstance(res, BaseException):
                 raise res
 
-    async def _relabel_workers(self, version: int) -> None:
-        """Tell every live worker its unchanged weights now serve ``version``; a dead one is refreshed later."""
-        import ray
-
-        results = await asyncio.gather(*(w.set_version.remote(version) for w in self.workers), return_exceptions=True)
-        for res in results:
-            if isinstance(res, BaseException) and not isinstance(
-                res, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-            ):
-                raise res
-
     async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0) -> dict[str, Any]:
         """The open step's optimizer update is done: retire it, bump the version, refit the workers (after the
         validation of the old weights, if one runs, has finished: at most ``timeout_s``)."""
@@ -413,7 +417,7 @@ class RolloutController:
             self.latest_weights = weights
             await self._refit_workers(weights, version, timeout_s)
         else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
-            await self._relabel_workers(version)
+            await self._relabel_workers(version, timeout_s)
         return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None)
 
     async def begin_refit(self, timeout_s: float = 600.0) -> int:
