@@ -13,10 +13,13 @@ API on a machine without GPUs. This script checks that path the same way the CPU
    training, must equal step 1's (float32, TF32 off: ``TOL``).
 3. The schedule without an activation shape is refused with an error naming ``seq_length``.
 
+``--cpu`` runs the same comparison on 2 CPU processes (gloo, screl's CPU schedule, which needs no activation
+shape, so check 3 is skipped): a dry run of the script itself on a machine without GPUs.
+
 Run from the repository root on a machine with two GPUs::
 
     python -m pip install --no-deps --no-build-isolation -e .   # screl.strategies (needs megatron-core)
-    python examples/gpu/pipeline_check.py
+    python examples/gpu/pipeline_check.py          # or --cpu
 
 Exit status 0 when every check passes.
 """
@@ -56,12 +59,15 @@ def hf_model() -> Any:
         return Qwen2ForCausalLM(cfg).eval()
 
 
+DEVICE = "cuda"
+
+
 def batch(step: int) -> dict[str, Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     mask = (torch.rand(GLOBAL_BATCH, SEQ - 1, generator=g) > 0.3).float()
     mask[:, 0] = 1.0
-    return {"ids": ids.cuda(), "mask": mask.cuda()}
+    return {"ids": ids.to(DEVICE), "mask": mask.to(DEVICE)}
 
 
 def micro(b: dict[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -90,9 +96,9 @@ def forward_step(model: torch.nn.Module, mb: dict[str, Tensor]) -> Tensor:
 
 
 def make_strategy(world: int, pp: int) -> Any:
-    """A ``MegatronStrategy`` on CUDA, set up by hand (no Trainer) on the initialized process group."""
+    """A ``MegatronStrategy`` on CUDA (or CPU), set up by hand (no Trainer) on the initialized process group."""
     from lightning.pytorch import LightningModule
-    from lightning.pytorch.accelerators import CUDAAccelerator
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
     from screl.strategies import GPTModelProvider, MegatronStrategy, ParallelismConfig, load_hf_weights
 
@@ -100,8 +106,8 @@ def make_strategy(world: int, pp: int) -> Any:
     strategy = MegatronStrategy(
         parallelism=ParallelismConfig(pipeline_model_parallel_size=pp),
         model_provider=GPTModelProvider.from_hf_config(hf.config),
-        accelerator=CUDAAccelerator(),
-        parallel_devices=[torch.device("cuda", i) for i in range(world)],
+        accelerator=CUDAAccelerator() if DEVICE == "cuda" else CPUAccelerator(),
+        parallel_devices=[torch.device("cuda", i) if DEVICE == "cuda" else torch.device("cpu") for i in range(world)],
         cluster_environment=LightningEnvironment(),
     )
     module = LightningModule()
@@ -137,7 +143,8 @@ def train(strategy: Any, pp: int) -> dict[str, Any]:
         loss = strategy.forward_backward(micro(batch(step)), forward_step, MeanLoss(strategy),
                                          seq_length=SEQ if pp > 1 else None, micro_batch_size=mbs if pp > 1 else None)
         norm = strategy.clip_gradients(1.0)
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         record["ms"].append(1e3 * (time.perf_counter() - t0))
         record["loss"].append(float(loss))
         record["grad_norm"].append(float(norm))
@@ -148,18 +155,24 @@ def train(strategy: Any, pp: int) -> dict[str, Any]:
     return record
 
 
-def _job(rank: int, world: int, pp: int, init_file: str, out: str) -> None:
+def _job(rank: int, world: int, pp: int, init_file: str, out: str, device: str) -> None:
     from screl.strategies.parallel import destroy_model_parallel
 
+    global DEVICE
+    DEVICE = device
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     try:
         strategy = make_strategy(world, pp)
         result = train(strategy, pp)
-        if pp > 1:
+        if pp > 1 and device == "cuda":
             try:
                 strategy.forward_backward(micro(batch(0)), forward_step, MeanLoss(strategy))
                 result["no_shape"] = "accepted"
@@ -172,10 +185,10 @@ def _job(rank: int, world: int, pp: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def run(world: int, pp: int, workdir: str) -> list[dict[str, Any]]:
+def run(world: int, pp: int, workdir: str, device: str) -> list[dict[str, Any]]:
     out = os.path.join(workdir, f"pp{pp}")
     init_file = os.path.join(workdir, f"pg_pp{pp}")
-    mp.spawn(_job, args=(world, pp, init_file, out), nprocs=world, join=True)
+    mp.spawn(_job, args=(world, pp, init_file, out, device), nprocs=world, join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
@@ -185,13 +198,15 @@ def _worst(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
 
 
 def main() -> int:
-    if torch.cuda.device_count() < 2:
-        print(f"pipeline_check.py needs two CUDA GPUs (found {torch.cuda.device_count()}).", file=sys.stderr)
+    device = "cpu" if "--cpu" in sys.argv[1:] else "cuda"
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        print(f"pipeline_check.py needs two CUDA GPUs (found {torch.cuda.device_count()}); --cpu runs it on CPU.",
+              file=sys.stderr)
         return 2
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="pipeline_check_")
-    (ref,) = run(1, 1, workdir)
-    stages = run(2, 2, workdir)
+    (ref,) = run(1, 1, workdir, device)
+    stages = run(2, 2, workdir, device)
     failures = []
     for rank, got in enumerate(stages):
         for step in range(STEPS):
@@ -207,12 +222,13 @@ def main() -> int:
         print(f"[stage {rank}] exported weights after {STEPS} steps: max diff {de:.2e}", flush=True)
         if de > TOL:
             failures.append(f"stage {rank}: exported weights differ by {de:.2e}")
-        if "seq_length" not in got["no_shape"]:
+        if device == "cuda" and "seq_length" not in got["no_shape"]:
             failures.append(f"stage {rank}: the schedule without an activation shape gave {got['no_shape']!r}")
     if failures:
         print("pipeline_check: FAILED\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
-    print(f"pipeline_check: PP=2 on Megatron's GPU schedule equals PP=1 (tolerance {TOL}); "
+    schedule = "Megatron's GPU schedule" if device == "cuda" else "screl's CPU schedule"
+    print(f"pipeline_check: PP=2 on {schedule} equals PP=1 (tolerance {TOL}); "
           f"all checks passed in {time.perf_counter() - start:.1f} s", flush=True)
     return 0
 
