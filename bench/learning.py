@@ -32,10 +32,17 @@ Figures per mode (``bench/results/learning.json``), rewards being each step's me
   ``lag_steps`` (the mean staleness, rounded) versions earlier, so the final reward is also compared, seed by
   seed, with sync's reward of the same generating version (sync's steps ``lag_steps`` earlier): whether async
   learns as much per update, with the measurement lag taken out;
+* ``val_*``: the policy itself, scored at equal trainer versions. Every ``--val-period`` steps the weights of
+  that version are validated (``grpo.val_period``, docs/validation-during-training.md) on ``--val-prompts``
+  held-out prompts x ``--val-samples`` samples at the training temperature, each sample seeded by its prompt
+  and index only, so versions and modes compare pairwise. ``val_reward_per_version`` (mean over seeds),
+  ``val_final_mean`` / ``_std`` (versions in the last ``2 x --val-period`` steps of the first ``--steps``),
+  ``val_half_mean`` / ``_std`` (the same width ending half-way), and whether each lies within sync's spread.
+  This is the equal-steps comparison without the lag of the logged training reward;
 * and ``async_w1_time_over_sync`` at the top level.
 
 It writes the JSON and ``learning.png`` (reward against step and against wall time, the staleness
-histogram). ``--quick``: 30 steps, 1 seed, sync and async_w1 (a smoke run of a few minutes).
+histogram). ``--quick``: 30 steps, 1 seed, sync and async_w1, validation every 5 steps (a smoke run of a few minutes).
 """
 
 from __future__ import annotations
@@ -86,19 +93,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--completion-len", type=int, default=16)
     p.add_argument("--learning-rate", type=float, default=5e-4)
-    p.add_argument("--quick", action="store_true", help="30 steps, 1 seed, sync and async_w1")
+    p.add_argument("--val-period", type=int, default=10,
+                   help="validate the policy every this many steps (0: off; the prompts below are held out)")
+    p.add_argument("--val-prompts", type=int, default=20, help="held-out prompts scored at each validation")
+    p.add_argument("--val-samples", type=int, default=4, help="samples per held-out prompt")
+    p.add_argument("--quick", action="store_true", help="30 steps, 1 seed, sync and async_w1, validation every 5 steps")
     p.add_argument("--out-dir", type=Path, default=c.RESULTS)
     p.add_argument("--reanalyse", type=Path, default=None,
                    help="recompute the figures from a learning.json this script wrote (its per-seed rewards, its "
                         "seed-mean times and staleness) instead of running")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds = 30, 1
+        args.steps, args.seeds, args.val_period = 30, 1, min(args.val_period, 5)
         if args.modes == ",".join(DEFAULT_MODES):
             args.modes = "sync,async_w1"
     args.modes = c.parse_modes(p, args.modes, list(MODES))
     if args.steps < 2 * args.tail:
         p.error(f"--steps ({args.steps}) must be at least twice --tail ({args.tail})")
+    if args.val_period < 0 or (args.val_period and args.steps < 4 * args.val_period):
+        p.error(f"--val-period ({args.val_period}) must be 0 or at most a quarter of --steps ({args.steps})")
     return args
 
 
@@ -116,11 +129,23 @@ def mode_config(mode: str, seed: int, args: argparse.Namespace, run_dir: Path) -
     # epochs to spare: a windowed sampler evicts groups that fell out of its window (a sixth of them, measured),
     # and the run must still reach max_num_steps
     cfg["grpo"]["max_num_epochs"] = 2 * int(cfg["grpo"]["max_num_epochs"])
+    if args.val_period:
+        cfg["data"]["init_args"]["task"]["init_args"]["holdout"] = args.val_prompts
+        cfg["grpo"].update(val_period=args.val_period, val_at_start=True, val_at_end=False,
+                           validation={"num_samples": args.val_samples, "temperature": 1.0})
     return cfg
 
 
 def per_run(r: c.ScrelRun) -> dict[str, Any]:
-    return {"reward": r.reward, "time": r.reward_by_time(), "staleness": r.staleness, "window_s": r.window_s}
+    val = {int(m["val/version"]): m["val/reward_mean"] for m in c.read_metrics(Path(r.run_dir))
+           if "val/version" in m and "val/reward_mean" in m}
+    return {"reward": r.reward, "time": r.reward_by_time(), "staleness": r.staleness, "window_s": r.window_s,
+            "val": dict(sorted(val.items()))}
+
+
+def _val_window(run: dict[str, Any], end: int, width: int) -> float:
+    """Mean validation reward of the versions in ``(end - width, end]``."""
+    return _mean([r for v, r in run.get("val", {}).items() if end - width < int(v) <= end])
 
 
 def _mean(xs: list[float]) -> float:
@@ -160,6 +185,25 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
             "staleness_fraction": {str(k): v / total for k, v in sorted(stal.items())},
             "staleness_mean": sum(k * v for k, v in stal.items()) / total,
         }
+    width = 2 * args.val_period
+    for mode, rs in runs.items():
+        if not width or not all(r.get("val") for r in rs):
+            continue
+        finals, halves = [_val_window(r, n, width) for r in rs], [_val_window(r, n // 2, width) for r in rs]
+        versions = sorted({int(v) for r in rs for v in r["val"]})
+        modes[mode].update({
+            "val_reward_per_version": {str(v): _mean([r["val"][v] for r in rs if v in r["val"]]) for v in versions},
+            "val_reward_per_seed": [{str(v): x for v, x in r["val"].items()} for r in rs],
+            "val_final_mean": _mean(finals), "val_final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "val_half_mean": _mean(halves), "val_half_std": statistics.stdev(halves) if len(halves) > 1 else 0.0,
+        })
+    if "val_final_mean" in modes.get("sync", {}):
+        ref = modes["sync"]
+        for m in modes.values():
+            if "val_final_mean" in m:
+                for key in ("final", "half"):
+                    m[f"val_{key}_within_sync_spread"] = abs(m[f"val_{key}_mean"] - ref[f"val_{key}_mean"]) <= max(
+                        ref[f"val_{key}_std"], m[f"val_{key}_std"])
     target = modes["sync"]["final_reward_mean"]
     sync_seeds = modes["sync"]["reward_per_seed"]
     for m in modes.values():
@@ -182,7 +226,8 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
     return {
         "config": {"task": args.task, "scale": args.scale, "prompts_per_step": args.prompts_per_step,
                    "group": args.group, "completion_len": args.completion_len, "steps": n, "seeds": args.seeds,
-                   "tail": tail, "learning_rate": args.learning_rate, "modes": args.modes},
+                   "tail": tail, "learning_rate": args.learning_rate, "modes": args.modes,
+                   "val_period": args.val_period, "val_prompts": args.val_prompts, "val_samples": args.val_samples},
         "sync_final_reward": target,
         "async_w1_time_over_sync": (w1 / sync_t) if (w1 is not None and sync_t) else None,
         "modes": modes,
@@ -205,6 +250,15 @@ def report(res: dict[str, Any]) -> None:
                      f"{m['final_minus_sync_same_version_mean']:+.4f} +- {m['final_minus_sync_same_version_std']:.4f}"])
     c.print_table(["mode", "half-way", "final", "~sync half/final", "step->sync", "time->sync s",
                    f"s to step {cfg['steps']}", "stale", "final - sync (same version)"], rows)
+    val_rows = [[mode, f"{m['val_half_mean']:.3f} +- {m['val_half_std']:.3f}",
+                 f"{m['val_final_mean']:.3f} +- {m['val_final_std']:.3f}",
+                 ("yes" if m["val_half_within_sync_spread"] else "no") + "/"
+                 + ("yes" if m["val_final_within_sync_spread"] else "no")]
+                for mode, m in res["modes"].items() if "val_half_within_sync_spread" in m]
+    if val_rows:
+        c.print_table(["mode", "val half-way", "val final", "~sync half/final"], val_rows,
+                      title=f"the policy at equal trainer versions: held-out reward every {cfg['val_period']} steps "
+                            f"({cfg['val_prompts']} prompts x {cfg['val_samples']} samples)")
     if res["async_w1_time_over_sync"] is not None:
         print(f"\nasync_w1 reaches sync's final reward in {res['async_w1_time_over_sync']:.2f}x sync's time "
               "(target <= 0.7)")
@@ -212,10 +266,16 @@ def report(res: dict[str, Any]) -> None:
 
 def plot(res: dict[str, Any], path: Path) -> None:
     plt = c.pyplot()
-    fig, ax = plt.subplots(1, 3, figsize=(17, 5))
+    fig, ax = plt.subplots(1, 4, figsize=(22, 5))
     for mode, m in res["modes"].items():
         ax[0].plot(range(len(m["reward_per_step"])), m["reward_per_step"], label=mode, lw=1.2)
         ax[1].plot(m["time_per_step_s"], m["reward_per_step"], label=mode, lw=1.2)
+        val = m.get("val_reward_per_version", {})
+        ax[3].plot([int(v) for v in val], list(val.values()), marker="o", ms=3, label=mode, lw=1.2)
+    ax[3].set_xlabel("trainer version (steps trained)")
+    ax[3].set_ylabel("held-out reward (mean over seeds)")
+    ax[3].set_title("the policy at equal versions (validation)")
+    ax[3].legend(fontsize=7)
     target = res["sync_final_reward"]
     for a, xlabel in ((ax[0], "RL step"), (ax[1], "wall time since the first generation (s)")):
         a.axhline(target, color="k", ls=":", lw=1, label=f"sync final {target:.3f}")
@@ -240,8 +300,10 @@ def runs_from(path: Path) -> dict[str, list[dict[str, Any]]]:
     for mode, m in json.loads(path.read_text())["modes"].items():
         n_groups = 1000
         staleness = [int(k) for k, f in m["staleness_fraction"].items() for _ in range(round(f * n_groups))]
+        vals = m.get("val_reward_per_seed") or [{} for _ in m["reward_per_seed"]]
         out[mode] = [{"reward": rewards, "time": m["time_per_step_s"], "staleness": staleness,
-                      "window_s": m["window_s"]} for rewards in m["reward_per_seed"]]
+                      "window_s": m["window_s"], "val": {int(v): x for v, x in val.items()}}
+                     for rewards, val in zip(m["reward_per_seed"], vals, strict=True)]
     return out
 
 
