@@ -48,6 +48,10 @@ def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path)
     assert ckpt["ppo_update_counts"] == {"policy": (steps - start) * 2, "critic": steps * 2}
 
 
+SNAPSHOT_EVERY_S = 0.1
+"""These runs take about 0.2 s a step and a snapshot's write about 5-20 ms: at the default 0.5 s a whole run of
+8 steps held three writes, and once (CI on 45e7fa5) the chain's `snapshot_write` kill found none to land in."""
+
 def test_kill9_a_dynamic_sampling_run_keeps_its_replacement_reserve(tmp_path: Path) -> None:
     """The kill chain with dynamic sampling and a replacement reserve: every incarnation resumes the reserve the
     bundle holds, so the checker's prompt accounting (spares held, handed out, released) balances across the
@@ -55,7 +59,8 @@ def test_kill9_a_dynamic_sampling_run_keeps_its_replacement_reserve(tmp_path: Pa
     rng = random.Random(2)
     ck_root = tmp_path / "bundles"
     steps = 8
-    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
+    config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER),
+                            snapshot_attempt_interval_s=SNAPSHOT_EVERY_S)
     cfg = yaml.safe_load(config.read_text())
     cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.CountLetter",
                                         "init_args": {"letter": "a", "threshold": 0.125}}
@@ -86,7 +91,7 @@ def test_kill9_a_multi_turn_tool_run_loses_no_finished_conversation(tmp_path: Pa
     ck_root = tmp_path / "bundles"
     steps = 8
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER,
-                                            source="grpo_tool_tiny.yaml"))
+                                            source="grpo_tool_tiny.yaml"), snapshot_attempt_interval_s=SNAPSHOT_EVERY_S)
     run_dir = tmp_path / "run"
     kills = kill_chain(config, ["mid_step", "snapshot_write"], run_dir, ck_root, rng)
     assert len(kills) == 2, f"only {len(kills)} kills landed before the run finished: {kills}"
