@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import override
@@ -30,37 +30,25 @@ INIT_FILE_ENV = "SCREL_DIST_INIT_FILE"
 """The rendezvous file of one launch, set by the launching process for the ranks it starts."""
 
 
-def claim_init_file(strategy: Any) -> None:
-    """In the process that launches the ranks (one node, Lightning's own launcher): name the rendezvous file."""
-    env = strategy.cluster_environment
-    if strategy.num_nodes == 1 and env is not None and not env.creates_processes_externally:
-        os.environ.setdefault(INIT_FILE_ENV, os.path.join(tempfile.gettempdir(), f"screl-pg-{uuid.uuid4().hex}"))
-
-
-def init_method(strategy: Any) -> str | None:
-    """``file://`` rendezvous of this launch, or None (keep Lightning's ``env://``)."""
-    path = os.environ.get(INIT_FILE_ENV)
-    if path is None or strategy.num_nodes != 1:
-        return None
-    return f"file://{path}"
-
-
-
 class FileRendezvous(_Base):
     """Mixin for a subclass of Lightning's ``DDPStrategy`` (listed before it): ranks Lightning starts on one node
     meet through a file, not a TCP store listening on every interface; other launches keep ``env://``."""
 
     @override
     def _configure_launcher(self) -> None:
+        """In the process that launches the ranks (one node, Lightning's own launcher): name the rendezvous file,
+        which the ranks it starts inherit."""
         super()._configure_launcher()
-        claim_init_file(self)
+        env = self.cluster_environment
+        if self.num_nodes == 1 and env is not None and not env.creates_processes_externally:
+            os.environ.setdefault(INIT_FILE_ENV, os.path.join(tempfile.gettempdir(), f"screl-pg-{uuid.uuid4().hex}"))
 
     @override
     def setup_distributed(self) -> None:
-        method = init_method(self)
-        if method is not None and not torch.distributed.is_initialized():
+        path = os.environ.get(INIT_FILE_ENV)
+        if path is not None and self.num_nodes == 1 and not torch.distributed.is_initialized():
             self.set_world_ranks()
-            torch.distributed.init_process_group(self._get_process_group_backend(), init_method=method,
+            torch.distributed.init_process_group(self._get_process_group_backend(), init_method=f"file://{path}",
                                                  rank=self.global_rank, world_size=self.world_size,
                                                  timeout=self._timeout)
-        super().setup_distributed()  # an initialized group is kept as it is
+        super().setup_distributed()  # an initialized group is kept as it is; other launches keep ``env://``

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 
 IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-ROLLOUT, STORE = 0, 1
-"""The node kinds: generation (no CPU of its own to offer, so nothing else lands there), the storage unit."""
+ROLLOUT = 0
+"""The generation node's kind (no CPU of its own to offer, so nothing else lands there); kind 1 is the storage
+unit's node."""
 
 
 def _multinode_config(tmp_path: Path, url: str, s3_options: dict[str, Any], address: str, disk: Path) -> Path:
