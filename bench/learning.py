@@ -152,6 +152,15 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def _std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _within_spread(m: dict[str, Any], ref: dict[str, Any], mean: str, std: str) -> bool:
+    """Whether mode ``m``'s ``mean`` lies within the larger of its own and ``ref``'s seed spread (``std``)."""
+    return abs(m[mean] - ref[mean]) <= max(ref[std], m[std])
+
+
 def _first_reaching(curve: list[float], target: float, tail: int) -> int | None:
     """The first step at which the running mean of the last ``tail`` steps reaches ``target``."""
     for k in range(tail - 1, len(curve)):
@@ -174,10 +183,10 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
             "lag_steps": lag,
             "reward_per_seed": [r["reward"] for r in rs],
             "final_reward_mean": _mean(finals),
-            "final_reward_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "final_reward_std": _std(finals),
             "final_reward_per_seed": finals,
             "half_reward_mean": _mean(halves),
-            "half_reward_std": statistics.stdev(halves) if len(halves) > 1 else 0.0,
+            "half_reward_std": _std(halves),
             "reward_per_step": [_mean([r["reward"][k] for r in rs]) for k in range(len(rs[0]["reward"]))],
             "time_per_step_s": [_mean([r["time"][k] for r in rs]) for k in range(len(rs[0]["time"]))],
             "time_at_step_n_s": _mean([r["time"][n - 1] for r in rs]),
@@ -194,16 +203,15 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
         modes[mode].update({
             "val_reward_per_version": {str(v): _mean([r["val"][v] for r in rs if v in r["val"]]) for v in versions},
             "val_reward_per_seed": [{str(v): x for v, x in r["val"].items()} for r in rs],
-            "val_final_mean": _mean(finals), "val_final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "val_half_mean": _mean(halves), "val_half_std": statistics.stdev(halves) if len(halves) > 1 else 0.0,
+            "val_final_mean": _mean(finals), "val_final_std": _std(finals),
+            "val_half_mean": _mean(halves), "val_half_std": _std(halves),
         })
     if "val_final_mean" in modes.get("sync", {}):
-        ref = modes["sync"]
         for m in modes.values():
             if "val_final_mean" in m:
                 for key in ("final", "half"):
-                    m[f"val_{key}_within_sync_spread"] = abs(m[f"val_{key}_mean"] - ref[f"val_{key}_mean"]) <= max(
-                        ref[f"val_{key}_std"], m[f"val_{key}_std"])
+                    m[f"val_{key}_within_sync_spread"] = _within_spread(m, modes["sync"], f"val_{key}_mean",
+                                                                        f"val_{key}_std")
     target = modes["sync"]["final_reward_mean"]
     sync_seeds = modes["sync"]["reward_per_seed"]
     for m in modes.values():
@@ -213,15 +221,13 @@ def analyse(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> 
         gaps = [_mean(own[n - tail:n]) - _mean(ref[lo:hi]) for own, ref in zip(m["reward_per_seed"], sync_seeds,
                                                                                  strict=False)]
         m["final_minus_sync_same_version_mean"] = _mean(gaps)
-        m["final_minus_sync_same_version_std"] = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+        m["final_minus_sync_same_version_std"] = _std(gaps)
     for m in modes.values():
         k = _first_reaching(m["reward_per_step"], target, tail)
         m["step_to_sync_final"] = k
         m["time_to_sync_final_s"] = m["time_per_step_s"][k] if k is not None else None
-        m["final_within_sync_spread"] = abs(m["final_reward_mean"] - target) <= max(
-            modes["sync"]["final_reward_std"], m["final_reward_std"])
-        m["half_within_sync_spread"] = abs(m["half_reward_mean"] - modes["sync"]["half_reward_mean"]) <= max(
-            modes["sync"]["half_reward_std"], m["half_reward_std"])
+        m["final_within_sync_spread"] = _within_spread(m, modes["sync"], "final_reward_mean", "final_reward_std")
+        m["half_within_sync_spread"] = _within_spread(m, modes["sync"], "half_reward_mean", "half_reward_std")
     sync_t, w1 = modes["sync"]["time_to_sync_final_s"], modes.get("async_w1", {}).get("time_to_sync_final_s")
     return {
         "config": {"task": args.task, "scale": args.scale, "prompts_per_step": args.prompts_per_step,
