@@ -24,7 +24,8 @@ Scales (DESIGN.md): ``tiny`` (hidden 64, 2 layers, P=8, G=4, L=16: overhead-domi
 it needs vLLM and TRL in one venv (``.venv-vllm`` plus ``pip install trl``) and the small scale (vLLM's CPU
 attention rejects the tiny model's head_dim 16).
 
-Writes ``bench/results/vs_trl.json`` (keys ``sync_over_trl_samples``, ``async_over_trl_samples``) and
+Writes ``bench/results/vs_trl.json`` (keys ``sync_over_trl_samples``, ``async_over_trl_samples`` at
+``--key-scale``, and ``tiny_sync_over_trl_samples``, ``tiny_async_over_trl_samples`` when tiny ran) and
 ``vs_trl.png`` (reward by step and by wall time).
 """
 
@@ -272,6 +273,11 @@ def analyse(args: argparse.Namespace, runs: dict[str, dict[str, list[dict[str, A
         "async_over_trl_tokens": k["async_over_trl_tokens"],
         "target_sync_over_trl_samples": 1.0,
         "target_async_over_trl_samples": 1.5,
+        # the tiny scale's ratios under their own keys (targets 0.8 and 1.2), when it ran
+        **({"tiny_sync_over_trl_samples": scales["tiny"]["sync_over_trl_samples"],
+            "tiny_async_over_trl_samples": scales["tiny"]["async_over_trl_samples"],
+            "target_tiny_sync_over_trl_samples": 0.8, "target_tiny_async_over_trl_samples": 1.2}
+           if "tiny" in scales else {}),
         "scales": scales,
     }
 
@@ -295,6 +301,9 @@ def report(res: dict[str, Any]) -> None:
             f"{cfg['screl_threads'] or 'automatic'} per process)")
     print(f"\n[{cfg['key_scale']}] sync_over_trl_samples = {res['sync_over_trl_samples']:.3f} (target >= 1.0); "
           f"async_over_trl_samples = {res['async_over_trl_samples']:.3f} (target >= 1.5)")
+    if "tiny_sync_over_trl_samples" in res:
+        print(f"[tiny] tiny_sync_over_trl_samples = {res['tiny_sync_over_trl_samples']:.3f} (target >= 0.8); "
+              f"tiny_async_over_trl_samples = {res['tiny_async_over_trl_samples']:.3f} (target >= 1.2)")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
