@@ -163,17 +163,21 @@ def cpu_snapshot() -> dict[str, float]:
             cmd = " ".join(proc.cmdline()[:1])
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if proc.pid == me.pid:
-            role = "trainer"
-        elif cmd.startswith("ray::"):
-            role = cmd[5:].split(".")[0].split()[0] or "ray_worker"
-        else:
-            role = "ray_system"
+        role = process_role(cmd, root=proc.pid == me.pid)
         out[role] = out.get(role, 0.0) + t.user + t.system
     m = psutil.cpu_times()  # the whole machine, every CPU: what other jobs take shows up here
     out[MACHINE] = m.user + m.nice + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0) + getattr(
         m, "steal", 0.0)
     return out
+
+
+def process_role(cmd: str, root: bool) -> str:
+    """``trainer`` for the tree's root, the actor class of a ``ray::Class`` process, else ``ray_system``."""
+    if root:
+        return "trainer"
+    if cmd.startswith("ray::"):
+        return cmd[5:].split(".")[0].split()[0] or "ray_worker"
+    return "ray_system"
 
 
 def settle(max_s: float = 6.0, busy_cores: float = 0.1, interval_s: float = 0.5) -> float:
@@ -310,7 +314,7 @@ def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
     run_dir = Path(str(trainer.log_dir))
     if len(timer.step_ends) != steps:
         raise RuntimeError(f"{name}: expected {steps} steps, the trainer ran {len(timer.step_ends)} ({run_dir})")
-    run = _summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
+    run = summarise(name, cfg, run_dir, timer.train_start, timer.step_ends)
     if steps > 1:
         delta = cpu_delta(timer.cpu_first, timer.cpu_last)
         machine = delta.pop(MACHINE, float("nan"))
@@ -321,7 +325,7 @@ def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
     return run
 
 
-def _summarise(
+def summarise(
     name: str, cfg: dict[str, Any], run_dir: Path, train_start: float | None, step_ends: list[float]
 ) -> ScrelRun:
     events = read_events(run_dir)
