@@ -8,7 +8,8 @@
 * :func:`start_bench_ray` starts one loopback Ray cluster for the whole benchmark, so that Ray's start
   (seconds) is paid once and never inside a timed window (each run still starts its own TransferQueue,
   generation workers and controller, also outside the timed window);
-* :func:`summary`, :func:`write_result`, :func:`machine_info`, :func:`print_table`.
+* statistics and output (:func:`summary`, :func:`write_result`, :func:`finish`, ...) live in ``bench/_report.py``
+  and are re-exported here.
 
 Timing (one clock, ``time.time()``, shared with the controller's event log):
 
@@ -28,18 +29,29 @@ import json
 import logging
 import math
 import os
-import platform
-import statistics
 import time
 import warnings
-from collections.abc import Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._report import (  # noqa: F401 - re-exported: the scripts call them through this module
+    RESULTS,
+    finish,
+    machine_info,
+    median,
+    parse_modes,
+    print_table,
+    pyplot,
+    save_figure,
+    skip_first,
+    staleness_bars,
+    summary,
+    write_result,
+)
+
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 TINY_CONFIG = REPO / "configs" / "grpo_tiny.yaml"
 
 TASKS: dict[str, dict[str, Any]] = {
@@ -396,122 +408,3 @@ def summarise(
         aborted=aborted,
         run_dir=str(run_dir),
     )
-
-
-# ------------------------------------------------------------------------------------------ stats / output
-def median(xs: Iterable[float]) -> float:
-    vals = [float(x) for x in xs if x is not None and not math.isnan(float(x))]
-    return statistics.median(vals) if vals else float("nan")
-
-
-def skip_first(xs: Sequence[float], n: int = 1) -> list[float]:
-    """Drop the first ``n`` values (start-up/first-generation effects) when enough remain."""
-    return list(xs[n:]) if len(xs) > n + 1 else list(xs)
-
-
-def summary(xs: Sequence[float]) -> dict[str, float]:
-    """Median, min, max and the relative spread ``(max - min) / median`` of repetitions."""
-    vals = [float(x) for x in xs if not math.isnan(float(x))]
-    if not vals:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "spread": float("nan"), "n": 0}
-    med = statistics.median(vals)
-    return {"median": med, "min": min(vals), "max": max(vals),
-            "spread": (max(vals) - min(vals)) / med if med else float("nan"), "n": len(vals)}
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg": list(os.getloadavg()),
-        "torch": torch.__version__,
-        "timestamp_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    for mod in ("lightning", "ray", "transformers", "trl"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - optional packages
-            pass
-    return info
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
-def write_result(script: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
-    """Write ``bench/results/<script>.json`` (NaN/inf become null)."""
-    out = (out_dir or RESULTS) / f"{script}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_plain(data), indent=1) + "\n")
-    return out
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            if math.isnan(v):
-                return "-"
-            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-        return str(v)
-
-    cells = [[fmt(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    if title:
-        print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    """Lay ``fig`` out, write it to ``path`` (its directory made) and close it."""
-    plt = pyplot()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def staleness_bars(ax: Any, fractions: dict[str, dict[str, float]], ylabel: str = "fraction of groups") -> None:
-    """Grouped bars of each mode's staleness distribution (``{mode: {staleness: fraction}}``) on ``ax``."""
-    modes = list(fractions)
-    keys = sorted({int(k) for fr in fractions.values() for k in fr})
-    width = 0.8 / max(1, len(modes))
-    for i, mode in enumerate(modes):
-        ax.bar([k + i * width for k in keys], [fractions[mode].get(str(k), 0.0) for k in keys], width=width,
-               label=mode)
-    ax.set_xticks([k + 0.4 - width / 2 for k in keys], [str(k) for k in keys])
-    ax.set_xlabel("staleness (trainer version - start weight)")
-    ax.set_ylabel(ylabel)
-    ax.set_title("staleness distribution")
-    ax.legend(fontsize=8)
-
-
-def parse_modes(parser: Any, text: str, allowed: Sequence[str]) -> list[str]:
-    """The comma-separated ``--modes``, each one of ``allowed`` and ``sync`` among them (else a parser error)."""
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if [m for m in modes if m not in allowed] or "sync" not in modes:
-        parser.error(f"--modes must include sync and be drawn from {list(allowed)} (got {modes})")
-    return modes
-

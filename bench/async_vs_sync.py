@@ -123,12 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         c.stop_bench_ray(started)
     result = analyse(args, runs)
-    result["machine"] = c.machine_info() | {"loadavg_before": load_before}
-    result["bench_wall_s"] = time.time() - t_all
-    report(result)
-    out = c.write_result("async_vs_sync", result, args.out_dir)
-    plot(result, runs, args.out_dir / "async_vs_sync.png")
-    print(f"\nwrote {out} and {args.out_dir / 'async_vs_sync.png'} ({result['bench_wall_s']:.0f}s)")
+    c.finish("async_vs_sync", result, args.out_dir, t_all, load_before, report, lambda res, path: plot(res, runs, path))
     if args.keep_runs:
         print(f"run directories kept under {work}")
     else:

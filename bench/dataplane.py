@@ -288,12 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if small_step is not None:
         result["small"] = analyse_small(small_samples, small_step)
         result["dataplane_overhead_fraction_small"] = result["small"]["dataplane_overhead_fraction"]
-    result["machine"] = c.machine_info() | {"loadavg_before": load_before}
-    result["bench_wall_s"] = time.time() - t_all
-    report(result)
-    out = c.write_result("dataplane", result, args.out_dir)
-    plot(result, args.out_dir / "dataplane.png")
-    print(f"\nwrote {out} and {args.out_dir / 'dataplane.png'} ({result['bench_wall_s']:.0f}s)")
+    c.finish("dataplane", result, args.out_dir, t_all, load_before, report, plot)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

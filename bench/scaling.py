@@ -243,12 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"steady step {r['steady_step_s']:.3f}s  peak RSS {r['peak_rss_mb']:6.0f} MB  "
                           f"(process {r['wall_s']:.0f}s)", flush=True)
     result = analyse(args, raw, idle)
-    result["machine"] = c.machine_info() | {"loadavg_before": load_before}
-    result["bench_wall_s"] = time.time() - t_all
-    report(result)
-    out = c.write_result("scaling", result, args.out_dir)
-    plot(result, args.out_dir / "scaling.png")
-    print(f"\nwrote {out} and {args.out_dir / 'scaling.png'} ({result['bench_wall_s']:.0f}s)")
+    c.finish("scaling", result, args.out_dir, t_all, load_before, report, plot)
     import shutil
 
     shutil.rmtree(work, ignore_errors=True)

@@ -211,12 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         c.stop_bench_ray(started)
     result = analyse(args, runs)
-    result["machine"] = c.machine_info() | {"loadavg_before": load_before}
-    result["bench_wall_s"] = time.time() - t_all
-    report(result)
-    out = c.write_result("vs_trl", result, args.out_dir)
-    plot(result, args.out_dir / "vs_trl.png")
-    print(f"\nwrote {out} and {args.out_dir / 'vs_trl.png'} ({result['bench_wall_s']:.0f}s)")
+    c.finish("vs_trl", result, args.out_dir, t_all, load_before, report, plot)
     if not args.keep_runs:
         import shutil
 
