@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-s", type=float, default=0.2, help="RSS sampling period (default 0.2 s)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 32,64 and L 16,32, 3 steps")
     p.add_argument("--out-dir", type=Path, default=c.RESULTS)
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="redraw the figure (and print the tables) from a written result, without running")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.lengths, args.steps = "32,64", "16,32", 3
@@ -215,6 +217,11 @@ def points(args: argparse.Namespace, sweep: str) -> list[tuple[int, int, int]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.replot is not None:
+        result: dict[str, Any] = json.loads(args.replot.read_text())
+        report(result)
+        plot(result, args.replot.with_suffix(".png"))
+        return result
     peer = find_peer() if "trl" in args.sides else None
     work = Path(tempfile.mkdtemp(prefix="screl_bench_scaling_"))
     t_all = time.time()
