@@ -33,7 +33,12 @@ class WeightSync(Callback):
         # a step that left the policy unchanged (PPO critic warmup) refits nothing
         refit = bool(getattr(pl_module, "refit_due", True))
         info = dm.complete_step(_exported_weights(pl_module, dm) if refit else None)
-        pl_module.log("rollout/aborted_stale", float(info.get("aborted", 0)), batch_size=1)
+        aborted = {"rollout/aborted_stale": float(info.get("aborted", 0))}
+        stage = getattr(pl_module, "stage_metrics", None)  # screl's modules write a batch's metrics at once
+        if stage is not None:
+            stage(aborted)
+        else:
+            pl_module.log_dict(aborted, batch_size=1)
         _log_validation(trainer, info.get("validation", []))
 
     @override

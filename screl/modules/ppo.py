@@ -427,5 +427,5 @@ class PPO(GRPO):
             "ppo/policy_updates": float(self.update_counts["policy"]),
             "ppo/critic_updates": float(self.update_counts["critic"]),
         })
-        self.log_dict(logs, batch_size=rows)
+        self.stage_metrics(logs)
         self._log_chunk(batch, policy_loss, policy_metrics, rows, t0, stepped=True)
