@@ -18,10 +18,11 @@ they are recorded sealed, and no clear lands during the save).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -31,6 +32,8 @@ from screl.controller.watchdog import dead_for_good, health_checks, unreachable_
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
+    STALE,
+    Burst,
     ControllerState,
     CorePrompt,
     CoreSettings,
@@ -110,6 +113,7 @@ class RolloutController:
         self.shutting_down = False
         self.snapshots: Any = None
         self._calls: set[asyncio.Task[None]] = set()
+        self._burst_ids = itertools.count()
         self._changed: asyncio.Event | None = None
         self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None
@@ -175,15 +179,24 @@ class RolloutController:
         calls: dict[tuple[str, int, float], list[Dispatch]] = defaultdict(list)
         for d in eff.dispatch:  # one call per group: its siblings share a decode, groups land independently
             calls[d.group_id, d.worker, d.delay_s].append(d)
+        # the calls a worker gets at once form a burst: its decode starts once all of them have arrived
+        per_worker = Counter(worker for _, worker, delay in calls if delay == 0)
+        bursts = {w: Burst(next(self._burst_ids), n) for w, n in per_worker.items() if n > 1}
         for (_, worker, delay), dispatches in calls.items():
-            task = asyncio.get_running_loop().create_task(self._rollout_call(worker, dispatches, delay))
+            burst = bursts.get(worker) if delay == 0 else None
+            task = asyncio.get_running_loop().create_task(self._rollout_call(worker, dispatches, delay, burst))
             self._calls.add(task)
             task.add_done_callback(self._on_call_done)
-        if eff.clear:
-            async with self.barrier:
-                await self.dp.aclear(eff.clear)  # missing keys are ignored
+        if eff.clear:  # off the caller's path (a refit does not wait for it); behind the barrier all the same
+            task = asyncio.get_running_loop().create_task(self._clear(list(eff.clear)))
+            self._calls.add(task)
+            task.add_done_callback(self._on_call_done)
         if eff:
             self.notify()
+
+    async def _clear(self, keys: list[str]) -> None:
+        async with self.barrier:
+            await self.dp.aclear(keys)  # missing keys are ignored
 
     def _on_call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
@@ -203,8 +216,10 @@ class RolloutController:
         if self.latest_weights is not None and version != self.core.gen_version:
             await worker.update_weights.remote(self.latest_weights, self.core.gen_version)
 
-    async def _rollout_call(self, index: int, dispatches: list[Dispatch], delay_s: float) -> None:
-        """One rollout call on one worker; its reports (or its failure) go back into the core."""
+    async def _rollout_call(self, index: int, dispatches: list[Dispatch], delay_s: float,
+                            burst: Burst | None = None) -> None:
+        """One rollout call on one worker; its reports (or its failure) go back into the core. A worker that
+        answers ``STALE`` (restarted by Ray: initial weights, no data plane) is refreshed and called again."""
         import ray
 
         if delay_s > 0:
@@ -214,10 +229,13 @@ class RolloutController:
                 return
         worker = self.workers[index]
         try:
-            await self.ensure_fresh(worker)
             token = self.watchdog.call_started(index)
             try:
-                reports: list[SiblingReport] = await worker.rollout.remote(dispatches)
+                reports: list[SiblingReport] | str = await worker.rollout.remote(dispatches, self.core.gen_version,
+                                                                                  burst)
+                if reports == STALE:
+                    await self.ensure_fresh(worker)
+                    reports = await worker.rollout.remote(dispatches)
             finally:
                 self.watchdog.call_ended(token)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
@@ -227,6 +245,7 @@ class RolloutController:
                     await self._execute(self.core.worker_lost(index, why))
             await self._execute(self.core.call_failed([d.attempt for d in dispatches], type(err).__name__))
             return
+        assert not isinstance(reports, str), "a refreshed worker answered STALE"
         for rep in reports:
             await self._execute(self.core.report(rep, time.perf_counter()))
 

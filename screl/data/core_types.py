@@ -109,6 +109,21 @@ class Dispatch:
     """The attempt id is also the data-plane key its row is written under."""
 
 
+@dataclass(frozen=True)
+class Burst:
+    """Rollout calls the shell sends one worker at once (``size`` of them, one transition's dispatches): the
+    worker starts decoding as soon as the first generate of each has arrived, instead of waiting out its
+    gathering window after the last."""
+
+    id: int
+    size: int
+
+
+STALE = "stale"
+"""What a worker's ``rollout`` returns instead of reports when it serves an older version than the one the call
+expects, or has no data plane (Ray restarted it): the shell refreshes it and calls again."""
+
+
 @dataclass
 class Effects:
     """What a transition asks the shell to do, in this order: log ``events`` (already in mutation order),

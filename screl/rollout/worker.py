@@ -21,19 +21,20 @@ makes completions arrive out of dispatch order, on top of real generation.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
-from screl.data.core_types import Dispatch, SiblingReport
+from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
@@ -51,6 +52,20 @@ class _Pending:
     requests: Sequence[GenerationRequest]
     future: asyncio.Future[list[GenerationResult]]
     loop: asyncio.AbstractEventLoop
+    burst: tuple[int, int] | None = None
+    """(burst id, calls in the burst) of the rollout call's first generate: see :class:`Burst`."""
+
+
+@dataclass
+class _CallState:
+    """One rollout call's place, for the gathering of its first generate and the row sink's flush."""
+
+    burst: Burst | None
+    generating: int = 0
+    first_generate_done: bool = False
+
+
+_CALL: contextvars.ContextVar[_CallState | None] = contextvars.ContextVar("screl_rollout_call", default=None)
 
 
 class GenerationWorker:
@@ -84,6 +99,7 @@ class GenerationWorker:
         self.batch_window_s = batch_window_s
         self._rng = random.Random(seed + 7919)
         self._queue: list[_Pending] = []
+        self._burst_arrivals: dict[int, int] = {}  # calls seen per burst id (insertion-ordered: oldest first)
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._decode_loop, name="screl-decode", daemon=True)
         self._thread.start()
@@ -97,7 +113,8 @@ class GenerationWorker:
             self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA,
                                                     **(workflow_args or {}))
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
-        self.rows = RowSink(row_window_s)
+        self._call_states: dict[int, _CallState] = {}  # the rollout calls running now
+        self.rows = RowSink(row_window_s, busy=self._calls_working)
         self.reward_transform = reward_transform
         self.val_task = val_task
         self.deadlines = deadlines or Deadlines()
@@ -118,10 +135,33 @@ class GenerationWorker:
             tokens = self._prompt_tokens[prompt_id] = tuple(self._policy.prompt_token_ids(self._tokenizer, text))
         return tokens
 
-    async def rollout(self, dispatches: list[Dispatch]) -> list[SiblingReport]:
-        """Run the workflow on these siblings, write their rows, report metadata (one report per dispatch)."""
+    async def rollout(self, dispatches: list[Dispatch], expect_version: int | None = None,
+                      burst: Burst | None = None) -> list[SiblingReport] | str:
+        """Run the workflow on these siblings, write their rows, report metadata (one report per dispatch).
+
+        ``expect_version``: the version the run serves; a worker behind it (restarted by Ray with its initial
+        weights) or without a data plane returns :data:`STALE` at once, and the controller refreshes it and calls
+        again (one round trip instead of a status call before every rollout). ``burst``: the calls sent with this
+        one (the decode loop gathers them, then starts)."""
         if self.workflow is None or self.task is None:
             raise RuntimeError("this worker was started without a task: it can generate but not roll out")
+        if expect_version is not None and (self.engine.version < expect_version or self.rows.dataplane is None):
+            return STALE
+        state = _CallState(burst)
+        _CALL.set(state)
+        self._call_states[id(state)] = state
+        try:
+            return await self._rollout(dispatches)
+        finally:
+            del self._call_states[id(state)]
+            self.rows.poke()
+
+    def _calls_working(self) -> int:
+        """Rollout calls neither waiting on the engine nor on the row sink: they may write a row soon."""
+        return sum(1 for c in self._call_states.values() if c.generating == 0) - self.rows.writers
+
+    async def _rollout(self, dispatches: list[Dispatch]) -> list[SiblingReport]:
+        assert self.task is not None
         items = [RolloutItem(d.attempt, self.task.prompt(d.prompt_id), self._tokens(d.prompt_id),
                              dataclasses.replace(self.sampling, seed=d.seed), d.priority) for d in dispatches]
         call = CallDeadlines(self.deadlines, self.clock) if self.deadlines.any else None
@@ -214,10 +254,26 @@ class GenerationWorker:
             return results
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[GenerationResult]] = loop.create_future()
+        call = _CALL.get()
+        burst = None
+        if call is not None and not call.first_generate_done and call.burst is not None:
+            burst = (call.burst.id, call.burst.size)
         with self._cv:
-            self._queue.append(_Pending(requests, future, loop))
+            self._queue.append(_Pending(requests, future, loop, burst))
+            if burst is not None:
+                self._burst_arrivals[burst[0]] = self._burst_arrivals.get(burst[0], 0) + 1
+                while len(self._burst_arrivals) > 1024:  # forget the oldest bursts
+                    del self._burst_arrivals[next(iter(self._burst_arrivals))]
             self._cv.notify()
-        results = await future
+        if call is not None:
+            call.first_generate_done = True
+            call.generating += 1
+        try:
+            results = await future
+        finally:
+            if call is not None:
+                call.generating -= 1
+                self.rows.poke()
         if self.injected_latency_s > 0:
             await asyncio.sleep(self._rng.uniform(0.0, self.injected_latency_s))
         return results
@@ -227,13 +283,20 @@ class GenerationWorker:
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
-                # a step's groups arrive one by one as the pump reserves them: gather them into one decode
-                # (until no new group for `batch_window_s`, the batch is full, or 4 windows passed)
+                # a step's groups arrive one by one as the pump reserves them: gather them into one decode. Calls
+                # sent as a burst start as soon as every call of the burst is queued; others wait until no new
+                # group came for `batch_window_s`. Never past the batch size, nor 4 windows.
                 deadline = time.monotonic() + 4 * self.batch_window_s
                 while self.batch_window_s > 0 and self._queued_rows() < self.max_batch_size:
+                    missing = bursts_missing(self._queue, self._burst_arrivals)
+                    if missing == 0 and all(item.burst is not None for item in self._queue):
+                        break
                     seen = len(self._queue)
-                    self._cv.wait(timeout=self.batch_window_s)
-                    if len(self._queue) == seen or time.monotonic() >= deadline:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(timeout=min(left, self.batch_window_s))
+                    if len(self._queue) == seen and missing == 0:
                         break
                 batch, self._queue = take_batch(self._queue, self.max_batch_size)
             flat = [r for item in batch for r in item.requests]
@@ -352,14 +415,41 @@ class GenerationWorker:
 
 class RowSink:
     """Coalesces the worker's concurrent row writes into one data-plane put (a put costs a few ms whatever its
-    size): the first write of a burst waits ``window_s`` for company, then everything queued goes in one put."""
+    size): the first write of a burst waits for company, then everything queued goes in one put. It waits at
+    most ``window_s``, and not at all once ``busy()`` says no other rollout call could write soon (every other
+    call is waiting on the engine or already here)."""
 
-    def __init__(self, window_s: float = 0.005) -> None:
+    def __init__(self, window_s: float = 0.005, busy: Callable[[], int] | None = None) -> None:
         self.window_s = window_s
         self.dataplane: Any = None
         self.puts = 0
+        self.busy = busy
         self._queue: list[tuple[list[str], list[dict[str, torch.Tensor]], asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None
+        self.writers = 0  # calls inside put(), queued or being written
+    def poke(self) -> None:
+        """A rollout call changed state: the flusher looks again whether to wait for it."""
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _gather(self) -> None:
+        """Wait up to ``window_s`` for more writers, less when none could come."""
+        if self.busy is None:
+            await asyncio.sleep(self.window_s)
+            return
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        deadline = time.monotonic() + self.window_s
+        while self.busy() > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def put(self, keys: list[str], rows: list[dict[str, torch.Tensor]]) -> None:
         if self.dataplane is None:
@@ -367,12 +457,17 @@ class RowSink:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._queue.append((keys, rows, done))
+        self.writers += 1
+        self.poke()
         if self._flusher is None or self._flusher.done():
             self._flusher = loop.create_task(self._flush())
-        await asyncio.shield(done)
+        try:
+            await asyncio.shield(done)
+        finally:
+            self.writers -= 1
 
     async def _flush(self) -> None:
-        await asyncio.sleep(self.window_s)
+        await self._gather()
         while self._queue:
             batch, self._queue = self._queue, []
             keys = [k for ks, _, _ in batch for k in ks]
@@ -387,6 +482,13 @@ class RowSink:
                 continue
             for _, _, done in batch:
                 _set_result(done, None)
+
+
+def bursts_missing(queue: list[_Pending], arrived: Mapping[int, int]) -> int:
+    """Calls not arrived yet of the bursts that have a call in ``queue`` (``arrived``: calls seen per burst id,
+    those already decoded included)."""
+    sizes = {item.burst[0]: item.burst[1] for item in queue if item.burst is not None}
+    return sum(max(0, size - arrived.get(bid, 0)) for bid, size in sizes.items())
 
 
 def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], list[_Pending]]:

@@ -87,8 +87,7 @@ class SingleTurnWorkflow:
         completions = [decode_completion(self.tokenizer, r.token_ids) for _, r in done]
         loop = asyncio.get_running_loop()
         prompts = [i.prompt for i, _ in done]
-        scores = await loop.run_in_executor(None, self.score, prompts, completions)
-        masked = await loop.run_in_executor(None, self.masks, prompts, completions)
+        scores, masked = await loop.run_in_executor(None, self.judge, prompts, completions)
         by_attempt = {i.attempt: (r, s, m) for (i, r), s, m in zip(done, scores, masked, strict=True)}
         out = []
         for item, res in zip(items, results, strict=True):
@@ -105,6 +104,11 @@ class SingleTurnWorkflow:
                 outcome.reward = score
             out.append(outcome)
         return out
+
+    def judge(self, prompts: list[PromptRecord], completions: list[str]) -> tuple[list[float | BaseException],
+                                                                               list[bool]]:
+        """Rewards and masks in one trip to the executor."""
+        return self.score(prompts, completions), self.masks(prompts, completions)
 
     def masks(self, prompts: list[PromptRecord], completions: list[str]) -> list[bool]:
         """``Task.masked`` for each sample (a mask that raises counts as masked: the sample cannot be trusted)."""
