@@ -4,6 +4,11 @@ Batched sampling with a KV cache: prompts are left-padded (attention mask + posi
 token per step is decoded for the whole batch. Sampling is our own loop (not ``model.generate``) so
 that logprobs, per-token weight versions, stop handling and ``min_new_tokens`` are exact.
 
+Decoding runs on the model's static-cache path (:mod:`screl.rollout.static_decode`) where the model supports it
+(Qwen2 and Llama layouts) and ``decode`` (``generation.backend_args.decode``) is ``auto`` or ``static``; else on
+the Hugging Face forward with its dynamic cache (``hf``, or ``auto`` on other models). Both give the same logits
+to fp32 round-off; the engine logs which one it runs.
+
 Determinism: each request draws its uniforms from its own ``torch.Generator`` seeded by
 ``SamplingParams.seed`` and samples by inverse CDF, so a request's tokens depend on its seed, prompt
 and weights, not on its batch mates. Give siblings of a group different seeds.
@@ -12,6 +17,7 @@ and weights, not on its batch mates. Give siblings of a group different seeds.
 from __future__ import annotations
 
 import inspect
+import logging
 import random
 import threading
 from collections.abc import Mapping, Sequence
@@ -30,6 +36,12 @@ from screl.rollout.engine import (
     PauseMode,
     SamplingParams,
 )
+from screl.rollout.static_decode import StaticDecoder, static_decode_support
+
+log = logging.getLogger(__name__)
+
+DECODE_PATHS = ("auto", "static", "hf")
+DECODE_KEY = "data.init_args.generation.backend_args.decode"
 
 
 @dataclass
@@ -59,7 +71,9 @@ class _Batch:
     top_k: torch.Tensor
     min_new: torch.Tensor
     stop_mask: torch.Tensor
+    uniforms: torch.Tensor  # [rows, steps]: each row's draws, padded with its last
     cache: Any = None
+    static: StaticDecoder | None = None
     attn: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
 
@@ -76,14 +90,18 @@ class TorchGenerationEngine:
             in-flight sequences under the new weights (else the old KV cache is kept, PipelineRL style).
         seed: Seeds the seeds of requests without ``SamplingParams.seed`` (``None``: nondeterministic).
         version: Initial weight version label.
+        decode: ``auto`` (the static-cache path where the model supports it, else Hugging Face's forward),
+            ``static`` (that path, an error on a model it cannot run) or ``hf``.
     """
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> TorchGenerationEngine:
         """The engine a worker builds (``generation.backend: torch``); it takes no ``backend_args``."""
-        if options.args:
+        unknown = sorted(set(options.args) - {"decode"})
+        if unknown:
             raise ValueError(
-                f"data.init_args.generation.backend_args={dict(options.args)!r}: the torch backend takes none"
+                f"data.init_args.generation.backend_args={dict(options.args)!r}: the torch backend takes only "
+                f"'decode' ({'|'.join(DECODE_PATHS)}), not {unknown}"
             )
         return cls(
             policy,
@@ -92,6 +110,7 @@ class TorchGenerationEngine:
             max_batch_size=options.max_batch_size,
             recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
             seed=options.seed,
+            decode=options.args.get("decode", "auto"),
         )
 
     def __init__(
@@ -103,6 +122,7 @@ class TorchGenerationEngine:
         recompute_kv_cache_after_weight_updates: bool = False,
         seed: int | None = None,
         version: int = 0,
+        decode: str = "auto",
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -123,6 +143,7 @@ class TorchGenerationEngine:
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.decode_path = self._decode_path(decode)
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._version = version
         self._model_lock = threading.Lock()  # one forward pass or one weight load at a time
@@ -131,6 +152,24 @@ class TorchGenerationEngine:
         self._aborted: set[str] = set()
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
+
+    def _decode_path(self, decode: str) -> str:
+        """``static`` or ``hf`` from the setting, logged once (never a silent choice)."""
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"{DECODE_KEY}={decode!r}: expected one of {DECODE_PATHS}")
+        if decode == "hf":
+            log.info("screl: the torch engine decodes with Hugging Face's forward (%s=hf)", DECODE_KEY)
+            return "hf"
+        why = static_decode_support(self.model)
+        if why is not None:
+            if decode == "static":
+                raise ValueError(f"{DECODE_KEY}=static: {why}; set it to auto or hf")
+            log.info("screl: the torch engine decodes with Hugging Face's forward: the static-cache path cannot run "
+                     "this model (%s)", why)
+            return "hf"
+        log.info("screl: the torch engine decodes %s on its static-cache path (%s=%s)",
+                 type(self.model).__name__, DECODE_KEY, decode)
+        return "static"
 
     # ----------------------------------------------------------------------------------- protocol
 
@@ -292,7 +331,11 @@ class TorchGenerationEngine:
         for i, r in enumerate(rows):
             ids = [t for t in r.stop_ids if 0 <= t < n_vocab]
             stop_mask[i, ids] = True
+        steps = max(len(r.uniforms) for r in rows)
+        uniforms = torch.stack([torch.cat([r.uniforms, r.uniforms[-1:].expand(steps - len(r.uniforms))])
+                                for r in rows]).to(dev)
         return _Batch(
+            uniforms=uniforms,
             temps=torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev),
             top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.sampling.top_k or n_vocab for r in rows], dtype=torch.long, device=dev),
@@ -335,6 +378,10 @@ class TorchGenerationEngine:
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             attn[i, width - len(s) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
+        if self.decode_path == "static":
+            batch.static = StaticDecoder(self.model)
+            capacity = width + max(r.sampling.max_new_tokens - len(r.tokens) for r in rows)
+            return batch.static.start(ids, attn, capacity)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
@@ -347,8 +394,10 @@ class TorchGenerationEngine:
     @torch.inference_mode()
     def _decode(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
         """One cached step on each row's last token (finished rows decode a dummy token, ignored)."""
-        assert batch.attn is not None and batch.next_pos is not None
         last = [r.tokens[-1] if r.finish is None else self.pad_token_id for r in rows]
+        if batch.static is not None:
+            return batch.static.step(torch.tensor(last, dtype=torch.long, device=self.device))
+        assert batch.attn is not None and batch.next_pos is not None
         ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]
         batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(rows), 1))], dim=1)
         pos = batch.next_pos[:, None]
@@ -373,7 +422,7 @@ class TorchGenerationEngine:
         proc = _filter_top_k_top_p(proc, batch.top_k, batch.top_p)
         probs = torch.softmax(proc, dim=-1).double()
         cdf = probs.cumsum(dim=-1)
-        u = torch.stack([r.uniforms[min(step, len(r.uniforms) - 1)] for r in rows]).to(self.device)
+        u = batch.uniforms[:, min(step, batch.uniforms.shape[1] - 1)]
         target = ((1.0 - u) * cdf[:, -1])[:, None]
         sampled = torch.searchsorted(cdf, target).squeeze(1).clamp(max=self.vocab_size - 1)
         tokens = torch.where(greedy, proc.argmax(dim=-1), sampled)

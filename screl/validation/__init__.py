@@ -20,7 +20,13 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
-from screl.validation.rollout_rules import deadline_rules, refit_rules, vllm_rules, worker_health_rules
+from screl.validation.rollout_rules import (
+    deadline_rules,
+    refit_rules,
+    torch_backend_rules,
+    vllm_rules,
+    worker_health_rules,
+)
 from screl.validation.run_rules import (
     algorithm_pairing_rules,
     algorithm_rules,
@@ -48,6 +54,7 @@ RULES = (
     batch_rules,
     generation_rules,
     agent_rules,
+    torch_backend_rules,
     vllm_rules,
     deadline_rules,
     refit_rules,

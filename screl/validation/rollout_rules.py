@@ -62,6 +62,22 @@ def worker_health_rules(c: RuleContext) -> None:
               "set health_check_interval_s: 5")
 
 
+TORCH_DECODE_PATHS = ("auto", "static", "hf")  # screl.rollout.torch_engine.DECODE_PATHS (kept free of torch here)
+
+
+def torch_backend_rules(c: RuleContext) -> None:
+    """``backend: torch`` takes one ``backend_args`` key, ``decode``."""
+    if c.gen.get("backend", "torch") != "torch":
+        return
+    args = c.gen.get("backend_args") or {}
+    for key in sorted(set(args) - {"decode"}):
+        c.bad(f"{GEN}.backend_args.{key}", args[key], "the torch backend takes only backend_args.decode",
+              f"remove {key}")
+    if "decode" in args and args["decode"] not in TORCH_DECODE_PATHS:
+        c.bad(f"{GEN}.backend_args.decode", args["decode"], f"must be one of {', '.join(TORCH_DECODE_PATHS)}",
+              "set decode: auto (the static-cache path where the model supports it)")
+
+
 def vllm_rules(c: RuleContext) -> None:
     """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
     if c.gen.get("backend", "torch") != "vllm":

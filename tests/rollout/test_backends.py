@@ -47,9 +47,11 @@ def test_a_backend_that_cannot_be_used_is_named(name: str, match: str) -> None:
         resolve_backend(name)
 
 
-def test_the_torch_backend_refuses_backend_args() -> None:
-    with pytest.raises(ValueError, match=r"backend_args=\{'beam': 4\}: the torch backend takes none"):
+def test_the_torch_backend_takes_only_decode_in_backend_args() -> None:
+    with pytest.raises(ValueError, match=r"backend_args=\{'beam': 4\}: the torch backend takes only 'decode' "
+                                         r"\(auto\|static\|hf\), not \['beam'\]"):
         TorchGenerationEngine.from_options(POLICY, EngineOptions(args={"beam": 4}))
+    assert TorchGenerationEngine.from_options(POLICY, EngineOptions(args={"decode": "hf"})).decode_path == "hf"
 
 
 def _example_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
