@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
+"""The rollout workflow a worker runs unless ``generation.workflow`` names another."""
 
 @dataclass
 class Resources:
@@ -77,7 +79,7 @@ class GenerationConfig:
     refit_bucket_mb: float = 64.0
     """Weights travel to the workers in buckets of about this many MiB (the trainer never serializes the whole
     model as one object). Under ``MegatronStrategy`` its ``export_bucket_bytes`` sets the bucket size instead."""
-    workflow: str = "screl.rollout.workflow.SingleTurnWorkflow"
+    workflow: str = DEFAULT_WORKFLOW
     """Rollout workflow class (``package.module.Class``) each worker runs per sibling: generate, reward, build
     the row (see docs/extending.md). The default generates once and scores with the task;
     ``screl.rollout.MultiTurnWorkflow`` runs conversations with the task's environments (docs/agents.md)."""

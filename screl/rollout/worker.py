@@ -34,6 +34,7 @@ from typing import Any
 import ray
 import torch
 
+from screl.config_generation import DEFAULT_WORKFLOW
 from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
@@ -43,8 +44,6 @@ from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationRes
 from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
-
-DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 
 
 @dataclass

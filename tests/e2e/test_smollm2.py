@@ -42,4 +42,5 @@ def test_two_grpo_steps_of_the_demo_config_change_the_weights(smollm2: SmolLM2, 
     moved = max((probe.final[k] - before[k]).abs().max().item() for k in before)
     assert moved > 0.0, "two optimizer steps left the weights where they were"
     mismatch = [r["train/logprob_mismatch"] for r in rows if "train/logprob_mismatch" in r]
-    assert len(mismatch) == 2 and max(mismatch) < 0.05, mismatch
+    # step 0 trains version 0's own tokens; step 1 has on-policy tokens only if the refit landed mid-decode
+    assert 1 <= len(mismatch) <= 2 and max(mismatch) < 0.05, mismatch
