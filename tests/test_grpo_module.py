@@ -148,6 +148,34 @@ def test_a_step_streamed_in_two_chunks_equals_one_chunk() -> None:
                                                      strict=True))
 
 
+def test_micro_batches_by_token_budget_give_the_whole_chunks_update() -> None:
+    meta, data = _rollouts(4, temperature=1.0)
+    batch = collate_chunk(meta, data, pad_id=0)
+    rows, width = batch["input_ids"].shape
+    whole, split = _module(_SGD), _module(_SGD)
+    assert rows == 8
+    whole.micro_batch_tokens, split.micro_batch_tokens = 0, 3 * width  # 3 rows' worth: micro-batches of 3, 3, 2
+    assert (whole._micro_rows(rows, width), split._micro_rows(rows, width)) == (rows, 3)
+    calls = []
+    forward = split.model.forward
+    split.model.forward = lambda *a, **k: calls.append(k["input_ids"].shape[0]) or forward(*a, **k)  # type: ignore[method-assign]
+    _fit(whole, [batch])
+    _fit(split, [batch])
+    assert calls == [3, 3, 2]
+    for (name, p1), (_, p2) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_automatic_micro_batch_budget_is_cpu_only_and_the_setting_is_checked() -> None:
+    auto = _module()
+    assert auto._micro_rows(64, 68) == 32  # 4352 tokens > 4096 on a CPU: two micro-batches
+    assert auto._micro_rows(32, 20) == 32
+    auto.micro_batch_size = 5
+    assert auto._micro_rows(64, 68) == 5  # explicit rows win
+    with pytest.raises(ValueError, match=r"model.init_args.micro_batch_tokens=-1: must be >= 0"):
+        GRPO(policy=SPEC, micro_batch_tokens=-1)
+
+
 def test_overlong_filtering_masks_truncated_rows_from_the_loss_only() -> None:
     from screl.modules.grpo import loss_sample_mask, mask_metrics
 
