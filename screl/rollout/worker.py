@@ -427,6 +427,7 @@ class RowSink:
         self._flusher: asyncio.Task[None] | None = None
         self._changed: asyncio.Event | None = None
         self.writers = 0  # calls inside put(), queued or being written
+
     def poke(self) -> None:
         """A rollout call changed state: the flusher looks again whether to wait for it."""
         if self._changed is not None:
