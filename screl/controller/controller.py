@@ -208,9 +208,10 @@ class RolloutController:
             calls[d.group_id, d.worker, d.delay_s].append(d)
         if self._merge_groups:
             calls = merge_group_calls(calls, self.generation.max_batch_size)
-        # the calls a worker gets at once form a burst: its decode starts once all of them have arrived
+        # the calls a worker gets at once form a burst (one call too): its decode starts once all have arrived,
+        # without waiting out the gathering window for calls that are not coming
         per_worker = Counter(worker for _, worker, delay in calls if delay == 0)
-        bursts = {w: Burst(next(self._burst_ids), n) for w, n in per_worker.items() if n > 1}
+        bursts = {w: Burst(next(self._burst_ids), n) for w, n in per_worker.items()}
         for (_, worker, delay), dispatches in calls.items():
             burst = bursts.get(worker) if delay == 0 else None
             task = asyncio.get_running_loop().create_task(self._rollout_call(worker, dispatches, delay, burst))

@@ -67,6 +67,12 @@ def test_a_burst_decodes_together_once_all_its_calls_arrived_and_its_rows_go_in_
     assert len(plane.puts) == 1 and sorted(plane.puts[0]) == sorted(d.attempt for g in groups for d in g)
 
 
+def test_a_call_sent_alone_as_a_burst_of_one_decodes_at_once() -> None:
+    w, batches = _worker(window_s=60.0)
+    [reports] = asyncio.run(_calls(w, [_group("g0", 0)], Burst(9, 1)))
+    assert [r.status for r in reports] == ["sealed"] * G and batches == [G]
+
+
 def test_a_burst_member_that_never_comes_holds_the_decode_only_until_four_windows() -> None:
     w, batches = _worker(window_s=0.05)
     reports = asyncio.run(_calls(w, [_group("g0", 0), _group("g1", 1)], Burst(1, 3)))  # the third never comes
