@@ -305,11 +305,16 @@ class GenerationWorker:
                 for item in batch:
                     item.loop.call_soon_threadsafe(_set_exception, item.future, err)
                 continue
+            # one hand-over per event loop: the batch's callers all resume in the same loop iteration, so none
+            # reaches the row sink while another still counts as generating (the sink would put it alone)
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
             at = 0
             for item in batch:
                 part = results[at : at + len(item.requests)]
                 at += len(item.requests)
-                item.loop.call_soon_threadsafe(_set_result, item.future, part)
+                by_loop.setdefault(item.loop, []).append((item.future, part))
+            for loop, handed in by_loop.items():
+                loop.call_soon_threadsafe(_set_results, handed)
 
     def _queued_rows(self) -> int:
         return sum(len(item.requests) for item in self._queue)
@@ -513,6 +518,11 @@ def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], li
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_results(handed: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for future, value in handed:
+        _set_result(future, value)
 
 
 def _set_exception(future: asyncio.Future[Any], err: BaseException) -> None:
