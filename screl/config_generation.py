@@ -7,6 +7,9 @@ from typing import Any
 
 DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 """The rollout workflow a worker runs unless ``generation.workflow`` names another."""
+TORCH_DECODE_PATHS = ("auto", "static", "hf")
+"""The torch backend's ``backend_args.decode`` values (:mod:`screl.rollout.torch_engine`)."""
+
 
 @dataclass
 class Resources:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec
 from screl.rollout.engine import (
     EngineOptions,
@@ -40,7 +41,7 @@ from screl.rollout.static_decode import StaticDecoder, static_decode_support
 
 log = logging.getLogger(__name__)
 
-DECODE_PATHS = ("auto", "static", "hf")
+DECODE_PATHS = TORCH_DECODE_PATHS
 DECODE_KEY = "data.init_args.generation.backend_args.decode"
 
 
@@ -96,7 +97,7 @@ class TorchGenerationEngine:
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> TorchGenerationEngine:
-        """The engine a worker builds (``generation.backend: torch``); it takes no ``backend_args``."""
+        """The engine a worker builds (``generation.backend: torch``); its one ``backend_args`` key is ``decode``."""
         unknown = sorted(set(options.args) - {"decode"})
         if unknown:
             raise ValueError(

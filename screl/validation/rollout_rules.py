@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from screl.config_generation import TORCH_DECODE_PATHS
 from screl.data.sampler_config import InOrderSamplerConfig
 from screl.validation.context import RuleContext, get
 
@@ -60,9 +61,6 @@ def worker_health_rules(c: RuleContext) -> None:
     if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0):
         c.bad("async_rl.watchdog.health_check_interval_s", interval, "must be a number of seconds > 0, or null (off)",
               "set health_check_interval_s: 5")
-
-
-TORCH_DECODE_PATHS = ("auto", "static", "hf")  # screl.rollout.torch_engine.DECODE_PATHS (kept free of torch here)
 
 
 def torch_backend_rules(c: RuleContext) -> None:
