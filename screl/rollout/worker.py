@@ -27,7 +27,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,20 +39,19 @@ from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.rollout.backends import build_engine, merge_buckets
+from screl.rollout.batching import (
+    Pending,
+    RowSink,
+    bursts_missing,
+    set_exception,
+    set_results,
+    take_batch,
+)
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, PauseMode, SamplingParams
 from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
-
-
-@dataclass
-class _Pending:
-    requests: Sequence[GenerationRequest]
-    future: asyncio.Future[list[GenerationResult]]
-    loop: asyncio.AbstractEventLoop
-    burst: tuple[int, int] | None = None
-    """(burst id, calls in the burst) of the rollout call's first generate: see :class:`Burst`."""
 
 
 @dataclass
@@ -97,7 +96,7 @@ class GenerationWorker:
         self.injected_latency_s = injected_latency_s
         self.batch_window_s = batch_window_s
         self._rng = random.Random(seed + 7919)
-        self._queue: list[_Pending] = []
+        self._queue: list[Pending] = []
         self._burst_arrivals: dict[int, int] = {}  # calls seen per burst id (insertion-ordered: oldest first)
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._decode_loop, name="screl-decode", daemon=True)
@@ -258,7 +257,7 @@ class GenerationWorker:
         if call is not None and not call.first_generate_done and call.burst is not None:
             burst = (call.burst.id, call.burst.size)
         with self._cv:
-            self._queue.append(_Pending(requests, future, loop, burst))
+            self._queue.append(Pending(requests, future, loop, burst))
             if burst is not None:
                 self._burst_arrivals[burst[0]] = self._burst_arrivals.get(burst[0], 0) + 1
                 while len(self._burst_arrivals) > 1024:  # forget the oldest bursts
@@ -303,7 +302,7 @@ class GenerationWorker:
                 results = self.engine.generate(flat)
             except BaseException as err:  # noqa: BLE001 - handed to each waiting caller
                 for item in batch:
-                    item.loop.call_soon_threadsafe(_set_exception, item.future, err)
+                    item.loop.call_soon_threadsafe(set_exception, item.future, err)
                 continue
             # one hand-over per event loop: the batch's callers all resume in the same loop iteration, so none
             # reaches the row sink while another still counts as generating (the sink would put it alone)
@@ -314,7 +313,7 @@ class GenerationWorker:
                 at += len(item.requests)
                 by_loop.setdefault(item.loop, []).append((item.future, part))
             for loop, handed in by_loop.items():
-                loop.call_soon_threadsafe(_set_results, handed)
+                loop.call_soon_threadsafe(set_results, handed)
 
     def _queued_rows(self) -> int:
         return sum(len(item.requests) for item in self._queue)
@@ -415,119 +414,6 @@ class GenerationWorker:
 
     async def row_puts(self) -> int:
         return self.rows.puts
-
-
-class RowSink:
-    """Coalesces the worker's concurrent row writes into one data-plane put (a put costs a few ms whatever its
-    size): the first write of a burst waits for company, then everything queued goes in one put. It waits at
-    most ``window_s``, and not at all once ``busy()`` says no other rollout call could write soon (every other
-    call is waiting on the engine or already here)."""
-
-    def __init__(self, window_s: float = 0.005, busy: Callable[[], int] | None = None) -> None:
-        self.window_s = window_s
-        self.dataplane: Any = None
-        self.puts = 0
-        self.busy = busy
-        self._queue: list[tuple[list[str], list[dict[str, torch.Tensor]], asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
-        self._changed: asyncio.Event | None = None
-        self.writers = 0  # calls inside put(), queued or being written
-
-    def poke(self) -> None:
-        """A rollout call changed state: the flusher looks again whether to wait for it."""
-        if self._changed is not None:
-            self._changed.set()
-
-    async def _gather(self) -> None:
-        """Wait up to ``window_s`` for more writers, less when none could come."""
-        if self.busy is None:
-            await asyncio.sleep(self.window_s)
-            return
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        deadline = time.monotonic() + self.window_s
-        while self.busy() > 0:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                return
-
-    async def put(self, keys: list[str], rows: list[dict[str, torch.Tensor]]) -> None:
-        if self.dataplane is None:
-            raise RuntimeError("the worker has no data plane attached (set_data_plane)")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        self._queue.append((keys, rows, done))
-        self.writers += 1
-        self.poke()
-        if self._flusher is None or self._flusher.done():
-            self._flusher = loop.create_task(self._flush())
-        try:
-            await asyncio.shield(done)
-        finally:
-            self.writers -= 1
-
-    async def _flush(self) -> None:
-        await self._gather()
-        while self._queue:
-            batch, self._queue = self._queue, []
-            keys = [k for ks, _, _ in batch for k in ks]
-            try:
-                await self.dataplane.aput(keys, ROW_SCHEMA.merge([r for _, rows, _ in batch for r in rows]))
-                self.puts += 1
-            except BaseException as err:  # noqa: BLE001 - every writer of the batch hears about it
-                for _, _, done in batch:
-                    _set_exception(done, err)
-                if isinstance(err, asyncio.CancelledError):
-                    raise
-                continue
-            for _, _, done in batch:
-                _set_result(done, None)
-
-
-def bursts_missing(queue: list[_Pending], arrived: Mapping[int, int]) -> int:
-    """Calls not arrived yet of the bursts that have a call in ``queue`` (``arrived``: calls seen per burst id,
-    those already decoded included)."""
-    sizes = {item.burst[0]: item.burst[1] for item in queue if item.burst is not None}
-    return sum(max(0, size - arrived.get(bid, 0)) for bid, size in sizes.items())
-
-
-def take_batch(queue: list[_Pending], max_rows: int) -> tuple[list[_Pending], list[_Pending]]:
-    """Split ``queue`` into the next decode batch and the rest: the most urgent priority's groups in arrival
-    order while they fit in ``max_rows`` (always at least one group); other priorities wait their turn."""
-    priorities = [min((r.priority for r in item.requests), default=0) for item in queue]
-    urgent = min(priorities, default=0)
-    batch: list[_Pending] = []
-    rest: list[_Pending] = []
-    rows, full = 0, False
-    for item, priority in zip(queue, priorities, strict=True):
-        if priority == urgent and not full and (not batch or rows + len(item.requests) <= max_rows):
-            batch.append(item)
-            rows += len(item.requests)
-        else:
-            # an urgent group that did not fit ends the batch: later ones must not overtake it
-            full = full or priority == urgent
-            rest.append(item)
-    return batch, rest
-
-
-def _set_result(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_results(handed: list[tuple[asyncio.Future[Any], Any]]) -> None:
-    for future, value in handed:
-        _set_result(future, value)
-
-
-def _set_exception(future: asyncio.Future[Any], err: BaseException) -> None:
-    if not future.done():
-        future.set_exception(err)
 
 
 @dataclass(frozen=True)

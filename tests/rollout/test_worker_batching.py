@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
+from screl.rollout.batching import Pending, take_batch
 from screl.rollout.engine import GenerationRequest
-from screl.rollout.worker import _Pending, take_batch
 
 
-def group(name: str, rows: int, priority: int) -> _Pending:
+def group(name: str, rows: int, priority: int) -> Pending:
     loop = asyncio.new_event_loop()
     reqs = [GenerationRequest(f"{name}-{i}", [2, 3], priority=priority) for i in range(rows)]
-    item = _Pending(reqs, loop.create_future(), loop)
+    item = Pending(reqs, loop.create_future(), loop)
     loop.close()
     return item
 
 
-def names(items: list[_Pending]) -> list[str]:
+def names(items: list[Pending]) -> list[str]:
     return [item.requests[0].request_id.split("-")[0] for item in items]
 
 

@@ -13,8 +13,9 @@ from typing import Any
 from screl.data.core_types import STALE, Burst, Dispatch
 from screl.envs import CountLetter
 from screl.models import TinyCausalLM
+from screl.rollout.batching import Pending, RowSink, bursts_missing
 from screl.rollout.engine import SamplingParams
-from screl.rollout.worker import GenerationWorker, RowSink, _Pending, bursts_missing
+from screl.rollout.worker import GenerationWorker
 
 G = 2  # siblings per group
 
@@ -115,7 +116,7 @@ def test_the_row_sink_waits_for_a_busy_call_then_puts_both_rows_once() -> None:
 
 def test_bursts_missing_counts_each_bursts_absent_calls() -> None:
     loop = asyncio.new_event_loop()
-    queue = [_Pending([], loop.create_future(), loop, b) for b in [(1, 3), (1, 3), (2, 1), None]]
+    queue = [Pending([], loop.create_future(), loop, b) for b in [(1, 3), (1, 3), (2, 1), None]]
     loop.close()
     assert bursts_missing(queue, {1: 2, 2: 1}) == 1
     assert bursts_missing(queue, {1: 3, 2: 1}) == 0  # burst 1's third call came and was decoded already
