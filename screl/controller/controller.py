@@ -22,12 +22,11 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TextIO
 
 from screl.config import GenerationConfig, RunConfig
-from screl.config_generation import DEFAULT_WORKFLOW
+from screl.controller.dispatch import groups_land_together, plan_calls
 from screl.controller.validation import ValidationRunner
 from screl.controller.watchdog import dead_for_good, health_checks, unreachable_workers
 from screl.data import create_sampler
@@ -90,28 +89,6 @@ def recovery_policy(run: RunConfig) -> RecoveryPolicy:
     )
 
 
-def merge_group_calls(calls: dict[tuple[str, int, float], list[Dispatch]],
-                      max_rows: int) -> dict[tuple[str, int, float], list[Dispatch]]:
-    """The immediate calls to each worker merged into calls of at most ``max_rows`` siblings of one priority
-    (whole groups; a group larger than that alone), in dispatch order: a later step's groups never share a call
-    with the current step's, which the worker decodes first. Delayed calls (retries) stay as they are."""
-    out: dict[tuple[str, int, float], list[Dispatch]] = {}
-    open_: dict[tuple[int, int], tuple[str, int, float]] = {}
-    for key, dispatches in calls.items():
-        _, worker, delay = key
-        if delay > 0:
-            out[key] = dispatches
-            continue
-        slot = (worker, min(d.priority for d in dispatches))
-        current = open_.get(slot)
-        if current is not None and len(out[current]) + len(dispatches) <= max_rows:
-            out[current] = out[current] + dispatches
-        else:
-            open_[slot] = key
-            out[key] = list(dispatches)
-    return out
-
-
 class RolloutController:
     """The single controller. Build it with :func:`screl.controller.spawn_controller`."""
 
@@ -137,10 +114,7 @@ class RolloutController:
         self.snapshots: Any = None
         self._calls: set[asyncio.Task[None]] = set()
         self._burst_ids = itertools.count()
-        # one call for all the groups a worker gets at once where they would land together anyway: the torch
-        # engine decodes a batch to its end, the single-turn workflow has no per-group waits
-        self._merge_groups = (generation.backend == "torch" and generation.workflow == DEFAULT_WORKFLOW
-                              and generation.injected_latency_s == 0)
+        self._merge_groups = groups_land_together(generation)
         self._changed: asyncio.Event | None = None
         self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None
@@ -203,26 +177,20 @@ class RolloutController:
             self.pump_error = eff.error
         for worker, attempts in eff.abort.items():
             self.workers[worker].abort.remote(attempts)
-        calls: dict[tuple[str, int, float], list[Dispatch]] = defaultdict(list)
-        for d in eff.dispatch:  # one call per group: its siblings share a decode, groups land independently
-            calls[d.group_id, d.worker, d.delay_s].append(d)
-        if self._merge_groups:
-            calls = merge_group_calls(calls, self.generation.max_batch_size)
-        # the calls a worker gets at once form a burst (one call too): its decode starts once all have arrived,
-        # without waiting out the gathering window for calls that are not coming
-        per_worker = Counter(worker for _, worker, delay in calls if delay == 0)
-        bursts = {w: Burst(next(self._burst_ids), n) for w, n in per_worker.items()}
-        for (_, worker, delay), dispatches in calls.items():
-            burst = bursts.get(worker) if delay == 0 else None
-            task = asyncio.get_running_loop().create_task(self._rollout_call(worker, dispatches, delay, burst))
-            self._calls.add(task)
-            task.add_done_callback(self._on_call_done)
+        # one call per group (its siblings share a decode, groups land independently), or per worker and step where
+        # they land together anyway; each worker's calls of this transition form a burst
+        for call in plan_calls(eff.dispatch, self._merge_groups, self.generation.max_batch_size, self._burst_ids):
+            self._spawn(self._rollout_call(call.worker, call.dispatches, call.delay_s, call.burst))
         if eff.clear:  # off the caller's path (a refit does not wait for it); behind the barrier all the same
-            task = asyncio.get_running_loop().create_task(self._clear(list(eff.clear)))
-            self._calls.add(task)
-            task.add_done_callback(self._on_call_done)
+            self._spawn(self._clear(list(eff.clear)))
         if eff:
             self.notify()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task of this actor: cancelled at shutdown, its failure stops the pump."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._calls.add(task)
+        task.add_done_callback(self._on_call_done)
 
     async def _clear(self, keys: list[str]) -> None:
         async with self.barrier:

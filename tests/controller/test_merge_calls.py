@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from screl.controller.controller import merge_group_calls
-from screl.data.core_types import Dispatch
+from screl.controller.dispatch import merge_group_calls, plan_calls
+from screl.data.core_types import Burst, Dispatch
 
 
 def _calls(*groups: tuple[str, int, float, int], step: int = 0) -> dict[tuple[str, int, float], list[Dispatch]]:
@@ -34,3 +34,14 @@ def test_groups_of_different_steps_never_share_a_call() -> None:
     calls = _calls(("a", 0, 0.0, 2)) | _calls(("b", 0, 0.0, 2), step=1) | _calls(("c", 0, 0.0, 2))
     assert _shape(merge_group_calls(calls, 64)) == [(0, 0.0, ["a_a0", "a_a1", "c_a0", "c_a1"]),
                                                      (0, 0.0, ["b_a0", "b_a1"])]
+
+
+def test_each_workers_immediate_calls_form_one_burst_and_retries_none() -> None:
+    dispatches = [d for ds in _calls(("a", 0, 0.0, 2), ("b", 1, 0.0, 2), ("c", 0, 0.5, 2)).values() for d in ds]
+    calls = plan_calls(dispatches, merge=False, max_rows=64, burst_ids=iter(range(10, 20)))
+    assert [(c.worker, c.delay_s, c.burst) for c in calls] == [(0, 0.0, Burst(10, 1)), (1, 0.0, Burst(11, 1)),
+                                                              (0, 0.5, None)]
+    merged = plan_calls(dispatches + [Dispatch("d_a0", "d", 0, 0, 0, 0, 0)], merge=True, max_rows=64,
+                        burst_ids=iter(range(3)))
+    assert [(c.worker, [d.attempt for d in c.dispatches], c.burst) for c in merged] == [
+        (0, ["a_a0", "a_a1", "d_a0"], Burst(0, 1)), (1, ["b_a0", "b_a1"], Burst(1, 1)), (0, ["c_a0", "c_a1"], None)]
