@@ -39,6 +39,7 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
+from screl.modules.megatron_policy import fit_provider_to_policy, megatron_token_logprobs
 from screl.modules.step_log import BatchMetrics
 from screl.rollout.backends import iter_buckets, merge_buckets
 from screl.rollout.rows import FINISH_CODES
@@ -64,69 +65,6 @@ def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def megatron_token_logprobs(
-    strategy: Any, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float
-) -> Tensor:
-    """:func:`token_logprobs` for a Megatron ``GPTModel`` under ``MegatronStrategy``: ``[rows, len - 1]``.
-
-    Rows must be right-padded (as ``collate_chunk`` makes them): under the causal mask no real token
-    attends to padding, and positions count from 0 as in the Hugging Face model, so the real tokens'
-    logprobs equal the unpadded ones. Padded positions hold garbage that the token mask drops.
-    """
-    require_right_padding(attention_mask)
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return megatron_logprobs_of(strategy, model(input_ids, position_ids, None), input_ids, temperature)
-
-
-def require_right_padding(attention_mask: Tensor) -> None:
-    """Megatron's positions count from 0 on every row: refuse a row with padding before a real token."""
-    mask = attention_mask.bool()
-    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError(
-            "GRPO under MegatronStrategy needs right-padded rows (attention_mask 1...1 0...0); "
-            "got a row with padding before a real token"
-        )
-
-
-def megatron_logprobs_of(strategy: Any, logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
-    """The next-token logprobs ``[rows, len - 1]`` of a ``GPTModel``'s logits (vocabulary-parallel under TP)."""
-    logits = logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits.float() / temperature
-    return strategy.token_logprobs(logits, input_ids[:, 1:])  # type: ignore[no-any-return]
-
-
-#: ``GPTModelProvider`` fields that ``from_hf_config`` derives from the policy's architecture.
-_ARCH_FIELDS = (
-    "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-    "max_sequence_length", "layernorm_epsilon", "add_qkv_bias", "rotary_base",
-    "share_embeddings_and_output_weights",
-)
-
-
-def _fit_provider_to_policy(strategy: Any, hf_model: torch.nn.Module) -> None:
-    """Make the strategy build the policy's architecture: derive its provider from the Hugging Face config
-    when none was given; check an explicit ``GPTModelProvider`` against it."""
-    from screl.strategies import GPTModelProvider
-
-    dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
-    expected = GPTModelProvider.from_hf_config(hf_model.config, params_dtype=dtype)
-    if getattr(strategy, "model_provider_is_default", False):
-        strategy.model_provider = expected
-        strategy.model_provider_is_default = False
-        return
-    given = strategy.model_provider
-    if isinstance(given, GPTModelProvider):
-        bad = [f"{k}={getattr(given, k)!r} (policy: {getattr(expected, k)!r})" for k in _ARCH_FIELDS
-               if getattr(given, k) != getattr(expected, k)]
-        if bad:
-            raise ValueError(
-                "trainer.strategy.init_args.model_provider does not match model.init_args.policy: "
-                + ", ".join(bad)
-                + ". Drop model_provider (GRPO derives it from the policy) or fix these fields."
-            )
 
 
 def loss_sample_mask(batch: dict[str, Any], overlong_filtering: bool) -> Tensor:
@@ -267,7 +205,7 @@ class GRPO(LightningModule):
         from screl.strategies import load_hf_weights
 
         hf_model = self.model
-        _fit_provider_to_policy(strategy, hf_model)
+        fit_provider_to_policy(strategy, hf_model)
         model = strategy.build_model()
         load_hf_weights(model, hf_model.state_dict())
         self.model = model
@@ -331,7 +269,7 @@ class GRPO(LightningModule):
                 raise AllFilteredStepError(int(batch["trainer_version"]), batch)
         grad_norm = self._optimizer_step(opt) if stepped else None
         if rows > 0:
-            self._log_chunk(batch, loss_total, metrics_acc, rows, t0, stepped, grad_norm)
+            self._log_chunk(batch, loss_total, metrics_acc, t0, stepped, grad_norm)
         return loss_total
 
     def _step_trained_rows_everywhere(self, batch: dict[str, Any]) -> float:
@@ -473,8 +411,8 @@ class GRPO(LightningModule):
         return grad_norm
 
     def _log_chunk(
-        self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], rows: int, t0: float,
-        stepped: bool, grad_norm: Tensor | None = None,
+        self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], t0: float, stepped: bool,
+        grad_norm: Tensor | None = None,
     ) -> None:
         """Stage the chunk's metrics (progress bar, the rest); they are written once at the batch's end."""
         version = int(batch["trainer_version"])

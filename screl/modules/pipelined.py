@@ -21,7 +21,7 @@ def pipelined_chunk(module: Any, batch: dict[str, Any], chunk: Any) -> tuple[Ten
     metrics of each micro-batch, on every rank."""
     from megatron.core import parallel_state
 
-    from screl.modules.grpo import megatron_logprobs_of, require_right_padding
+    from screl.modules.megatron_policy import megatron_logprobs_of, require_right_padding
 
     strategy = module._megatron_strategy
     mb = module.micro_batch_size or max(chunk.rows, 1)

@@ -44,13 +44,13 @@ from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, termina
 from screl.config import PPOConfig, from_dict
 from screl.models import PolicySpec, ValueModel
 from screl.modules.grpo import (
-    _ARCH_FIELDS,
     GRPO,
     AllFilteredStepError,
     behaviour,
     loss_sample_mask,
     token_logprobs,
 )
+from screl.modules.megatron_policy import ARCH_FIELDS
 from screl.modules.warm_start import load_critic_weights
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def _critic_provider(strategy: Any, hf_trunk: torch.nn.Module) -> Any:
     policy = strategy.model_provider
     if not isinstance(policy, GPTModelProvider):
         return arch
-    return dataclasses.replace(policy, params_dtype=dtype, **{k: getattr(arch, k) for k in _ARCH_FIELDS})
+    return dataclasses.replace(policy, params_dtype=dtype, **{k: getattr(arch, k) for k in ARCH_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -415,7 +415,6 @@ class PPO(GRPO):
         self, batch: dict[str, Any], data: _StepData, policy_loss: Tensor, policy_metrics: dict[str, list[Tensor]],
         critic_metrics: dict[str, Tensor], train_policy: bool, t0: float,
     ) -> None:
-        rows = int(batch["input_ids"].shape[0])
         mask = (data.token_mask * data.sample_mask[:, None]).bool()
         adv, ret = data.advantages[mask], data.returns[mask]
         logs: dict[str, Any] = {f"critic/{k}": v for k, v in critic_metrics.items()}
@@ -428,4 +427,4 @@ class PPO(GRPO):
             "ppo/critic_updates": float(self.update_counts["critic"]),
         })
         self.stage_metrics(logs)
-        self._log_chunk(batch, policy_loss, policy_metrics, rows, t0, stepped=True)
+        self._log_chunk(batch, policy_loss, policy_metrics, t0, stepped=True)

@@ -252,7 +252,7 @@ def test_shard_groups_rejects_partial_groups() -> None:
 
 
 def test_megatron_logprobs_need_right_padding() -> None:
-    from screl.modules.grpo import megatron_token_logprobs
+    from screl.modules.megatron_policy import megatron_token_logprobs
 
     ids = torch.ones(2, 4, dtype=torch.long)
     left_padded = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
@@ -266,16 +266,16 @@ def test_explicit_model_provider_must_match_the_policy() -> None:
     from screl.strategies import GPTModelProvider
 
     from screl.models import TinyCausalLM
-    from screl.modules.grpo import _fit_provider_to_policy
+    from screl.modules.megatron_policy import fit_provider_to_policy
 
     hf = TinyCausalLM(scale="tiny").build_model()
     default = SimpleNamespace(model_provider=GPTModelProvider(), model_provider_is_default=True)
-    _fit_provider_to_policy(default, hf)
+    fit_provider_to_policy(default, hf)
     assert default.model_provider == GPTModelProvider.from_hf_config(hf.config)
     matching = SimpleNamespace(
         model_provider=GPTModelProvider.from_hf_config(hf.config), model_provider_is_default=False
     )
-    _fit_provider_to_policy(matching, hf)
+    fit_provider_to_policy(matching, hf)
     wrong = SimpleNamespace(model_provider=GPTModelProvider(hidden_size=32), model_provider_is_default=False)
     with pytest.raises(ValueError, match=r"hidden_size=32 \(policy: 64\)"):
-        _fit_provider_to_policy(wrong, hf)
+        fit_provider_to_policy(wrong, hf)
