@@ -210,9 +210,15 @@ class PPOConfig(GRPOConfig):
     adv_estimator: AdvantageEstimatorConfig = field(default_factory=lambda: AdvantageEstimatorConfig(name="gae"))
     """Advantage estimator; PPO requires ``name: gae``."""
     ppo_epochs: int = 1
-    """Policy updates per RL step over the same batch (>= 1)."""
+    """Policy passes per RL step over the same batch (>= 1); each pass is ``num_minibatches`` updates."""
     critic_ppo_epochs: int = 1
-    """Critic updates per RL step over the same batch (>= 1)."""
+    """Critic passes per RL step over the same batch (>= 1); each pass is ``num_minibatches`` updates."""
+    num_minibatches: int = 1
+    """Optimizer updates per epoch (policy and critic alike, >= 1; must divide num_prompts_per_step x
+    num_generations_per_prompt). Each epoch shuffles the step's rows (seeded by the run's ``seed_everything``, the
+    step and the epoch, so a resumed run repeats it) and takes one update per minibatch of ``rows /
+    num_minibatches`` rows, its token-level loss normalized by that minibatch's valid tokens. 1: one unshuffled,
+    full-batch update per epoch."""
     policy_training_start_step: int = 0
     """Critic warmup: for the first N steps the policy is neither trained nor refit."""
     warm_start_value_checkpoint: str | None = None
