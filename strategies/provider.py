@@ -4,7 +4,9 @@ A provider is any callable ``provider(pre_process, post_process) -> MegatronModu
 convention), called after ``parallel_state`` is initialized so that each rank builds only its shard.
 :class:`GPTModelProvider` is the built-in one: a decoder-only ``GPTModel`` whose defaults match the
 Qwen2/Llama layout (RMSNorm, SwiGLU, RoPE, grouped-query attention), so that
-:func:`~screl.strategies.weights.export_weights` can name its weights as Hugging Face does.
+:func:`~screl.strategies.weights.export_weights` can name its weights as Hugging Face does;
+:meth:`GPTModelProvider.from_hf_config` maps Qwen2/Qwen2.5, Qwen3 and Llama-3.x configs and refuses what it
+cannot map (:mod:`screl.strategies.hf_config`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class GPTModelProvider:
     """Query heads."""
     num_query_groups: int | None = 2
     """Key/value heads (grouped-query attention); ``None``: one per query head."""
+    kv_channels: int | None = None
+    """Width of each attention head (Hugging Face ``head_dim``); ``None``: ``hidden_size // num_attention_heads``."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``)."""
     max_sequence_length: int = 128
     """Longest sequence (prompt + completion)."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
@@ -92,6 +98,11 @@ class GPTModelProvider:
     """Position encoding."""
     rotary_base: int = 10000
     """RoPE theta."""
+    rope_scaling: bool = False
+    """Llama-3.x RoPE scaling (megatron-core fixes low_freq_factor=1, high_freq_factor=4 and
+    original_max_position_embeddings=8192)."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.x RoPE scaling ``factor`` (used when ``rope_scaling``)."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the input embedding."""
     parallel_output: bool = True
@@ -111,6 +122,14 @@ class GPTModelProvider:
     """``auto``: Transformer Engine's spec when it is installed and CUDA is available, else the local one."""
     seed: int | None = 0
     """Seed for the weight init (the global RNG is restored afterwards); ``None`` uses the global RNG."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation checkpointing: ``full`` recomputes whole layers in the backward pass (needs
+    ``recompute_method`` and ``recompute_num_layers``), ``selective`` only the core attention; ``None``: off."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With ``full``: ``uniform`` checkpoints every ``recompute_num_layers`` layers as a unit, ``block`` the first
+    ``recompute_num_layers`` layers of each pipeline stage."""
+    recompute_num_layers: int | None = None
+    """With ``full``: layers per unit (``uniform``) or per stage (``block``); must be unset with ``selective``."""
 
     def __post_init__(self) -> None:
         if self.activation not in ("silu", "gelu"):
@@ -119,24 +138,37 @@ class GPTModelProvider:
             raise ValueError(
                 f"GPTModelProvider(params_dtype={self.params_dtype!r}) must be one of {sorted(_DTYPES)}."
             )
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        given = f"recompute_granularity={granularity!r}, recompute_method={method!r}, recompute_num_layers={layers!r}"
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(f"GPTModelProvider({given}): recompute_granularity must be None, 'full' or 'selective'.")
+        if method not in (None, "uniform", "block"):
+            raise ValueError(f"GPTModelProvider({given}): recompute_method must be None, 'uniform' or 'block'.")
+        if granularity == "full" and (method is None or layers is None or layers < 1):
+            raise ValueError(f"GPTModelProvider({given}): 'full' recompute needs recompute_method ('uniform' or "
+                             "'block') and recompute_num_layers >= 1 (e.g. 'uniform' and 1: every layer).")
+        if granularity == "selective" and layers is not None:
+            raise ValueError(f"GPTModelProvider({given}): 'selective' recompute needs recompute_num_layers unset.")
+        if granularity is None and (method is not None or layers is not None):
+            raise ValueError(f"GPTModelProvider({given}): recompute_method and recompute_num_layers need "
+                             "recompute_granularity='full'.")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, **overrides: Any) -> GPTModelProvider:
-        """A provider matching a Hugging Face Qwen2/Llama config (``Qwen2Config``, ``LlamaConfig``)."""
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        kwargs: dict[str, Any] = dict(
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            ffn_hidden_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_query_groups=getattr(hf_config, "num_key_value_heads", None),
-            max_sequence_length=hf_config.max_position_embeddings,
-            layernorm_epsilon=hf_config.rms_norm_eps,
-            add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
-            rotary_base=int(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000))),
-            share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        )
+        """A provider building the same network as a Hugging Face ``Qwen2Config``, ``Qwen3Config`` or
+        ``LlamaConfig`` (transformers 5.x); ``overrides`` set the other fields (dtype, recompute, ...).
+
+        Raises:
+            ValueError: the config has a field that changes the network and is not mapped (another RoPE type,
+                sliding-window layers, experts, another activation, ...); the message names each field, its
+                value and the fix. See :mod:`screl.strategies.hf_config`.
+        """
+        from screl.strategies.hf_config import provider_kwargs
+
+        kwargs = provider_kwargs(hf_config)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -150,6 +182,8 @@ class GPTModelProvider:
             ffn_hidden_size=self.ffn_hidden_size,
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+            qk_layernorm=self.qk_layernorm,
             normalization=self.normalization,
             layernorm_epsilon=self.layernorm_epsilon,
             gated_linear_unit=self.gated_linear_unit,
@@ -162,6 +196,9 @@ class GPTModelProvider:
             bf16=self.params_dtype == "bfloat16",
             fp16=self.params_dtype == "float16",
             calculate_per_token_loss=self.calculate_per_token_loss,
+            recompute_granularity=self.recompute_granularity,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=parallel_state.get_context_parallel_world_size(),
@@ -184,8 +221,8 @@ class GPTModelProvider:
         if use_te:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
-        return get_gpt_layer_local_spec(normalization=self.normalization)
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_layernorm)
+        return get_gpt_layer_local_spec(normalization=self.normalization, qk_layernorm=self.qk_layernorm)
 
     def padded_vocab_size(self) -> int:
         """The embedding's row count for the current tensor-parallel size."""
@@ -209,6 +246,8 @@ class GPTModelProvider:
                 share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
                 position_embedding_type=self.position_embedding_type,
                 rotary_base=self.rotary_base,
+                rope_scaling=self.rope_scaling,
+                rope_scaling_factor=self.rope_scaling_factor,
             )
         setattr(model, UNPADDED_VOCAB_ATTR, self.vocab_size)
         return model

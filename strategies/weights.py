@@ -1,14 +1,17 @@
 """Full (un-sharded) weights out of, and Hugging Face weights into, a tensor/pipeline-parallel ``GPTModel``.
 
 :func:`iter_export_buckets` gathers the model's shards bucket by bucket on every rank (the same
-collectives, in the same order, everywhere) and yields full tensors named as a Hugging Face Qwen2/Llama
+collectives, in the same order, everywhere) and yields full tensors named as a Hugging Face Qwen2/Qwen3/Llama
 checkpoint names them, which is what the generation engines load. :func:`load_hf_weights` is the
 inverse: each rank copies its slice of a Hugging Face state dict into its shard.
 
 Megatron's layouts that differ from Hugging Face's:
 
-- ``linear_qkv`` interleaves per key/value group ``[q heads of the group, k, v]``; tensor parallelism
-  splits whole groups, so the shards concatenate to the full interleaved matrix.
+- ``linear_qkv`` interleaves per key/value group ``[q heads of the group, k, v]``, each head
+  ``kv_channels`` (Hugging Face ``head_dim``) rows wide, which need not be ``hidden_size / heads``; tensor
+  parallelism splits whole groups, so the shards concatenate to the full interleaved matrix.
+- Qwen3's per-head ``q_norm``/``k_norm`` are ``self_attention.q_layernorm``/``k_layernorm``, replicated over
+  tensor-parallel ranks.
 - A gated MLP's ``linear_fc1`` holds ``[gate; up]`` *per shard*: the full gate is the concatenation of
   every shard's first half.
 - The embedding (and an untied output layer) has padded vocabulary rows, dropped on export.
@@ -40,6 +43,8 @@ _LAYER_NAMES = {
     "input_layernorm.bias": "input_layernorm.bias",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -134,7 +139,7 @@ def _hf_names(meta_name: str, layout: _Layout) -> list[str]:
         if rest == "mlp.linear_fc1.weight" and layout.gated:
             return [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
     raise ValueError(
-        f"export_weights: no Hugging Face (Qwen2/Llama) name for Megatron parameter {meta_name!r}; "
+        f"export_weights: no Hugging Face (Qwen2/Qwen3/Llama) name for Megatron parameter {meta_name!r}; "
         "use naming='megatron'."
     )
 
@@ -250,7 +255,7 @@ def iter_export_buckets(
     """Yield the model's full weights in buckets of about ``bucket_bytes`` of local shards, on every rank.
 
     Every rank must call it and consume every bucket: the gathers are collectives. ``naming="hf"``:
-    Qwen2/Llama names (``model.layers.0.self_attn.q_proj.weight``, ...); ``"megatron"``: Megatron's
+    Qwen2/Qwen3/Llama names (``model.layers.0.self_attn.q_proj.weight``, ...); ``"megatron"``: Megatron's
     names with global layer indices, in the tensor-parallel-size-1 layout. Each bucket holds about
     ``bucket_bytes x tensor-parallel size`` at its peak. ``device``: where the yielded tensors go
     (``None``: stay on the parameters' device).
@@ -342,7 +347,7 @@ def _local_slice(meta: _ParamMeta, full: Tensor, layout: _Layout, tp: int, tp_ra
 
 
 def load_hf_weights(module: MegatronModule, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
-    """Copy a Hugging Face Qwen2/Llama state dict into this rank's shard (no collectives).
+    """Copy a Hugging Face Qwen2/Qwen3/Llama state dict into this rank's shard (no collectives).
 
     ``strict``: every model parameter must be found and, without pipeline parallelism, every Hugging Face key
     used (``lm_head.weight`` may be left over when the model ties it to the embedding).
