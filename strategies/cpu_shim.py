@@ -14,6 +14,10 @@ CPU-only build those calls raise. :func:`apply` replaces exactly these, process-
 - the tensor-parallel RNG tracker keeps CPU generator states (:class:`CpuRNGStatesTracker`), and
   ``tensor_parallel.random``'s get/set-state helpers read and write the CPU generator.
 
+Megatron's optimizers need more than these process-wide stand-ins, and only while their own code runs:
+:func:`megatron_optimizer_calls` is a scope (a ``TorchFunctionMode``) for the strategy's calls into
+``megatron.core.optimizer`` (see :class:`CudaNamesOnCpu`).
+
 :class:`~screl.strategies.MegatronStrategy` applies it only when the accelerator is the CPU and CUDA is
 unavailable. ``tests/strategies/test_cpu_shim.py`` pins :data:`MEGATRON_CORE_VERSION`: re-check these
 calls before moving the pin.
@@ -31,12 +35,15 @@ from megatron.core import __version__ as _installed_version
 from megatron.core.fusions import fused_softmax as _fused_softmax
 from megatron.core.tensor_parallel import random as _mp_random
 from megatron.core.transformer import utils as _transformer_utils
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
     "CpuRNGStatesTracker",
+    "CudaNamesOnCpu",
     "apply",
     "is_applied",
+    "megatron_optimizer_calls",
     "model_parallel_cpu_manual_seed",
     "remove",
 ]
@@ -179,3 +186,37 @@ def model_parallel_cpu_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, et
     tracker.add(_mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(_mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+class CudaNamesOnCpu(TorchFunctionMode):
+    """Megatron's optimizer code on CPU tensors: CUDA devices become the CPU, CPU tensors report CUDA type names.
+
+    megatron-core 0.16.1's ``MixedPrecisionOptimizer``, ``DistributedOptimizer`` and ``clip_grads`` create
+    their scratch tensors with ``device="cuda"`` (the overflow flag, the unit loss scale, the norm
+    accumulators) and sort parameters into fp32/fp16/bf16 by ``param.type()`` compared with
+    ``"torch.cuda.FloatTensor"`` and friends, raising ``TypeError`` on any other name. Inside this mode a
+    ``device=`` that names CUDA (or a CUDA index) is the CPU, ``Tensor.cuda()`` returns the tensor, and
+    ``Tensor.type()`` without arguments names a CPU tensor's CUDA twin (``torch.FloatTensor`` ->
+    ``torch.cuda.FloatTensor``), so the dtype checks sort as on GPU. Nothing else changes; outside the mode
+    ``type()`` tells the truth.
+    """
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, int) or (device is not None and torch.device(device).type == "cuda"):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name: str = func(*args)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name.removeprefix("torch.")
+        return func(*args, **kwargs)
+
+
+def megatron_optimizer_calls() -> contextlib.AbstractContextManager[Any]:
+    """The scope for a call into ``megatron.core.optimizer``: :class:`CudaNamesOnCpu` while the shim is applied,
+    else nothing (on GPU megatron's own calls run as they are)."""
+    return CudaNamesOnCpu() if is_applied() else contextlib.nullcontext()

@@ -15,6 +15,10 @@ Training, either way:
   Megatron's schedule (a plain loop on CPU) including the backward passes, and returns the detached
   reported loss; the strategy then skips Lightning's backward for that step.
 
+With ``use_distributed_optimizer=True`` the strategy swaps each torch AdamW the LightningModule configured for
+megatron-core's ``DistributedOptimizer`` (:mod:`screl.strategies.distributed_optimizer`): the optimizer state is
+sharded over data parallel, gradients are reduce-scattered and parameters all-gathered.
+
 Checkpoints are ``dist_checkpointing`` directories (see :mod:`screl.strategies.checkpoint`). Finding,
 wrapping and checkpointing the Megatron modules of the LightningModule is in
 :mod:`screl.strategies.module_state`, the gradient-buffer plumbing in :mod:`screl.strategies.grad_buffers`.
@@ -47,6 +51,7 @@ from megatron.core.distributed import (
 from megatron.core.transformer.module import MegatronModule
 from screl.strategies import checkpoint as ckpt
 from screl.strategies import grad_buffers, launch, weights
+from screl.strategies.distributed_optimizer import DistributedAdam
 from screl.strategies.module_state import (
     load_template,
     module_sharded_state,
@@ -75,6 +80,10 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
             :class:`~screl.strategies.GPTModelProvider`; screl's GRPO derives it from its policy).
         ddp_config: Keyword arguments of Megatron's ``DistributedDataParallelConfig``
             (``grad_reduce_in_fp32``, ``overlap_grad_reduce``, ``bucket_size``, ...).
+        use_distributed_optimizer: Shard the optimizer state (fp32 main parameters, Adam moments) over data
+            parallel with megatron-core's ``DistributedOptimizer``, in place of the torch AdamW the
+            LightningModule configures (its hyperparameters carry over). Sets
+            ``DistributedDataParallelConfig.use_distributed_optimizer`` too.
         seed: Seed of Megatron's RNG streams (default: Lightning's ``seed_everything`` seed, else 0).
         staging_dir: Local directory for staging checkpoints to and from non-local fsspec URLs
             (default: the system temp directory).
@@ -90,6 +99,7 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
         parallelism: ParallelismConfig | None = None,
         model_provider: GPTModelProvider | Callable[..., MegatronModule] | None = None,
         ddp_config: dict[str, Any] | None = None,
+        use_distributed_optimizer: bool = False,
         seed: int | None = None,
         staging_dir: str | None = None,
         export_bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
@@ -117,6 +127,13 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
         self.model_provider_is_default = model_provider is None
         """No provider was given: a LightningModule may replace the default with one matching its policy."""
         self.ddp_config = dict(ddp_config or {})
+        given = self.ddp_config.get("use_distributed_optimizer")
+        if given is not None and bool(given) != use_distributed_optimizer:
+            raise ValueError(
+                f"MegatronStrategy: ddp_config.use_distributed_optimizer={given} contradicts "
+                f"use_distributed_optimizer={use_distributed_optimizer}; set only the strategy's knob."
+            )
+        self.use_distributed_optimizer = use_distributed_optimizer
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.staging_dir = staging_dir
         self.export_bucket_bytes = export_bucket_bytes
@@ -191,6 +208,36 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """The LightningModule's optimizers; with ``use_distributed_optimizer`` each becomes a
+        :class:`~screl.strategies.distributed_optimizer.DistributedAdam` over the Megatron modules it updates."""
+        super().setup_optimizers(trainer)
+        if self.use_distributed_optimizer:
+            self.optimizers = [self.distribute_optimizer(opt) for opt in self.optimizers]
+
+    def distribute_optimizer(self, optimizer: Optimizer) -> DistributedAdam:
+        """``optimizer`` (a torch AdamW over wrapped Megatron modules) as megatron's distributed optimizer."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        paths = optimizer_modules(optimizer, self._wrapped)
+        return DistributedAdam(optimizer, [self._wrapped[p] for p in paths])
+
+    def _distributed_optimizers(self, paths: Sequence[str]) -> list[DistributedAdam]:
+        """The distributed optimizers updating the modules at ``paths``, which must be all of theirs."""
+        chosen = {id(self._wrapped[p]) for p in paths}
+        found = [
+            opt for opt in (getattr(o, "_optimizer", o) for o in self.optimizers)
+            if isinstance(opt, DistributedAdam) and any(id(m) in chosen for m in opt.modules)
+        ]
+        covered = {id(m) for opt in found for m in opt.modules}
+        if covered != chosen:
+            raise ValueError(
+                f"MegatronStrategy(use_distributed_optimizer=True): the gradients of {sorted(paths)} are sharded by "
+                "optimizers that also update other modules (or by none); name all of an optimizer's modules."
+            )
+        return found
+
     def wrap_megatron_modules(self) -> dict[str, DistributedDataParallel]:
         """Wrap every outermost Megatron module of the LightningModule in Megatron's DDP, in place."""
         module = self.lightning_module
@@ -206,9 +253,10 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
                 "configure_model(), e.g. `self.model = self.trainer.strategy.build_model()`."
             )
         for path, inner in found:
-            wrapped = DistributedDataParallel(
-                config=inner.config, ddp_config=DistributedDataParallelConfig(**self.ddp_config), module=inner
+            ddp_config = DistributedDataParallelConfig(
+                **{**self.ddp_config, "use_distributed_optimizer": self.use_distributed_optimizer}
             )
+            wrapped = DistributedDataParallel(config=inner.config, ddp_config=ddp_config, module=inner)
             wrapped.config.finalize_model_grads_func = finalize_model_grads
             wrapped.config.no_sync_func = wrapped.no_sync
             set_submodule(module, path, wrapped)
@@ -326,11 +374,15 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
             if path not in self._finalized:
                 finalize_model_grads([wrapped])
                 self._finalized.add(path)
-        grad_buffers.expose_grads(chosen.values())
+        if not self.use_distributed_optimizer:  # a distributed optimizer reads its shard of main_grad itself
+            grad_buffers.expose_grads(chosen.values())
 
     def grad_norm(self, modules: Sequence[str] | None = None) -> Tensor:
         """The global L2 norm of the finalized gradients (each shard counted once across TP and PP)."""
         self.finalize_gradients(modules)
+        if self.use_distributed_optimizer:  # only this rank's shard of each gradient is reduced
+            norms = [opt.grad_norm() for opt in self._distributed_optimizers(list(self._selected(modules)))]
+            return torch.tensor(sum(n * n for n in norms) ** 0.5, dtype=torch.float32, device=self.root_device)
         return grad_buffers.global_grad_norm(self._selected(modules).values(), self.root_device)
 
     def clip_gradients(self, max_norm: float, modules: Sequence[str] | None = None) -> Tensor:
@@ -345,7 +397,8 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
         if coef < 1.0:
             chosen = self._selected(modules).values()
             grad_buffers.scale_grads_(chosen, coef)
-            grad_buffers.expose_grads(chosen)
+            if not self.use_distributed_optimizer:
+                grad_buffers.expose_grads(chosen)
         return norm
 
     def zero_grad_buffers(self, modules: Sequence[str] | None = None) -> None:
@@ -415,6 +468,8 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
         """The optimizer's state with parameter-shaped entries sharded like their parameters."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if isinstance(optimizer, DistributedAdam):
+            return optimizer.sharded_state(self._module_sharded_state())
         index = optimizer_index(self.optimizers, optimizer)
         return ckpt.optimizer_sharded_state(
             optimizer, self._module_sharded_state(), prefix=f"optimizer.{index}"
@@ -464,6 +519,10 @@ class MegatronStrategy(launch.FileRendezvous, DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's merged (common + sharded) state."""
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if isinstance(inner, DistributedAdam):
+                inner.load_sharded_state(saved)
+                continue
             optimizer.load_state_dict(ckpt.optimizer_state_for_torch(saved))
             _optimizers_to_device([optimizer], self.root_device)
 

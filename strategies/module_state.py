@@ -1,6 +1,7 @@
 """The Megatron modules inside a LightningModule, as :class:`~screl.strategies.MegatronStrategy` finds, wraps
 and checkpoints them: the outermost Megatron modules by path, swapping a submodule for its DDP wrapper, the
-module's state with those modules as ``ShardedTensor`` s, and the template a sharded checkpoint loads into.
+module's state with those modules as ``ShardedTensor`` s, and the template a sharded checkpoint loads into (a
+distributed optimizer's is megatron's own).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from megatron.core.transformer.module import MegatronModule
 from screl.strategies import checkpoint as ckpt
+from screl.strategies.distributed_optimizer import DistributedAdam, is_distributed_state
 from torch import nn
 from torch.optim import Optimizer
 
@@ -76,15 +78,23 @@ def load_template(
     saved_opts = common.get("optimizer_states") or []
     if saved_opts and optimizers:
         out["optimizer_states"] = [
-            ckpt.optimizer_template(
-                opt._optimizer if isinstance(opt, LightningOptimizer) else opt,
-                model_state,
-                saved,
-                prefix=f"optimizer.{i}",
-            )
+            _optimizer_template(opt._optimizer if isinstance(opt, LightningOptimizer) else opt, model_state, saved, i)
             for i, (opt, saved) in enumerate(zip(optimizers, saved_opts, strict=False))
         ]
     return out
+
+
+def _optimizer_template(optimizer: Optimizer, model_state: dict[str, Any], saved: Mapping[str, Any], index: int) -> Any:
+    """One optimizer's load template: megatron's for a distributed optimizer, else the torch optimizer's."""
+    distributed = isinstance(optimizer, DistributedAdam)
+    if distributed != is_distributed_state(saved):
+        raise ValueError(
+            f"Checkpoint optimizer {index} was saved with use_distributed_optimizer={not distributed}; resume with "
+            f"MegatronStrategy(use_distributed_optimizer={not distributed}) (the two store the state differently)."
+        )
+    if isinstance(optimizer, DistributedAdam):
+        return optimizer.sharded_state(model_state, is_loading=True)
+    return ckpt.optimizer_template(optimizer, model_state, saved, prefix=f"optimizer.{index}")
 
 
 def optimizer_index(optimizers: Sequence[Any], optimizer: Optimizer) -> int:

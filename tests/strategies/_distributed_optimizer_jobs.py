@@ -1,0 +1,168 @@
+"""Jobs that ``test_distributed_optimizer.py`` runs in spawned gloo ranks (``_megatron_jobs.spawn``).
+
+Every job trains the tiny Qwen2-layout model of ``_megatron_jobs`` from the same Hugging Face weights on the same
+global batches, with per-token loss (so data-parallel replicas give the one-process gradient), clipping and AdamW
+with weight decay; the distributed optimizer replaces the AdamW through ``MegatronStrategy.distribute_optimizer``
+(what ``setup_optimizers`` does under a Trainer).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import _megatron_jobs as jobs
+import torch
+from torch import Tensor
+
+WEIGHT_DECAY = 0.1
+STEPS = jobs.STEPS
+
+
+def make(tp: int = 1, world: int = 1, pp: int = 1, distributed: bool = True) -> Any:
+    """A ``MegatronStrategy`` set up by hand on the running process group, its AdamW swapped when ``distributed``."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+    from screl.strategies import GPTModelProvider, MegatronStrategy, ParallelismConfig, load_hf_weights
+
+    hf = jobs.hf_model()
+    strategy = MegatronStrategy(
+        parallelism=ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        model_provider=GPTModelProvider.from_hf_config(hf.config, calculate_per_token_loss=True),
+        use_distributed_optimizer=distributed,
+        accelerator=CPUAccelerator(),
+        parallel_devices=[torch.device("cpu")] * world,
+        cluster_environment=LightningEnvironment(),
+    )
+    module = LightningModule()
+    strategy.connect(module)
+    strategy.setup_environment()
+    module.model = strategy.build_model()
+    load_hf_weights(module.model, hf.state_dict(), strict=pp == 1)
+    strategy.wrap_megatron_modules()
+    adamw = torch.optim.AdamW(module.parameters(), lr=jobs.LR, eps=jobs.ADAM_EPS, weight_decay=WEIGHT_DECAY)
+    strategy.optimizers = [strategy.distribute_optimizer(adamw) if distributed else adamw]
+    return strategy
+
+
+def step(strategy: Any, index: int, pipelined: bool = False) -> tuple[float, float]:
+    """One optimizer step on this rank's share of global batch ``index``: (loss, gradient norm before clipping)."""
+    mbs = jobs.microbatches(jobs.dp_shard(jobs.batch(index)), 1)
+    loss = jobs.TokenSumLoss()
+    if pipelined:
+        value = strategy.forward_backward(
+            mbs, lambda m, mb: m(mb["ids"], torch.arange(mb["ids"].shape[1]).expand_as(mb["ids"]), None),
+            jobs.FromLogits(strategy, loss))
+    else:
+        value = strategy.forward_backward(mbs, lambda m, mb: jobs.logprobs(strategy, m, mb), loss)
+    norm = strategy.clip_gradients(jobs.MAX_GRAD_NORM)
+    strategy.optimizers[0].step()
+    strategy.optimizers[0].zero_grad()
+    strategy.zero_grad_buffers()
+    return float(value), float(norm)
+
+
+def train(strategy: Any, start: int, stop: int, pipelined: bool = False) -> dict[str, list[Any]]:
+    """Steps ``start..stop-1``: each step's loss and gradient norm, and the exported weights after each."""
+    record: dict[str, list[Any]] = {"loss": [], "grad_norm": [], "weights": []}
+    for i in range(start, stop):
+        loss, norm = step(strategy, i, pipelined)
+        record["loss"].append(loss)
+        record["grad_norm"].append(norm)
+        record["weights"].append(strategy.export_weights())
+    return record
+
+
+def shard_sizes(strategy: Any) -> dict[str, int]:
+    """Elements of fp32 main parameters and Adam moments this rank holds, and the model's parameter elements."""
+    opt = strategy.optimizers[0]
+    inner = opt.megatron.optimizer
+    mains = [p for g in inner.param_groups for p in g["params"]]
+    return {
+        "main": sum(p.numel() for p in mains),
+        "exp_avg": sum(inner.state[p]["exp_avg"].numel() for p in mains),
+        "main_dtypes": sorted({str(p.dtype) for p in mains}),  # type: ignore[dict-item]
+        "model": sum(p.numel() for p in strategy.lightning_module.parameters()),
+    }
+
+
+def reference_job(rank: int, out: str) -> None:
+    """One process: the torch AdamW path (the reference), then the distributed optimizer at DP=1."""
+    from screl.strategies.parallel import destroy_model_parallel
+
+    result: dict[str, Any] = {}
+    s = make(distributed=False)
+    result["torch"] = train(s, 0, STEPS + 1)
+    destroy_model_parallel(remove_shim=False)
+    s = make()
+    result["dp1"] = train(s, 0, STEPS + 1)
+    result["dp1_shards"] = shard_sizes(s)
+    destroy_model_parallel(remove_shim=False)
+    torch.save(result, out)
+
+
+def _save(strategy: Any, path: str) -> None:
+    jobs.save(strategy, path, STEPS)
+
+
+def _errors(path: str) -> dict[str, str]:
+    """What the strategy says to the mistakes it refuses (each message, or '' when nothing was raised)."""
+    from screl.strategies.parallel import destroy_model_parallel
+
+    said: dict[str, str] = {}
+    s = make(world=2, distributed=False)  # a torch-AdamW strategy meets the distributed optimizer's checkpoint
+    try:
+        jobs.load(s, path)
+        said["torch_loads_distributed"] = ""
+    except ValueError as err:
+        said["torch_loads_distributed"] = str(err)
+    try:
+        s.distribute_optimizer(torch.optim.SGD(s.lightning_module.parameters(), lr=0.1))
+        said["sgd"] = ""
+    except TypeError as err:
+        said["sgd"] = str(err)
+    try:
+        s.distribute_optimizer(torch.optim.AdamW(list(s.lightning_module.parameters())[:2], lr=0.1))
+        said["subset"] = ""
+    except ValueError as err:
+        said["subset"] = str(err)
+    destroy_model_parallel(remove_shim=False)
+    return said
+
+
+def parallel_job(rank: int, out: str) -> None:
+    """Two ranks: DP=2 training and checkpoint; resume at DP=2 and at TP=2 (DP=1); PP=2; refusals."""
+    from screl.strategies.parallel import destroy_model_parallel
+
+    result: dict[str, Any] = {}
+    path = os.path.join(os.path.dirname(out), "ckpt_dp2")
+    s = make(world=2)
+    result["dp2"] = train(s, 0, STEPS)
+    result["dp2_shards"] = shard_sizes(s)
+    _save(s, path)
+    result["ckpt_files"] = sorted(os.listdir(path))
+    result["dp2"]["next"] = train(s, STEPS, STEPS + 1)
+    destroy_model_parallel(remove_shim=False)
+
+    for name, kwargs in (("resume_dp2", {}), ("resume_tp2", {"tp": 2})):
+        s = make(world=2, **kwargs)
+        loaded = jobs.load(s, path)
+        result[name] = {"global_step": loaded["global_step"], **train(s, STEPS, STEPS + 1)}
+        result[name]["step_state"] = sorted(
+            {float(st["step"]) for st in s.optimizers[0].megatron.optimizer.state.values()}
+        )
+        destroy_model_parallel(remove_shim=False)
+
+    s = make(world=2, pp=2)
+    result["pp2"] = train(s, 0, STEPS, pipelined=True)
+    destroy_model_parallel(remove_shim=False)
+
+    result["errors"] = _errors(path)
+    torch.save(result, f"{out}.{rank}")
+
+
+def weights_close(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    """The largest absolute difference between two exported weight dicts with the same keys."""
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

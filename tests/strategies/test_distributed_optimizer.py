@@ -1,0 +1,116 @@
+"""``MegatronStrategy(use_distributed_optimizer=True)`` on CPU: megatron-core's ``DistributedOptimizer`` over gloo.
+
+Two spawned jobs (``_distributed_optimizer_jobs.py``) train the tiny Qwen2-layout GPTModel from one Hugging Face
+state dict on the same global batches with per-token loss, clipping and AdamW (weight decay 0.1): a one-process
+job (the torch AdamW path, then the distributed optimizer at DP=1) and a 2-rank job (DP=2, a checkpoint after 3
+steps resumed at DP=2 and at TP=2, PP=2, and the refusals). Tolerance: float32 rounding of the data-parallel sums
+(1e-6 on weights, 1e-5 on losses and gradient norms); DP=1 is bit-identical to the torch AdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _distributed_optimizer_jobs as djobs
+import _megatron_jobs as jobs
+import pytest
+import torch
+from screl.strategies import MegatronStrategy
+
+WEIGHT_ATOL = 1e-6
+SCALAR_ATOL = 1e-5
+
+
+def _load(path: str) -> Any:
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _load(jobs.spawn(djobs.reference_job, 1, str(tmp_path_factory.mktemp("dist_opt_ref"))))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = jobs.spawn(djobs.parallel_job, 2, str(tmp_path_factory.mktemp("dist_opt_par")))
+    return [_load(f"{out}.{rank}") for rank in range(2)]
+
+
+def _assert_same_training(got: dict[str, Any], want: dict[str, Any], steps: slice = slice(None)) -> None:
+    assert got["loss"] == pytest.approx(want["loss"][steps], abs=SCALAR_ATOL)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"][steps], abs=SCALAR_ATOL)
+    assert len(got["weights"]) == len(want["weights"][steps]) > 0
+    for i, (mine, theirs) in enumerate(zip(got["weights"], want["weights"][steps], strict=True)):
+        diff = djobs.weights_close(mine, theirs)
+        assert diff <= WEIGHT_ATOL, f"step {i}: weights differ by {diff:.3g}"
+
+
+def test_knob_and_ddp_config_must_agree() -> None:
+    with pytest.raises(ValueError, match=r"ddp_config.use_distributed_optimizer=True contradicts use_distributed_opt"):
+        MegatronStrategy(ddp_config={"use_distributed_optimizer": True})
+    strategy = MegatronStrategy(use_distributed_optimizer=True, ddp_config={"grad_reduce_in_fp32": True})
+    assert strategy.use_distributed_optimizer
+    assert strategy.ddp_config == {"grad_reduce_in_fp32": True}  # the DDP flag is set when wrapping
+
+
+@pytest.mark.slow
+def test_dp1_distributed_optimizer_is_the_torch_adamw(one_process: dict[str, Any]) -> None:
+    """At DP=1 megatron's optimizer steps exactly as the torch AdamW it replaces (same elementwise math)."""
+    torch_path, dp1 = one_process["torch"], one_process["dp1"]
+    assert max(torch_path["grad_norm"]) > jobs.MAX_GRAD_NORM  # clipping is active
+    assert dp1["loss"] == torch_path["loss"]
+    for mine, theirs in zip(dp1["weights"], torch_path["weights"], strict=True):
+        assert djobs.weights_close(mine, theirs) == 0.0
+    shards = one_process["dp1_shards"]
+    assert shards["main"] == shards["exp_avg"] == shards["model"]  # one replica holds everything
+    assert shards["main_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.slow
+def test_dp2_equals_dp1_step_for_step_with_half_the_state_per_rank(
+    one_process: dict[str, Any], two_ranks: list[dict[str, Any]]
+) -> None:
+    reference = one_process["torch"]
+    for rank in two_ranks:
+        _assert_same_training(rank["dp2"], reference, slice(0, djobs.STEPS))
+        _assert_same_training(rank["dp2"]["next"], reference, slice(djobs.STEPS, djobs.STEPS + 1))
+    sizes = [rank["dp2_shards"] for rank in two_ranks]
+    model = sizes[0]["model"]
+    assert sizes[0]["main"] + sizes[1]["main"] == model  # fp32 main parameters: disjoint shards of the model
+    assert sizes[0]["exp_avg"] + sizes[1]["exp_avg"] == model
+    assert all(abs(s["main"] - model / 2) <= 64 for s in sizes), sizes  # about half each (bucket padding)
+    assert all(s["main_dtypes"] == ["torch.float32"] for s in sizes)
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_at_dp2_and_resharded_at_tp2(
+    one_process: dict[str, Any], two_ranks: list[dict[str, Any]]
+) -> None:
+    """A DP=2 checkpoint after 3 steps: a fresh DP=2 run and a fresh TP=2 (DP=1) run load it, and their 4th step
+    is the uninterrupted run's (weights, Adam moments and step count all restored)."""
+    reference = one_process["torch"]
+    assert "common.pt" in two_ranks[0]["ckpt_files"]
+    for rank in two_ranks:
+        for name in ("resume_dp2", "resume_tp2"):
+            resumed = rank[name]
+            assert resumed["global_step"] == djobs.STEPS
+            assert resumed["step_state"] == [float(djobs.STEPS + 1)]  # Adam's bias correction continues
+            _assert_same_training(resumed, reference, slice(djobs.STEPS, djobs.STEPS + 1))
+
+
+@pytest.mark.slow
+def test_pp2_with_the_distributed_optimizer_equals_pp1(
+    one_process: dict[str, Any], two_ranks: list[dict[str, Any]]
+) -> None:
+    for rank in two_ranks:
+        _assert_same_training(rank["pp2"], one_process["torch"], slice(0, djobs.STEPS))
+
+
+@pytest.mark.slow
+def test_refusals_name_the_fix(two_ranks: list[dict[str, Any]]) -> None:
+    errors = two_ranks[0]["errors"]
+    assert "saved with use_distributed_optimizer=True; resume with MegatronStrategy(use_distributed_optimizer=True)" \
+        in errors["torch_loads_distributed"]
+    assert "replaces a torch AdamW, got SGD" in errors["sgd"]
+    assert "must update exactly the trainable parameters of its Megatron modules (2 parameters given" \
+        in errors["subset"]
