@@ -157,8 +157,9 @@ def test_micro_batches_by_token_budget_give_the_whole_chunks_update() -> None:
     whole.micro_batch_tokens, split.micro_batch_tokens = 0, 3 * width  # 3 rows' worth: micro-batches of 3, 3, 2
     assert (whole._micro_rows(rows, width), split._micro_rows(rows, width)) == (rows, 3)
     calls = []
-    forward = split.model.forward
-    split.model.forward = lambda *a, **k: calls.append(k["input_ids"].shape[0]) or forward(*a, **k)  # type: ignore[method-assign]
+    trunk = split.model.base_model  # the policy's forward runs its trunk (logprobs are chunked over the head)
+    forward = trunk.forward
+    trunk.forward = lambda *a, **k: calls.append(k["input_ids"].shape[0]) or forward(*a, **k)  # type: ignore[method-assign]
     _fit(whole, [batch])
     _fit(split, [batch])
     assert calls == [3, 3, 2]

@@ -64,6 +64,14 @@ class HFCausalLM(PolicySpec):
             )
         return path
 
+    def build_config(self) -> Any:
+        """The checkpoint's config (``config.json``), or None when ``path`` holds none yet."""
+        if not os.path.isfile(os.path.join(self.path, "config.json")):
+            return None
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
     def build_model(self) -> PreTrainedModel:
         """Load the model weights from ``path`` on CPU."""
         kwargs: dict[str, object] = {"dtype": resolve_dtype(self.dtype), "local_files_only": True}

@@ -36,6 +36,11 @@ class PolicySpec(ABC):
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
         """Build the tokenizer that goes with the model."""
 
+    def build_config(self) -> Any:
+        """The model's Hugging Face config without loading weights (``screl check``'s memory estimate reads it),
+        or None when this spec cannot tell its architecture without loading the model."""
+        return None
+
     def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         """The tokens a prompt's text is generated from. Default: the text as is, no special tokens; an instruct
         model's spec wraps it in the tokenizer's chat template."""

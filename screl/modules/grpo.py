@@ -39,6 +39,7 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
+from screl.modules.logprobs import chunked_token_logprobs
 from screl.modules.megatron_policy import fit_provider_to_policy, megatron_token_logprobs
 from screl.modules.step_log import BatchMetrics
 from screl.rollout.backends import iter_buckets, merge_buckets
@@ -49,6 +50,22 @@ log = logging.getLogger(__name__)
 CPU_MICRO_BATCH_TOKENS = 4096
 """The automatic micro-batch size on a CPU, in tokens (``GRPO(micro_batch_tokens=None)``)."""
 
+ACCELERATOR_MICRO_BATCH_TOKENS = 8192
+"""The automatic micro-batch size on an accelerator, in tokens: a token budget, never the whole chunk (a real
+step of 64 rows x 1.2k tokens in one forward needs its activations for all 77k tokens at once). ``screl check``
+prints the memory this takes for the configured model."""
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def master_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The trainer's copy of a policy: fp32 parameters (the master weights the optimizer updates and keeps its
+    fp32 state for), whatever dtype the spec loads; compute runs in bf16 under ``trainer.precision:
+    bf16-mixed``, and a refit casts back to the engine's dtype (:meth:`GRPO.iter_export_weights`)."""
+    if any(p.dtype in HALF_DTYPES for p in model.parameters()):
+        model = model.float()
+    return model
+
 
 def behaviour(trainer_lp: Tensor, engine_lp: Tensor, on_policy: Tensor, source: str) -> Tensor:
     """The behaviour logprobs the IS weight divides by: the engine's, except on tokens the trainer's current
@@ -58,8 +75,24 @@ def behaviour(trainer_lp: Tensor, engine_lp: Tensor, on_policy: Tensor, source: 
     return torch.where(on_policy, trainer_lp, engine_lp.float())
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
-    """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``."""
+def token_logprobs(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``.
+
+    ``chunk_tokens``: the output layer and the log-softmax run over chunks of this many tokens and are recomputed
+    in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.modules.logprobs`);
+    None sizes the chunk from the vocabulary; 0 computes the full logits (:func:`full_token_logprobs`).
+    """
+    if chunk_tokens == 0:
+        return full_token_logprobs(model, input_ids, attention_mask, temperature)
+    return chunked_token_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens)[0]
+
+
+def full_token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+    """:func:`token_logprobs` through the model's full logits (``logprob_chunk_tokens: 0``): about three
+    ``[tokens, vocabulary]`` fp32 tensors live at once."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -126,8 +159,8 @@ class GRPO(LightningModule):
         micro_batch_tokens: Without ``micro_batch_size``, split a chunk evenly into micro-batches of at most this
             many tokens (rows x padded length; gradients accumulate over them, the update is the same). None:
             automatic, ``CPU_MICRO_BATCH_TOKENS`` on a CPU (a forward's activations then stay in cache: 512 rows of
-            68 tokens train in 4.3 s instead of 10.1 s, see ``bench/README.md``) and the whole chunk on an
-            accelerator; 0: the whole chunk.
+            68 tokens train in 4.3 s instead of 10.1 s, see ``bench/README.md``) and ``ACCELERATOR_MICRO_BATCH_TOKENS``
+            on an accelerator; 0: the whole chunk.
         train_global_batch_size: Rows per optimizer step; must equal num_prompts_per_step x
             num_generations_per_prompt (None: derived).
         temperature: Sampling temperature of generation (linked from ``data.init_args.generation``).
@@ -135,6 +168,18 @@ class GRPO(LightningModule):
             (its own recomputed logprobs: their IS weight is exactly 1, engine numerics ignored) or ``engine``
             (the logprobs the engine reported: the engine/trainer mismatch is corrected like staleness).
         algo: The ``grpo`` block (linked by the CLI).
+        logprob_chunk_tokens: The output layer and log-softmax run over chunks of this many tokens, recomputed in
+            the backward pass, so no ``[tokens, vocabulary]`` logits are held (:mod:`screl.modules.logprobs`).
+            None: automatic (``2**26`` logits a chunk: 441 tokens at a 152k vocabulary); 0: full logits (for a
+            model whose head is not a plain linear layer). Under ``MegatronStrategy`` the logits are
+            vocabulary-parallel instead (never gathered).
+        activation_checkpointing: Recompute activations in the backward pass instead of keeping them: ``full``
+            (or true) checkpoints every decoder layer (Hugging Face's gradient checkpointing; Megatron's
+            ``recompute_granularity: full``), ``selective`` only the attention core (Megatron only); false: off.
+
+    Precision: the trainer's parameters and the optimizer state are fp32 whatever the policy spec's ``dtype``
+    (master weights); set ``trainer.precision: bf16-mixed`` for bf16 compute. The refit sends the spec's dtype,
+    cast from the masters. ``trainer.precision: bf16-true`` (bf16 parameters, no master copy) is refused.
     """
 
     def __init__(
@@ -150,11 +195,23 @@ class GRPO(LightningModule):
         behaviour_logprobs: Literal["trainer", "engine"] = "trainer",
         algo: dict[str, Any] | None = None,
         micro_batch_tokens: int | None = None,
+        logprob_chunk_tokens: int | None = None,
+        activation_checkpointing: bool | Literal["full", "selective"] = False,
     ) -> None:
         super().__init__()
         if micro_batch_tokens is not None and micro_batch_tokens < 0:
             raise ValueError(f"model.init_args.micro_batch_tokens={micro_batch_tokens}: must be >= 0 (0: the whole "
                              "chunk) or null (automatic)")
+        if logprob_chunk_tokens is not None and logprob_chunk_tokens < 0:
+            raise ValueError(f"model.init_args.logprob_chunk_tokens={logprob_chunk_tokens}: must be >= 0 (0: full "
+                             "logits) or null (automatic)")
+        if activation_checkpointing not in (True, False, "full", "selective"):
+            raise ValueError(f"model.init_args.activation_checkpointing={activation_checkpointing!r}: expected "
+                             "false, true, 'full' or 'selective'")
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.activation_checkpointing: str | None = (
+            "full" if activation_checkpointing is True else activation_checkpointing or None
+        )
         if behaviour_logprobs not in ("trainer", "engine"):
             raise ValueError(f"model.init_args.behaviour_logprobs={behaviour_logprobs!r}: expected 'trainer' or "
                              "'engine'")
@@ -163,7 +220,10 @@ class GRPO(LightningModule):
         self.policy_spec = policy
         # train mode, as Lightning expects (from_pretrained loads in eval mode); the shipped policies have no
         # dropout, so the trainer's logprobs stay the engine's (set a checkpoint's dropout to 0 for the same)
-        self.model = policy.build_model().train()
+        built = policy.build_model()
+        self.engine_dtype = next(built.parameters()).dtype  # what the generation engines hold: refits send it
+        self.model = master_copy(built).train()
+        self._enable_activation_checkpointing(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else ClippedPGLoss()
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
@@ -183,8 +243,23 @@ class GRPO(LightningModule):
         self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
 
     def _frozen_copy(self) -> torch.nn.Module:
-        """The reference policy: a frozen copy of the initial one."""
-        return copy.deepcopy(self.model).requires_grad_(False).eval()
+        """The reference policy: a frozen copy of the initial one, in the engine's dtype (it takes no update, so
+        it needs no fp32 master)."""
+        return copy.deepcopy(self.model).to(self.engine_dtype).requires_grad_(False).eval()
+
+    def _enable_activation_checkpointing(self, model: torch.nn.Module) -> None:
+        """``activation_checkpointing`` on a Hugging Face policy: every decoder layer recomputes its activations in
+        the backward pass (non-reentrant; active in training mode only). Megatron's is set on its provider."""
+        if self.activation_checkpointing != "full":  # selective: Megatron's only (configure_model)
+            return
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"model.init_args.activation_checkpointing: {type(model).__name__} does not support "
+                             "gradient checkpointing; set it to false")
+        hf: Any = model
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5's name (non-reentrant by default)
+            hf.activation_checkpointing_enable()
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def _megatron(self) -> Any:
         """The ``MegatronStrategy`` training this module, or None (checked without importing megatron)."""
@@ -200,12 +275,16 @@ class GRPO(LightningModule):
         """Under ``MegatronStrategy``: replace the Hugging Face policy by this rank's Megatron shard of it,
         loaded with the same weights (the generation workers start from the same spec)."""
         strategy = self._megatron()
+        if strategy is None and self.activation_checkpointing == "selective":
+            raise ValueError("model.init_args.activation_checkpointing: selective recomputes Megatron's attention "
+                             "core and needs trainer.strategy: screl.strategies.MegatronStrategy; set it to full "
+                             "for this policy")
         if strategy is None or self._megatron_strategy is not None:
             return
         from screl.strategies import load_hf_weights
 
         hf_model = self.model
-        fit_provider_to_policy(strategy, hf_model)
+        fit_provider_to_policy(strategy, hf_model, recompute_granularity=self.activation_checkpointing)
         model = strategy.build_model()
         load_hf_weights(model, hf_model.state_dict())
         self.model = model
@@ -229,9 +308,16 @@ class GRPO(LightningModule):
         (``export_bucket_bytes``), a collective every rank must consume to the end."""
         if self._megatron_strategy is not None:
             for bucket in self._megatron_strategy.iter_export_weights():
-                yield {k: v.detach().to("cpu") for k, v in bucket.items()}
+                yield {k: self._engine_cast(v.detach().to("cpu")) for k, v in bucket.items()}
             return
-        yield from iter_buckets(self.model.state_dict().items(), bucket_bytes)
+        yield from iter_buckets(((k, self._engine_cast(v)) for k, v in self.model.state_dict().items()), bucket_bytes)
+
+    def _engine_cast(self, tensor: Tensor) -> Tensor:
+        """A master weight as the engine holds it: floating tensors in the engine's dtype (bf16 for a bf16 spec),
+        others as they are."""
+        if tensor.is_floating_point() and tensor.dtype != self.engine_dtype:
+            return tensor.to(self.engine_dtype)
+        return tensor
 
     def _grad_scale(self, batch: dict[str, Any]) -> float:
         """Undo the data-parallel gradient average when each replica trained a shard of the chunk.
@@ -359,11 +445,11 @@ class GRPO(LightningModule):
             return self.micro_batch_size
         budget = self.micro_batch_tokens
         if budget is None:
-            budget = CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu" else 0
+            budget = CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu" else ACCELERATOR_MICRO_BATCH_TOKENS
         if budget <= 0 or rows * width <= budget:
             return max(rows, 1)
-        parts = -(-rows * width // budget)
-        return -(-rows // parts)
+        parts = -(-rows // max(1, budget // width))  # as few micro-batches as keep each within the budget
+        return -(-rows // parts)  # ... with the rows spread evenly over them
 
     def _micro_batch_loss(self, batch: dict[str, Any], chunk: _Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy loss of rows ``sl`` (scaled to the chunk) and its metrics, with ``logprob_mismatch``
@@ -371,7 +457,7 @@ class GRPO(LightningModule):
         ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
         megatron = self._megatron_strategy
         if megatron is None:
-            curr = token_logprobs(self.model, ids, attention, self.temperature)
+            curr = token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens)
         else:
             curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
         return self._loss_of(batch, chunk, sl, curr)
@@ -385,7 +471,7 @@ class GRPO(LightningModule):
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attention, self.temperature)
+                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens)
         adv_tok = chunk.advantages[sl, None].expand_as(curr)
         loss, metrics = self.loss_fn(
             curr, prev, gen, adv_tok, chunk.token_mask[sl], chunk.sample_mask[sl], reference_logprobs=ref,

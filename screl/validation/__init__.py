@@ -20,6 +20,7 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
+from screl.validation.model_rules import model_memory_rules, precision_rules
 from screl.validation.rollout_rules import (
     deadline_rules,
     refit_rules,
@@ -48,6 +49,8 @@ from screl.validation.trainer_rules import strategy_rules
 RULES = (
     algorithm_rules,
     strategy_rules,
+    precision_rules,
+    model_memory_rules,
     sampler_block_rules,
     loss_rules,
     failure_rules,
