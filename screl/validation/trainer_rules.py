@@ -60,3 +60,14 @@ def strategy_rules(c: RuleContext) -> None:
         c.bad(KEY, name, "Lightning's DDP rendezvouses through torch's TCP store, which listens on every network "
               f"interface; {SCREL_DDP} is the same strategy, and ranks on one node meet through a file instead",
               f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/scaling.md)")
+    _megatron_context_parallel_rule(c, short, init_args)
+
+
+def _megatron_context_parallel_rule(c: RuleContext, short: str, init_args: dict[str, Any]) -> None:
+    """GRPO's policy under MegatronStrategy computes logprobs over whole sequences: no context parallelism."""
+    cp = get(init_args, "parallelism.context_parallel_size", 1)
+    if model_kind(c.cfg) == "grpo" and short == "MegatronStrategy" and isinstance(cp, int) and cp > 1:
+        c.bad(f"{KEY}.init_args.parallelism.context_parallel_size", cp, "GRPO under MegatronStrategy does not "
+              "support context parallelism (every rank computes the policy's logprobs over whole sequences)",
+              "set context_parallel_size: 1 and split the model with tensor_model_parallel_size or "
+              "pipeline_model_parallel_size instead")
