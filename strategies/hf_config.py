@@ -43,7 +43,8 @@ FAMILIES: dict[str, Family] = {
 """The ``model_type`` values that map (Qwen2/Qwen2.5, Qwen3 dense, Llama 2/3.x)."""
 
 HARMLESS = frozenset({
-    "_name_or_path", "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "chunk_size_feed_forward",
+    "_name_or_path", "_model_name_or_path", "architectures", "bos_token_id", "eos_token_id", "pad_token_id",
+    "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id", "chunk_size_feed_forward",
     "dtype", "torch_dtype", "id2label", "label2id", "initializer_range", "output_attentions",
     "output_hidden_states", "problem_type", "return_dict", "transformers_version", "use_cache", "tokenizer_class",
     "pretraining_tp",  # transformers 5.x's Llama ignores it

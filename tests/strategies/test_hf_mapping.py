@@ -110,6 +110,16 @@ LLAMA32_1B = {
     "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
 
+SMOLLM2_135M = {  # what transformers 5.24 reads from the GGUF that screl.models.SmolLM2 converts
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_act": "silu", "max_position_embeddings": 8192,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-05, "use_cache": True, "pad_token_id": 2, "bos_token_id": 1,
+    "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "attention_bias": False,
+    "attention_dropout": 0.0, "mlp_bias": False, "head_dim": 64, "model_type": "llama",
+    "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2", "unk_token_id": 0,
+}
+
 
 def _config(family: str, **fields: Any) -> Any:
     from transformers import AutoConfig
@@ -127,8 +137,10 @@ def _config(family: str, **fields: Any) -> Any:
         (LLAMA32_1B, dict(kv_channels=64, add_qkv_bias=False, qk_layernorm=False, rotary_base=500000,
                           rope_scaling=True, rope_scaling_factor=32.0, layernorm_epsilon=1e-5,
                           share_embeddings_and_output_weights=True, num_query_groups=8)),
+        (SMOLLM2_135M, dict(kv_channels=64, add_qkv_bias=False, qk_layernorm=False, rotary_base=100000,
+                            rope_scaling=False, share_embeddings_and_output_weights=True, num_query_groups=3)),
     ],
-    ids=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"],
+    ids=["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "smollm2-135m"],
 )
 def test_released_configs_map(published: dict[str, Any], expected: dict[str, Any]) -> None:
     """Every field of these released configs is mapped or known harmless: nothing is refused."""
