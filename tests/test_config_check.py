@@ -331,9 +331,11 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "trainer.strategy", "do not survive it"),
     ("sharded_strategy", "grpo_tiny.yaml", {"trainer.strategy": "fsdp"},
      "trainer.strategy", "leaves rank 0 no full copy"),
-    ("ppo_data_parallel", "ppo_tiny.yaml",
-     {"trainer.devices": 2, "trainer.strategy": {"class_path": "screl.strategies.DDPStrategy"}},
-     "trainer.strategy", "PPO over 2 data-parallel processes is not supported yet"),
+    ("ppo_data_parallel_needs_screl_ddp", "ppo_tiny.yaml", {"trainer.devices": 2},
+     "trainer.strategy", "PPO over 2 processes reduces its advantages, loss normalizers and gradients"),
+    ("ppo_minibatches_divide_the_step", "ppo.yaml", {"ppo.num_minibatches": 5},
+     "ppo.num_minibatches", "must be >= 1 and divide the step's num_prompts_per_step x num_generations_per_prompt"),
+    ("ppo_minibatches_positive", "ppo.yaml", {"ppo.num_minibatches": 0}, "ppo.num_minibatches", "must be >= 1"),
 ]
 
 

@@ -355,6 +355,12 @@ def algorithm_pairing_rules(c: RuleContext) -> None:
     for knob in ("ppo_epochs", "critic_ppo_epochs"):
         if c.algo.get(knob, 1) < 1:
             c.bad(f"ppo.{knob}", c.algo.get(knob), "must be >= 1", f"set ppo.{knob} >= 1")
+    minibatches, rows = c.algo.get("num_minibatches", 1), c.P * c.G
+    if not isinstance(minibatches, int) or minibatches < 1 or rows % minibatches:
+        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+        c.bad("ppo.num_minibatches", minibatches, f"must be >= 1 and divide the step's num_prompts_per_step x "
+              f"num_generations_per_prompt = {c.P} x {c.G} = {rows} rows (each epoch splits them into equal "
+              "minibatches)", f"set it to one of {divisors}")
     if adv_name != "gae":
         c.bad("ppo.adv_estimator.name", adv_name, "PPO needs GAE advantages", "set ppo.adv_estimator.name: gae")
     if get(c.cfg, "model.init_args.value") is None:

@@ -41,10 +41,6 @@ def _processes(devices: Any) -> int:
 def strategy_rules(c: RuleContext) -> None:
     name, init_args = _name(get(c.cfg, KEY))
     procs = _processes(get(c.cfg, "trainer.devices", 1)) * int(get(c.cfg, "trainer.num_nodes", 1) or 1)
-    if model_kind(c.cfg) == "ppo" and procs > 1 and not name.endswith("MegatronStrategy"):
-        c.bad(KEY, name, f"PPO over {procs} data-parallel processes is not supported yet (GAE whitening and the "
-              "loss normalizers are not reduced over replicas)", "set trainer.devices: 1, or use "
-              "screl.strategies.MegatronStrategy with tensor_model_parallel_size equal to the device count")
     short = name.rsplit(".", 1)[-1]
     if name.startswith(_SPAWNING) or (short in ("DDPStrategy", "MegatronStrategy")
                                       and init_args.get("start_method", "popen") != "popen"):
@@ -60,6 +56,10 @@ def strategy_rules(c: RuleContext) -> None:
         c.bad(KEY, name, "Lightning's DDP rendezvouses through torch's TCP store, which listens on every network "
               f"interface; {SCREL_DDP} is the same strategy, and ranks on one node meet through a file instead",
               f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/scaling.md)")
+    elif model_kind(c.cfg) == "ppo" and procs > 1 and short not in ("DDPStrategy", "MegatronStrategy"):
+        c.bad(KEY, name, f"PPO over {procs} processes reduces its advantages, loss normalizers and gradients over "
+              f"data-parallel replicas under {SCREL_DDP} or screl.strategies.MegatronStrategy only",
+              f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/ppo.md), or trainer.devices: 1")
     _megatron_context_parallel_rule(c, short, init_args)
 
 
