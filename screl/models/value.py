@@ -29,8 +29,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """``[rows, len]`` values, float32."""
-        out = self.trunk(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        hidden = out.hidden_states[-1]
+        # the trunk's final (normed) hidden states, without its output layer: no [tokens, vocabulary] logits
+        hidden = self.trunk.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
     def token_values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

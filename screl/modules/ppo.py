@@ -70,6 +70,7 @@ from screl.modules.grpo import (
     AllFilteredStepError,
     behaviour,
     loss_sample_mask,
+    master_copy,
     token_logprobs,
 )
 from screl.modules.megatron_policy import ARCH_FIELDS
@@ -206,6 +207,10 @@ class PPO(GRPO):
         temperature: Sampling temperature (linked from generation).
         behaviour_logprobs: ``trainer`` or ``engine``: see :class:`~screl.modules.GRPO`.
         algo: The ``ppo`` block (linked by the CLI).
+        logprob_chunk_tokens: Chunked logprobs, as GRPO's (:class:`~screl.modules.GRPO`).
+        activation_checkpointing: As GRPO's; a Hugging Face critic's trunk is checkpointed the same way.
+
+    Precision as GRPO's: the policy and the critic train fp32 master weights whatever their specs' dtype.
     """
 
     def __init__(
@@ -227,11 +232,14 @@ class PPO(GRPO):
         temperature: float = 1.0,
         behaviour_logprobs: Literal["trainer", "engine"] = "trainer",
         algo: dict[str, Any] | None = None,
+        logprob_chunk_tokens: int | None = None,
+        activation_checkpointing: bool | Literal["full", "selective"] = False,
     ) -> None:
         super().__init__(policy, loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay,
                          max_grad_norm=max_grad_norm, micro_batch_size=micro_batch_size,
                          train_global_batch_size=train_global_batch_size, temperature=temperature,
-                         behaviour_logprobs=behaviour_logprobs)
+                         behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
+                         activation_checkpointing=activation_checkpointing)
         if value is None:
             raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
         self.ppo: PPOConfig = algo if isinstance(algo, PPOConfig) else from_dict(PPOConfig, algo)
@@ -240,7 +248,8 @@ class PPO(GRPO):
             raise ValueError(f"ppo.num_minibatches={k}: must be >= 1 and divide the step's num_prompts_per_step x "
                              f"num_generations_per_prompt = {rows} rows")
         self.algo = self.ppo
-        self.critic: Any = ValueModel(value)
+        self.critic: Any = master_copy(ValueModel(value))  # fp32 masters, as the policy's
+        self._enable_activation_checkpointing(self.critic.trunk)
         """``ValueModel``; under MegatronStrategy a ``MegatronValueModel`` (see ``configure_model``)."""
         self.value_loss_fn = value_loss_fn if value_loss_fn is not None else ClippedValueLoss()
         self.value_learning_rate = value_learning_rate
@@ -287,7 +296,7 @@ class PPO(GRPO):
             yield from super().iter_export_weights(bucket_bytes)
             return
         for bucket in self._megatron_strategy.iter_export_weights(POLICY):
-            yield {k: v.detach().to("cpu") for k, v in bucket.items()}
+            yield {k: self._engine_cast(v.detach().to("cpu")) for k, v in bucket.items()}
 
     def export_critic_weights(self) -> dict[str, Tensor]:
         """The critic's full weights on CPU in ``ValueModel``'s naming (under MegatronStrategy a collective)."""
@@ -307,7 +316,7 @@ class PPO(GRPO):
         """``[rows, len - 1]`` policy logprobs of the next tokens (vocabulary-parallel under Megatron)."""
         strategy = self._megatron_strategy
         if strategy is None:
-            return token_logprobs(self.model, ids, attention, self.temperature)
+            return token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens)
         logits = self.model(ids, _right_padded_positions(ids, attention), None)[:, :-1]
         if self.temperature != 1.0:
             logits = logits.float() / self.temperature
@@ -404,7 +413,8 @@ class PPO(GRPO):
         kl = None
         if self.ppo.reward_kl_coef > 0:
             assert self.reference is not None
-            ref = torch.cat([token_logprobs(self.reference, ids[s], attention[s], self.temperature) for s in slices])
+            ref = torch.cat([token_logprobs(self.reference, ids[s], attention[s], self.temperature,
+                                            self.logprob_chunk_tokens) for s in slices])
             kl = old_lp - ref
         rewards = terminal_token_rewards(batch["rewards"].float(), mask, kl, self.ppo.reward_kl_coef)
         est = self.ppo.adv_estimator
@@ -524,7 +534,7 @@ class PPO(GRPO):
         if self.loss_fn.requires_reference_logprobs:
             assert self.reference is not None
             with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attention, self.temperature)
+                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens)
         loss, metrics = self.loss_fn(
             curr, mb.old_logprobs[sl], mb.behaviour_logprobs[sl], mb.advantages[sl], mb.token_mask[sl],
             mb.sample_mask[sl], reference_logprobs=ref,
