@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -58,7 +58,10 @@ prints the memory this takes for the configured model."""
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def master_copy(model: torch.nn.Module) -> torch.nn.Module:
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def master_copy(model: _M) -> _M:
     """The trainer's copy of a policy: fp32 parameters (the master weights the optimizer updates and keeps its
     fp32 state for), whatever dtype the spec loads; compute runs in bf16 under ``trainer.precision:
     bf16-mixed``, and a refit casts back to the engine's dtype (:meth:`GRPO.iter_export_weights`)."""
@@ -170,7 +173,7 @@ class GRPO(LightningModule):
         algo: The ``grpo`` block (linked by the CLI).
         logprob_chunk_tokens: The output layer and log-softmax run over chunks of this many tokens, recomputed in
             the backward pass, so no ``[tokens, vocabulary]`` logits are held (:mod:`screl.modules.logprobs`).
-            None: automatic (``2**26`` logits a chunk: 441 tokens at a 152k vocabulary); 0: full logits (for a
+            None: automatic (``2**25`` logits a chunk: 220 tokens at a 152k vocabulary); 0: full logits (for a
             model whose head is not a plain linear layer). Under ``MegatronStrategy`` the logits are
             vocabulary-parallel instead (never gathered).
         activation_checkpointing: Recompute activations in the backward pass instead of keeping them: ``full``

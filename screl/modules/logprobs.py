@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-AUTO_CHUNK_ELEMENTS = 2**26
-"""The automatic chunk holds at most this many logits (256 MiB in fp32): 441 tokens at a 152k vocabulary."""
+AUTO_CHUNK_ELEMENTS = 2**25
+"""The automatic chunk holds at most this many logits (128 MiB in fp32): 220 tokens at a 152k vocabulary."""
 
 _HEAD_MODIFIERS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 """Config fields of model families whose logits are not ``hidden @ head.T``: refused by the chunked path."""
@@ -45,15 +45,23 @@ class _ChunkedLogProb(torch.autograd.Function):
         w = weight.to(mm_dtype)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            logits = (hidden[lo:hi].to(mm_dtype) @ w.T).float()
+            # one [chunk, vocabulary] buffer, worked in place: logits -> z = logits - max -> exp(z)
+            z = (hidden[lo:hi].to(mm_dtype) @ w.T).float()
             if temperature != 1.0:
-                logits.div_(temperature)
-            lse[lo:hi] = torch.logsumexp(logits, dim=-1)
-            logp[lo:hi] = logits.gather(-1, labels[lo:hi, None]).squeeze(-1) - lse[lo:hi]
-            if entropy_out is not None:  # H = lse - sum(p * logits), computed in place over the chunk
-                logits.sub_(lse[lo:hi, None])
-                entropy_out[lo:hi] = -(logits.exp() * logits).sum(-1)
-            del logits
+                z.div_(temperature)
+            label_logit = z.gather(-1, labels[lo:hi, None]).squeeze(-1)
+            peak = z.amax(-1)
+            z.sub_(peak[:, None])
+            if entropy_out is not None:  # H = log S - sum(exp(z) z) / S, with S = sum(exp(z))
+                p_z = z.exp()
+                total = p_z.sum(-1)
+                entropy_out[lo:hi] = total.log() - (p_z.mul_(z)).sum(-1) / total
+                del p_z
+            else:
+                total = z.exp_().sum(-1)
+            lse[lo:hi] = peak + total.log()
+            logp[lo:hi] = label_logit - lse[lo:hi]
+            del z
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.temperature, ctx.chunk, ctx.mm_dtype = temperature, chunk, mm_dtype
         return logp
@@ -82,7 +90,10 @@ class _ChunkedLogProb(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = (d @ w).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.add_((d.T @ h).float())
+                if d.dtype == torch.float32:
+                    grad_weight.addmm_(d.T, h)  # accumulated in place: no [vocabulary, hidden] temporary
+                else:
+                    grad_weight.add_((d.T @ h).float())
             del logits, probs, dlogits, d
         return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 None, None, None, None, None)

@@ -13,8 +13,9 @@ and ``P`` parameters:
   ``activation_checkpointing`` only each layer's input (``4h``) is kept, plus one layer's activations while it is
   recomputed. Attention scores are not counted: an accelerator's fused attention keeps none (a CPU's math
   kernel does, ``T x L`` per head);
-- **logits** of one logprob chunk of ``C`` tokens (:mod:`screl.modules.logprobs`): ``C V (8 + b)`` bytes (fp32
-  logits, their softmax in the backward pass, the matmul's output), plus the final hidden states ``T h (4 + b)``.
+- **logits** of one logprob chunk of ``C`` tokens (:mod:`screl.modules.logprobs`): ``4 C V`` bytes (one fp32
+  buffer worked in place; ``+ 2 C V`` for the bf16 matmul output under autocast), the head's fp32 gradient
+  accumulator ``4 V h``, and the final hidden states ``T h (4 + b)``.
   With ``logprob_chunk_tokens: 0`` the chunk is the whole micro-batch, about three fp32 ``T x V`` tensors.
 
 An estimate, not a measurement: ``bench/memory.py`` measures the real peak (CPU RSS, or
@@ -99,7 +100,9 @@ def estimate_trainer_memory(
         chunk, logits = t, 3 * 4 * t * shape.vocab
     else:
         chunk = min(t, logprob_chunk_tokens or auto_chunk_tokens(shape.vocab))
-        logits = chunk * shape.vocab * (8 + b)
+        # one fp32 chunk worked in place (plus the bf16 matmul output under autocast), and the head's fp32
+        # gradient accumulator
+        logits = chunk * shape.vocab * (4 + (2 if bf16_mixed else 0)) + 4 * shape.vocab * h
     logits += t * h * (4 + b)
     return MemoryEstimate(state=state, activations=activations, logits=logits, micro_batch_tokens=t,
                           chunk_tokens=chunk)
