@@ -1,9 +1,10 @@
 """Checkpoint bundles from 2 training processes (2 gloo ranks, started by ``screl fit`` itself, nothing listening
 beyond loopback). Under ``MegatronStrategy`` every rank writes its shards into the unpublished bundle, and rank 0
 publishes it; the whole job is SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and
-at TP=1 with DP=2 from a copy of the same bundles. Under screl's ``DDPStrategy`` rank 0 writes the one Lightning
-checkpoint, and the killed job resumes. In sync mode every resume reproduces the uninterrupted run's losses, and
-the event checker finds nothing lost or trained twice."""
+at TP=1 with DP=2 from a copy of the same bundles. With ``use_distributed_optimizer`` the same holds at DP=2 (each
+rank saving its half of the optimizer state), resumed at DP=2 and at TP=2. Under screl's ``DDPStrategy`` rank 0
+writes the one Lightning checkpoint, and the killed job resumes. In sync mode every resume reproduces the
+uninterrupted run's losses, and the event checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 
 from screl.checkpoint.store import CheckpointStore
@@ -41,10 +43,10 @@ def _ddp_config(base: Path, devices: int) -> Path:
     return path
 
 
-def _config(base: Path, parallelism: dict[str, int]) -> Path:
+def _config(base: Path, parallelism: dict[str, int], **strategy_args: object) -> Path:
     path = recovery_config(base, str(base / "bundles"), steps=STEPS, sampler=SYNC, source="grpo_megatron_tiny.yaml")
     cfg = yaml.safe_load(path.read_text())
-    cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(parallelism)
+    cfg["trainer"]["strategy"]["init_args"].update(parallelism=dict(parallelism), **strategy_args)
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -95,6 +97,10 @@ def _run_watching_sockets(config: Path, log: Path) -> tuple[list[tuple[int, str,
     return wide, ranks.most
 
 
+def _layout(config: Path) -> dict[str, int]:
+    return dict(yaml.safe_load(config.read_text())["trainer"]["strategy"]["init_args"]["parallelism"])
+
+
 def _copy_run(src: Path, dst: Path, config: Path) -> Path:
     """A second copy of a killed run (its bundles and events), to resume differently."""
     for name in ("bundles", "run"):
@@ -113,11 +119,37 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path
     assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
     reference = _per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
+    _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["tp2"]), "dp2", reference, "multirank")
 
-    rng = random.Random("multirank")
+
+def test_distributed_optimizer_bundles_survive_a_kill_and_resume_at_another_layout(tmp_path: Path) -> None:
+    """DP=2 with ``use_distributed_optimizer: true`` (megatron's DistributedOptimizer: each rank holds and saves
+    half of the optimizer state) killed at a seeded point after a bundle; resumed at DP=2, and from a copy of the
+    same bundles at TP=2 (the optimizer state resharded): both reproduce the uninterrupted DP=2 run."""
+    sharded = {"use_distributed_optimizer": True}
+    reference_cfg = _config(tmp_path / "ref", LAYOUTS["dp2"], **sharded)
+    proc = start_fit(reference_cfg, tmp_path / "ref.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    reference = _per_step(tmp_path / "ref" / "root")
+    assert sorted(reference) == list(range(STEPS))
+    _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["dp2"], **sharded), "tp2", reference,
+                     "distributed-optimizer")
+    latest = CheckpointStore(str(tmp_path / "cut" / "bundles")).latest()
+    assert latest is not None
+    common = torch.load(tmp_path / "cut" / "bundles" / f"step_{latest.step}" / "lightning.ckpt" / "common.pt",
+                        weights_only=False)
+    saved = common["optimizer_states"][0]  # megatron's layout, its tensors in the ranks' shard files
+    assert saved["param_state_sharding_type"] == "fully_reshardable", sorted(saved)
+
+
+def _kill_and_resume(
+    tmp_path: Path, config: Path, other_layout: str, reference: dict[int, tuple[float, ...]], seed: str
+) -> None:
+    """Run ``config`` (under ``tmp_path/cut``), SIGKILL it at a seeded point after a bundle, resume it, and resume a
+    copy of its bundles at ``other_layout``: both must reproduce ``reference`` step for step from the bundle on."""
+    rng = random.Random(seed)
     kill_after = rng.choice([1, 2])
-    cut = tmp_path / "cut"
-    config = _config(cut, LAYOUTS["tp2"])
+    cut = config.parent
     store = CheckpointStore(str(cut / "bundles"))
     proc = start_fit(config, tmp_path / "cut.log")
     assert wait_for(lambda: (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists(), 300, proc), \
@@ -127,8 +159,8 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path
     bundle = store.latest()
     assert bundle is not None and bundle.step >= kill_after
     assert any(p.startswith("lightning.ckpt/") for p in bundle.parts), "a sharded checkpoint, one part per file"
-    other = tmp_path / "dp2"
-    resumes = [(cut, config), (other, _relayout(_copy_run(cut, other, config), LAYOUTS["dp2"]))]
+    other = tmp_path / other_layout
+    resumes = [(cut, config), (other, _relayout(_copy_run(cut, other, config), LAYOUTS[other_layout]))]
     for base, cfg in resumes:
         log = base / "resume.log"
         proc = start_fit(cfg, log)
@@ -140,8 +172,8 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path
         assert set(range(bundle.step, STEPS)) <= set(resumed)
         for step in range(bundle.step, STEPS):
             got, want = resumed[step], reference[step]
-            if base is other:  # under DP=2 `reward` is rank 0's half of the chunk; loss and grad norm are the whole's
-                got, want = (got[0], got[2]), (want[0], want[2])
+            if _layout(cfg) != _layout(config):  # under DP=2 `reward` is rank 0's half of the chunk; loss and grad
+                got, want = (got[0], got[2]), (want[0], want[2])  # norm are the whole chunk's
             assert got == pytest.approx(want, rel=1e-5, abs=1e-8), (base.name, step)
 
 
