@@ -166,3 +166,24 @@ def weights_close(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     """The largest absolute difference between two exported weight dicts with the same keys."""
     assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def ppo_job(rank: int, out: str) -> None:
+    """One of 2 ranks: ``test_ppo_megatron``'s PPO step (policy and critic AdamW, a LambdaLR on the critic, eps
+    raised by a callback through ``param_groups``) under a real Trainer at TP=2 with the distributed optimizer."""
+    from lightning.pytorch import Trainer
+    from screl.strategies import MegatronStrategy, ParallelismConfig
+    from test_ppo_megatron import Record, _Once, make_ppo
+
+    chunk = torch.load(os.path.join(os.path.dirname(out), "chunk.pt"))
+    module, record = make_ppo(0), Record()
+    strategy = MegatronStrategy(
+        parallelism=ParallelismConfig(tensor_model_parallel_size=2), use_distributed_optimizer=True
+    )
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )
+    trainer.fit(module, train_dataloaders=_Once(chunk))
+    optimizers = [type(o).__name__ for o in strategy.optimizers]
+    torch.save({**record.out, "optimizers": optimizers, "update_counts": dict(module.update_counts)}, f"{out}.{rank}")

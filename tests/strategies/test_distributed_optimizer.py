@@ -114,3 +114,24 @@ def test_refusals_name_the_fix(two_ranks: list[dict[str, Any]]) -> None:
     assert "replaces a torch AdamW, got SGD" in errors["sgd"]
     assert "must update exactly the trainable parameters of its Megatron modules (2 parameters given" \
         in errors["subset"]
+
+
+@pytest.mark.slow
+def test_ppo_trains_unchanged_under_the_distributed_optimizer(tmp_path: Any) -> None:
+    """PPO's two AdamW (the critic's under a LambdaLR, eps raised through param_groups by a callback) become
+    distributed optimizers without a change to PPO: one TP=2 step equals the one-process step (1e-5)."""
+    import test_ppo_megatron as ppo
+
+    chunk = ppo.make_chunk()
+    torch.save(chunk, tmp_path / "chunk.pt")
+    out = jobs.spawn(djobs.ppo_job, 2, str(tmp_path))
+    ranks = [_load(f"{out}.{rank}") for rank in range(2)]
+    reference = ppo.fit_step(chunk, start=0, tp=None)
+    for result in ranks:
+        assert result["optimizers"] == ["DistributedAdam", "DistributedAdam"]
+        assert result["update_counts"] == reference["update_counts"] == {"policy": 2, "critic": 2}
+        for key in ("train/loss", "critic/value_loss", "train/grad_norm", "critic/grad_norm"):
+            assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=ppo.TOL, abs=ppo.TOL), key
+        for part in ("policy", "critic"):
+            ppo._assert_close(result["after"][part], reference["after"][part])
+            assert ppo._max_diff(result["after"][part], result["before"][part]) > 1000 * ppo.TOL  # it trained
