@@ -78,8 +78,8 @@ class MemoryEstimate:
     def describe(self) -> str:
         return (f"~{self.peak / GIB:.1f} GiB peak per training process: {self.state / GIB:.1f} GiB weights, "
                 f"gradients and optimizer (fp32), {self.activations / GIB:.1f} GiB activations of a "
-                f"{self.micro_batch_tokens}-token micro-batch, {self.logits / GIB:.2f} GiB logits of a "
-                f"{self.chunk_tokens}-token logprob chunk")
+                f"{self.micro_batch_tokens}-token micro-batch, {self.logits / GIB:.2f} GiB for the logprob head (a "
+                f"{self.chunk_tokens}-token chunk of logits, the head's gradient, the final hidden states)")
 
 
 def estimate_trainer_memory(
