@@ -21,6 +21,7 @@ from screl.validation.context import (
     workflow_problem,
 )
 from screl.validation.model_rules import model_memory_rules, precision_rules
+from screl.validation.optimizer_rules import distributed_optimizer_rules
 from screl.validation.rollout_rules import (
     deadline_rules,
     refit_rules,
@@ -49,6 +50,7 @@ from screl.validation.trainer_rules import strategy_rules
 RULES = (
     algorithm_rules,
     strategy_rules,
+    distributed_optimizer_rules,
     precision_rules,
     model_memory_rules,
     sampler_block_rules,
