@@ -154,6 +154,13 @@ class ScrelCLI(LightningCLI):
         problems = config_problems(self.config_dict())
         if problems:
             raise ConfigError(problems)
+        if not self.check_only:  # before the Trainer (and CUDA) starts: the trainer sees only its GPUs
+            from screl.placement import apply_trainer_devices
+            from screl.validation import Problem
+
+            placed = apply_trainer_devices(self.config_dict())
+            if placed.problems:
+                raise ConfigError([Problem(*p) for p in placed.problems])
 
     @override
     def instantiate_classes(self) -> None:
@@ -240,6 +247,13 @@ def _generation_line(cfg: dict[str, Any]) -> str:
             f"GPU{custom} each{where}; refits in {g.refit_bucket_mb:g} MiB buckets")
 
 
+def _devices_line(cfg: dict[str, Any]) -> str:
+    """The device map (:mod:`screl.placement`): per node the trainer's, the inference and the left-over GPUs."""
+    from screl.placement import device_map
+
+    return device_map(cfg).describe()
+
+
 def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
     """How a refit meets in-flight requests, and the per-request deadlines (the plan's ``refit`` line)."""
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
@@ -305,6 +319,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}",
         f"torch threads        {_thread_plan(cfg, run).describe()}",
         f"generation           {_generation_line(cfg)}",
+        f"devices              {_devices_line(cfg)}",
         f"refit                {_refit_line(cfg, run)}",
         f"dropped groups       {_drops_line(run)}",
         f"validation           {_validation_line(run)}",

@@ -18,7 +18,16 @@ class Resources:
     num_nodes: int = 1
     """Nodes for generation."""
     gpus_per_node: int = 0
-    """Generation GPUs per node (0 on CPU)."""
+    """Generation GPUs per node (0 on CPU). On a node the trainer also uses, they are the node's last GPUs and the
+    trainer gets the first ``trainer.devices`` (``screl check`` prints the device map, :mod:`screl.placement`)."""
+    node_gpus: int | None = None
+    """GPUs each node has in all (trainer's, generation's and any left over). None: ``screl fit`` counts the node's
+    own (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``) and ``screl check`` assumes exactly what the plan uses. Set
+    it to have ``screl check`` refuse a plan that does not fit the node."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU in GB (80 for an H100), for the memory budget of a GPU the trainer shares with generation
+    (fractional ``num_gpus_per_worker``). None: the budget is printed as shares only and the trainer's memory
+    estimate is not checked against what the engines leave it."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
 from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
+from screl.placement import ENV_DEVICE_MAP, DeviceMap, joined_cluster_problem, local_ray_gpu_ids
 from screl.rollout.backends import iter_buckets
 from screl.rollout.deadlines import Deadlines
 from screl.rollout.engine import EngineOptions, SamplingParams
@@ -103,6 +104,20 @@ def check_cluster_fits(g: GenerationConfig, cluster: dict[str, float]) -> None:
         raise RuntimeError("the generation workers do not fit the Ray cluster: " + "; ".join(problems))
 
 
+def check_joined_cluster(g: GenerationConfig, environ: Mapping[str, str] | None = None) -> None:
+    """On a cluster screl joined (``ray.address``): fail before any actor starts when the trainer's node offers Ray
+    more GPUs than the device map (``screl fit`` leaves it in ``SCREL_DEVICE_MAP``) gives generation there, so a
+    worker could land on a trainer's GPU. A local cluster needs no check: it is started with the inference GPUs
+    only (:func:`screl.dataplane.start_local_ray`, ``gpu_ids``)."""
+    text = (os.environ if environ is None else environ).get(ENV_DEVICE_MAP)
+    if not text:
+        return
+    why = joined_cluster_problem(DeviceMap.from_json(text), ray.nodes(), ray.get_runtime_context().get_node_id(),
+                                 worker_resources(g).custom)
+    if why is not None:
+        raise RuntimeError(why)
+
+
 def sampling_params(g: GenerationConfig) -> SamplingParams:
     """The sampling settings every request of the run shares (each request adds its own seed)."""
     return SamplingParams(max_new_tokens=g.max_new_tokens, min_new_tokens=g.min_new_tokens,
@@ -139,7 +154,8 @@ class RolloutRuntime:
         rc = self.run.ray
         t0 = time.perf_counter()
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
-                                            log_to_driver=os.environ.get("SCREL_VERBOSE") == "1")
+                                            log_to_driver=os.environ.get("SCREL_VERBOSE") == "1",
+                                            gpu_ids=local_ray_gpu_ids() if rc.address is None else None)
         startup.info("screl: Ray %s in %.1f s", "started" if self._ray_started else "joined", time.perf_counter() - t0)
         try:
             weights = self._start_fleet(task, policy, run_dir, initial_weights, seed, config_dict, val_task)
@@ -163,6 +179,8 @@ class RolloutRuntime:
         while the workers and the controller boot. Returns the weights' object refs."""
         g, dpc = self.generation, self.run.data_plane
         check_cluster_fits(g, ray.cluster_resources())
+        if self.run.ray.address is not None:
+            check_joined_cluster(g)
         t1 = time.perf_counter()
         dp_future = in_daemon_thread(
             lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id,

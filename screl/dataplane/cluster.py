@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
 LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 """Environment that keeps Ray on 127.0.0.1; set before ``ray.init`` (ideally before ``import ray``)."""
@@ -43,6 +44,7 @@ def start_local_ray(
     *,
     log_to_driver: bool = False,
     object_store_memory: int | None = None,
+    gpu_ids: Sequence[str] | None = None,
 ) -> bool:
     """Start a loopback-only local Ray cluster, or join ``address``; return whether this call started Ray.
 
@@ -54,6 +56,10 @@ def start_local_ray(
             cluster (never silently attaches to one found through ``RAY_ADDRESS`` or ``/tmp/ray``).
         log_to_driver: Forward worker stdout/stderr to this process.
         object_store_memory: Object store size in bytes for a new cluster (Ray's default when ``None``).
+        gpu_ids: The GPUs a new local cluster may hand to actors (the device map's inference GPUs,
+            :mod:`screl.placement`): Ray gets ``num_gpus=len(gpu_ids)`` and its raylet alone sees
+            ``CUDA_VISIBLE_DEVICES`` naming them, so Ray's GPU pool is exactly those devices and ``ray.get_gpu_ids()``
+            in an actor names the physical ids. ``None``: Ray counts the GPUs itself (every visible one).
 
     Returns:
         ``False`` when Ray was already initialised in this process (nothing is done), else ``True``.
@@ -71,15 +77,26 @@ def start_local_ray(
     # their own, so on a small machine the idle ones only compete with them for the cores (about 3 CPU-s
     # and 2 s of wall time per start-up on 2 cores). SCREL users may still set it to 1.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        namespace=namespace,
-        include_dashboard=False,
-        log_to_driver=log_to_driver,
-        logging_level=level,
-        object_store_memory=object_store_memory,
-    )
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    try:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=None if gpu_ids is None else len(gpu_ids),
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+            logging_level=level,
+            object_store_memory=object_store_memory,
+        )
+    finally:
+        if gpu_ids is not None:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
     node_ip = ray.util.get_node_ip_address()
     if node_ip.strip("[]") not in LOOPBACK_IPS:
         ray.shutdown()

@@ -22,6 +22,7 @@ from screl.validation.context import (
 )
 from screl.validation.model_rules import model_memory_rules, precision_rules
 from screl.validation.optimizer_rules import distributed_optimizer_rules
+from screl.validation.placement_rules import placement_rules
 from screl.validation.rollout_rules import (
     deadline_rules,
     refit_rules,
@@ -58,6 +59,7 @@ RULES = (
     failure_rules,
     batch_rules,
     generation_rules,
+    placement_rules,
     agent_rules,
     torch_backend_rules,
     vllm_rules,

@@ -1,0 +1,14 @@
+"""The device map (:mod:`screl.placement`): trainer and inference GPUs that overlap, a node oversubscribed, a shared
+GPU whose engines leave the trainer less memory than its estimate. Checked from the config alone (the node's size
+from ``colocated.resources.node_gpus`` when set); ``screl fit`` checks the same map again against the node's own
+GPUs before anything starts."""
+
+from __future__ import annotations
+
+from screl.placement import device_map
+from screl.validation.context import RuleContext
+
+
+def placement_rules(c: RuleContext) -> None:
+    for key, value, message, fix in device_map(c.cfg).problems:
+        c.bad(key, value, message, fix)
