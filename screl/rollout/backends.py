@@ -77,6 +77,30 @@ def iter_buckets(
         yield bucket
 
 
+#: What an engine's ``update_weights`` takes: one state dict, or its buckets (an iterable of state-dict pieces,
+#: consumed once, lazily: the worker streams a refit's buckets from the object store one at a time).
+WeightBuckets = Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]]
+
+
+def as_buckets(weights: WeightBuckets) -> Iterator[Mapping[str, torch.Tensor]]:
+    """The buckets of ``weights``: a state dict is one bucket, an iterable of buckets is drawn from lazily (the
+    returned iterator keeps no reference to a bucket it has handed out)."""
+    if isinstance(weights, Mapping):
+        return iter((weights,))
+    return map(_checked_bucket, weights)
+
+
+def _checked_bucket(bucket: Any) -> Mapping[str, torch.Tensor]:
+    if not isinstance(bucket, Mapping):
+        raise TypeError(f"a weight bucket must be a mapping of names to tensors, got {type(bucket).__name__}")
+    return bucket
+
+
+def bucket_nbytes(bucket: Mapping[str, torch.Tensor]) -> int:
+    """The bytes a bucket's tensors hold."""
+    return sum(t.numel() * t.element_size() for t in bucket.values())
+
+
 def merge_buckets(buckets: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One state dict from its buckets; a name in two buckets is an error (a bucketing bug would otherwise
     load whichever came last)."""

@@ -29,6 +29,7 @@ import torch
 
 from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec
+from screl.rollout.backends import WeightBuckets, as_buckets
 from screl.rollout.engine import (
     EngineOptions,
     FinishReason,
@@ -147,6 +148,7 @@ class TorchGenerationEngine:
         self.decode_path = self._decode_path(decode)
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._version = version
+        self._torn_refit: str | None = None  # why the weights mix two versions (a refit failed midway)
         self._model_lock = threading.Lock()  # one forward pass or one weight load at a time
         self._cond = threading.Condition()  # guards everything below
         self._inflight: set[str] = set()
@@ -184,35 +186,45 @@ class TorchGenerationEngine:
         with self._model_lock:
             self._version = version
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy ``state_dict`` into the model between decode steps and set the version.
+    streams_weight_buckets = True
+    """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""
 
-        Keys must match the model's; tied parameters may be given under any one of their names.
+    def update_weights(self, weights: WeightBuckets, version: int) -> None:
+        """Copy the weights into the model in place between decode steps and set the version.
+
+        ``weights``: one state dict, or an iterable of buckets (state-dict pieces, as a refit sends them),
+        consumed lazily: each bucket is checked (names in the model, shapes) and copied before the next is
+        drawn, and none is kept, so a refit holds one bucket at a time, never a merged copy. Keys must match
+        the model's; tied parameters may be given under any one of their names. After the last bucket, every
+        persistent tensor must have been given (over all buckets), else ``KeyError``.
+
+        Decoding waits for the whole refit (no forward pass sees a mix of two versions). A refit that fails
+        keeps the old version label; if it failed after a bucket was copied, the weights are a mix and the
+        engine refuses to generate until a complete refit succeeds.
         """
         names: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         names.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        unexpected = sorted(set(state_dict) - set(names))
-        if unexpected:
-            raise KeyError(
-                f"update_weights: keys not in the model: {unexpected[:5]} ({len(unexpected)} in all)."
-            )
-        loaded = {id(names[k]) for k in state_dict}
-        missing = sorted(k for k, t in names.items() if k not in state_dict and id(t) not in loaded)
-        persistent = set(self.model.state_dict())
-        missing = [k for k in missing if k in persistent]
-        if missing:
-            raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
-        shapes = [
-            f"{k}: {tuple(t.shape)} != {tuple(names[k].shape)}"
-            for k, t in state_dict.items()
-            if t.shape != names[k].shape
-        ]
-        if shapes:
-            raise ValueError(f"update_weights: shape mismatch (given != model): {shapes[:5]}.")
+        loaded: set[int] = set()  # ids of the tensors given so far (a tied tensor counts under any name)
+        given: set[str] = set()
+        copied = 0
         with self._model_lock, torch.no_grad():
-            for k, t in state_dict.items():
-                _copy_serial(names[k], t)
+            try:
+                for bucket in as_buckets(weights):
+                    copied += _copy_bucket(bucket, names, given, loaded)
+                    del bucket  # the next bucket is drawn with this one released (no other local holds it)
+                persistent = set(self.model.state_dict())
+                missing = sorted(k for k, t in names.items() if id(t) not in loaded and k in persistent)
+                if missing:
+                    raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
+            except BaseException as err:
+                if copied:
+                    self._torn_refit = (
+                        f"a refit to version {version} failed after {copied} tensor(s) were copied "
+                        f"({type(err).__name__}: {err}); the weights mix two versions until a complete refit"
+                    )
+                raise
             self._version = version
+            self._torn_refit = None
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these in-flight requests at the next step with their partial tokens."""
@@ -253,6 +265,8 @@ class TorchGenerationEngine:
         """Generate all requests, ``max_batch_size`` at a time; results in request order."""
         if not requests:
             return []
+        if self._torn_refit is not None:
+            raise RuntimeError(f"generate: {self._torn_refit}")
         rows = [self._new_row(r) for r in requests]
         ids = [r.request_id for r in requests]
         self._enter(ids)
@@ -450,6 +464,32 @@ class TorchGenerationEngine:
             start_version=r.start_version if r.start_version is not None else end_version,
             end_version=end_version,
         )
+
+
+def _check_bucket(bucket: Mapping[str, torch.Tensor], names: Mapping[str, torch.Tensor], given: set[str]) -> None:
+    """Refuse a refit bucket before any of it is copied: a name not in the model, a name an earlier bucket
+    gave, or a shape that differs from the model's."""
+    unexpected = sorted(set(bucket) - set(names))
+    if unexpected:
+        raise KeyError(f"update_weights: keys not in the model: {unexpected[:5]} ({len(unexpected)} in all).")
+    twice = sorted(set(bucket) & given)
+    if twice:
+        raise ValueError(f"update_weights: weight buckets overlap on {twice[:5]}")
+    shapes = [f"{k}: {tuple(t.shape)} != {tuple(names[k].shape)}" for k, t in bucket.items()
+              if t.shape != names[k].shape]
+    if shapes:
+        raise ValueError(f"update_weights: shape mismatch (given != model): {shapes[:5]}.")
+
+
+def _copy_bucket(bucket: Mapping[str, torch.Tensor], names: Mapping[str, torch.Tensor], given: set[str],
+                 loaded: set[int]) -> int:
+    """Check one refit bucket, then copy it into the model's tensors in place; returns how many it held."""
+    _check_bucket(bucket, names, given)
+    for k, t in bucket.items():
+        _copy_serial(names[k], t)
+        loaded.add(id(names[k]))
+    given.update(bucket)
+    return len(bucket)
 
 
 def _copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,10 +335,18 @@ class GenerationWorker:
     # -- weights --------------------------------------------------------------------------------------
     async def update_weights(self, weights: list[Any], version: int) -> int:
         """Load the weights, given as buckets (state-dict pieces, or ObjectRefs to them), through the backend as
-        ``version``; returns the version."""
-        buckets = [await w if isinstance(w, ray.ObjectRef) else w for w in weights]
-        state = merge_buckets(buckets)
+        ``version``; returns the version.
+
+        An engine that streams buckets (``streams_weight_buckets``: the torch and vLLM engines) gets them one at a
+        time: each ObjectRef is fetched only when the engine asks for the next bucket, and released once loaded,
+        so the worker never holds more than one bucket (no merged state dict). Any other backend gets one merged
+        state dict (the ``GenerationEngine`` protocol's)."""
         loop = asyncio.get_running_loop()
+        state: Any
+        if getattr(self.engine, "streams_weight_buckets", False):
+            state = _fetched_lazily(weights, loop)
+        else:
+            state = merge_buckets([await w if isinstance(w, ray.ObjectRef) else w for w in weights])
         self.clock.pause()  # deadlines stand still while the engine is paused for the refit
         try:
             drain = not self.in_flight_weight_updates
@@ -414,6 +422,21 @@ class GenerationWorker:
 
     async def row_puts(self) -> int:
         return self.rows.puts
+
+
+async def _fetch(ref: Any) -> Any:
+    return await ref
+
+
+def _fetched_lazily(weights: list[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
+    """The buckets of ``weights`` for an engine's thread: an ObjectRef is awaited on the worker's event loop when
+    the engine draws it (``map`` keeps no reference to a bucket it has handed out)."""
+    def get(w: Any) -> Any:
+        if isinstance(w, ray.ObjectRef):
+            return asyncio.run_coroutine_threadsafe(_fetch(w), loop).result()
+        return w
+
+    return map(get, weights)
 
 
 @dataclass(frozen=True)
