@@ -41,13 +41,15 @@ class NoPrivateDisk(RuntimeError):
 
 class RayNodes:
     """The cluster process: ``head`` and ``nodes`` (the other nodes' JSON lines, one per kind to start with),
-    ``add(kind)``, ``kill(node_id)``. A kind is ``(cpus, resources)``."""
+    ``add(kind)``, ``kill(node_id)``. A kind is ``(cpus, resources)`` or ``(cpus, resources, gpus)`` (logical
+    GPUs, as ``ray start --num-gpus``); ``head_gpus`` the head's."""
 
     def __init__(self, head_cpus: int, head_resources: dict[str, float],
-                 kinds: list[tuple[int, dict[str, float]]], private_dir: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 kinds: list[tuple[int, dict[str, float]]] | list[tuple[int, dict[str, float], int]],
+                 private_dir: str | None = None, env: dict[str, str] | None = None,
+                 head_gpus: int | None = None) -> None:
         spec = json.dumps({"head_cpus": head_cpus, "head_resources": head_resources, "kinds": kinds,
-                           "private_dir": private_dir})
+                           "private_dir": private_dir, "head_gpus": head_gpus})
         self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, **LOOPBACK, **(env or {})},
                                      start_new_session=True)
@@ -125,14 +127,15 @@ def _private_mounts(path: str) -> str | None:
 def _serve(spec: dict[str, Any]) -> None:
     from ray.cluster_utils import Cluster
 
+    head_gpus = {} if spec.get("head_gpus") is None else {"num_gpus": spec["head_gpus"]}  # logical GPUs
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": spec["head_cpus"], "resources": spec["head_resources"], "include_dashboard": False,
-        "_system_config": HEALTH})
+        "_system_config": HEALTH, **head_gpus})
     nodes = {}
 
     def add(kind: int) -> None:
-        cpus, resources = spec["kinds"][kind]
-        node = cluster.add_node(num_cpus=cpus, resources=resources)
+        cpus, resources, *gpus = spec["kinds"][kind]  # an optional third entry: the node's logical GPUs
+        node = cluster.add_node(num_cpus=cpus, resources=resources, **({"num_gpus": gpus[0]} if gpus else {}))
         nodes[node.node_id] = node
         print(json.dumps(_describe(node, cluster.address)), flush=True)
 
