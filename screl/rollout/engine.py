@@ -44,9 +44,10 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same seed, prompt and weights give the same completion, whatever the batch."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra stop tokens besides the tokenizer's EOS."""
+    """Extra stop tokens besides the model's (:mod:`screl.rollout.stop_tokens`: the tokenizer's EOS, the
+    generation config's EOS ids and the chat template's end-of-turn token)."""
     ignore_eos: bool = False
-    """Never stop at EOS (stop_token_ids still stop)."""
+    """Never stop at the model's stop tokens (stop_token_ids still stop)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -90,13 +91,23 @@ class GenerationResult:
     logprobs: list[float]
     """Per sampled token: ``log_softmax(logits / temperature)[token]`` (see the module docstring)."""
     finish_reason: FinishReason
-    """``length`` (hit max_new_tokens), ``stop`` (sampled a stop token) or ``abort`` (partial tokens)."""
+    """``length`` (hit max_new_tokens), ``stop`` (sampled a stop token: which one and by which rule in
+    ``stop_token_id`` and ``stop_kind``) or ``abort`` (partial tokens)."""
     weight_versions: list[int]
     """Per sampled token: the weight version of the forward pass whose logits produced it."""
     start_version: int
     """Engine weight version when the request started (its prefill)."""
     end_version: int
     """Engine weight version when the request finished."""
+    stop_token_id: int | None = None
+    """With ``finish_reason == "stop"``: the token that stopped it (the last of ``token_ids``); else None."""
+    stop_kind: str | None = None
+    """With ``finish_reason == "stop"``: which rule that token belongs to (:mod:`screl.rollout.stop_tokens`):
+    ``eos`` (the tokenizer's), ``generation_config`` (its ``eos_token_id`` list), ``end_of_turn`` (the chat
+    template's) or ``request`` (``SamplingParams.stop_token_ids`` only); else None."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens the engine read from its prefix cache instead of computing them (vLLM's
+    ``RequestOutput.num_cached_tokens``); None where the engine keeps no prefix cache (torch)."""
 
     def weight_version_spans(self) -> list[tuple[int, int, int]]:
         """``(version, start, end)`` runs over output-token indexes, as vLLM reports them."""

@@ -39,6 +39,7 @@ from screl.rollout.engine import (
     SamplingParams,
 )
 from screl.rollout.static_decode import StaticDecoder, static_decode_support
+from screl.rollout.stop_tokens import StopTokens, stop_tokens
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
     start_version: int | None = None
+    stop_token: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -140,7 +142,9 @@ class TorchGenerationEngine:
         self.model.eval()
         self.model.requires_grad_(False)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.eos_token_ids = self._eos_ids()
+        self.stop_tokens: StopTokens = stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None),
+                                                   self.model.config)
+        self.eos_token_ids = self.stop_tokens.ids  # the one stop rule (screl.rollout.stop_tokens)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         params = inspect.signature(self.model.forward).parameters
@@ -311,20 +315,6 @@ class TorchGenerationEngine:
 
     # -------------------------------------------------------------------------------- decoding
 
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen_cfg = getattr(self.model, "generation_config", None)
-        cfg_eos = getattr(gen_cfg, "eos_token_id", None)
-        if cfg_eos is None:
-            cfg_eos = getattr(self.model.config, "eos_token_id", None)
-        if isinstance(cfg_eos, int):
-            ids.add(cfg_eos)
-        elif cfg_eos is not None:
-            ids.update(int(i) for i in cfg_eos)
-        return frozenset(ids)
-
     def _new_row(self, req: GenerationRequest) -> _Row:
         if len(req.prompt_token_ids) == 0:
             raise ValueError(f"generate: request {req.request_id!r} has an empty prompt.")
@@ -337,8 +327,7 @@ class TorchGenerationEngine:
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
         uniforms = torch.rand(sp.max_new_tokens, generator=gen, dtype=torch.float64)
-        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
-        return _Row(req=req, uniforms=uniforms, stop_ids=frozenset(stop))
+        return _Row(req=req, uniforms=uniforms, stop_ids=self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos))
 
     def _batch_params(self, rows: list[_Row]) -> _Batch:
         dev, n_vocab = self.device, self.vocab_size
@@ -449,7 +438,7 @@ class TorchGenerationEngine:
             r.logprobs.append(lp)
             r.versions.append(version)
             if t in r.stop_ids and len(r.tokens) > r.sampling.min_new_tokens:
-                r.finish = "stop"
+                r.finish, r.stop_token = "stop", t
             elif len(r.tokens) >= r.sampling.max_new_tokens:
                 r.finish = "length"
 
@@ -463,6 +452,9 @@ class TorchGenerationEngine:
             weight_versions=r.versions,
             start_version=r.start_version if r.start_version is not None else end_version,
             end_version=end_version,
+            stop_token_id=r.stop_token if r.finish == "stop" else None,
+            stop_kind=(self.stop_tokens.kind(r.stop_token, r.sampling.ignore_eos)
+                       if r.finish == "stop" and r.stop_token is not None else None),
         )
 
 
