@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,35 @@ DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
 """The rollout workflow a worker runs unless ``generation.workflow`` names another."""
 TORCH_DECODE_PATHS = ("auto", "static", "hf")
 """The torch backend's ``backend_args.decode`` values (:mod:`screl.rollout.torch_engine`)."""
+
+VLLM_GPU_MEMORY_UTILIZATION = 0.5
+"""The share of its GPU's memory a vLLM engine takes on ``device: cuda`` unless ``backend_args`` sets
+``gpu_memory_utilization``. vLLM's own default, 0.9, assumes the GPU is the engine's alone; a screl worker may share
+its GPU with the trainer (one GPU, non-colocated, a fractional ``num_gpus_per_worker``), and 0.5 leaves the trainer
+half of it. On a GPU of its own, raise it (0.85-0.9) for a larger KV cache."""
+_VLLM_COMMON: dict[str, Any] = {
+    "max_model_len": None,  # the model's max_position_embeddings
+    "enable_prefix_caching": True,  # requests carry a cache salt of their weight version (screl.rollout.vllm_engine)
+    "scheduling_policy": "priority",
+    "max_logprobs": 0,
+}
+VLLM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"dtype": "float32", "enforce_eager": True, **_VLLM_COMMON},
+    "cuda": {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": VLLM_GPU_MEMORY_UTILIZATION,
+             **_VLLM_COMMON},
+}
+"""The vLLM engine arguments screl sets per device kind unless ``backend_args`` says otherwise: on CPU fp32 and eager
+(vLLM's CPU build), on CUDA the model's own dtype (``auto``: bf16 for current checkpoints), CUDA graphs
+(``enforce_eager: false``) and :data:`VLLM_GPU_MEMORY_UTILIZATION`; prefix caching on both."""
+
+
+def vllm_engine_args(device: str, backend_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The vLLM engine arguments of a worker on ``device`` (``cpu``, ``cuda``, ``cuda:N``): :data:`VLLM_DEFAULTS`
+    for its kind, overridden key by key by ``backend_args``."""
+    kind = "cuda" if device == "cuda" or device.startswith("cuda:") else device
+    if kind not in VLLM_DEFAULTS:
+        raise ValueError(f"data.init_args.generation.device={device!r}: vLLM runs on cpu or cuda")
+    return {**VLLM_DEFAULTS[kind], **dict(backend_args or {})}
 
 
 @dataclass

@@ -12,7 +12,7 @@ A completion stops at the first sampled token in the union of
 
 plus the request's own ``SamplingParams.stop_token_ids``. ``ignore_eos`` drops the rule's ids and keeps the
 request's. The stop token is the completion's last token, and the result says which rule fired
-(:attr:`~screl.rollout.engine.GenerationResult.stop_token_id`, :attr:`~screl.rollout.engine.GenerationResult.stop_kind`).
+(``GenerationResult.stop_token_id`` and ``GenerationResult.stop_kind``).
 
 The vLLM engine passes these ids explicitly as ``stop_token_ids`` and points vLLM's ``generation_config`` at an
 empty one of its own, so what it stops on never depends on a ``generation_config.json`` in the engine's model

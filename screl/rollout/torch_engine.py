@@ -327,7 +327,8 @@ class TorchGenerationEngine:
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
         uniforms = torch.rand(sp.max_new_tokens, generator=gen, dtype=torch.float64)
-        return _Row(req=req, uniforms=uniforms, stop_ids=self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos))
+        stop = self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos)
+        return _Row(req=req, uniforms=uniforms, stop_ids=stop)
 
     def _batch_params(self, rows: list[_Row]) -> _Batch:
         dev, n_vocab = self.device, self.vocab_size

