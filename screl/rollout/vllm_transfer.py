@@ -9,6 +9,10 @@ engine; no copy goes through the object store. :class:`WorkerSyncClient` impleme
 ``VLLMWeightSyncClient`` protocol over screl's generation workers and gives engine ``i`` its own rank offset
 (``1 + TP_0 + ... + TP_{i-1}``), so one broadcast feeds them all (engines given the same offset would collide).
 
+Buckets stay buckets here too: vLLM's trainer engine iterates the module's parameters (no copy of the model) and
+broadcasts them packed into buffers of ``bucket_bytes`` (two in flight); each engine loads buffer by buffer through
+its layerwise reload. (That loop runs on CUDA streams, so it has no CPU test.)
+
 One refit (:meth:`NcclWeightSender.refit`): every worker pauses (``keep``), the trainer sends (vLLM's
 ``send_weights``: start -> update concurrently with the broadcast -> finish), every worker labels the version
 and resumes. A worker Ray restarted cannot rejoin the NCCL group: the controller then fails the run naming it.
@@ -21,6 +25,10 @@ from typing import Any
 
 import ray
 import torch
+
+#: The packed buffer of the broadcast: ``generation.refit_bucket_mb``'s default (vLLM's own is 1 GiB, two of them
+#: on each side of the broadcast: half a 1B fp32 model in flight).
+DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 class WorkerSyncClient:
@@ -63,7 +71,7 @@ class NcclWeightSender:
     """The trainer's end of the NCCL weight group (built once, on the first refit)."""
 
     def __init__(self, workers: list[Any], module: torch.nn.Module, master_address: str = "127.0.0.1",
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -72,7 +80,8 @@ class NcclWeightSender:
         self.timeout_s = timeout_s
         tp_sizes = [int(t) for t in ray.get([w.tensor_parallel_size.remote() for w in workers], timeout=timeout_s)]
         info = NCCLTrainerInitInfo(master_address=master_address, master_port=_free_port(master_address),
-                                   world_size=nccl_world_size(tp_sizes), rank=0)
+                                   world_size=nccl_world_size(tp_sizes), rank=0, packed=True,
+                                   packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=2)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             info, client=WorkerSyncClient(workers, tp_sizes, timeout_s), source=ModuleSource(module))
 
