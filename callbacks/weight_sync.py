@@ -8,6 +8,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from screl.rollout.backends import bucket_to_wire
+
 log = logging.getLogger(__name__)
 
 
@@ -70,12 +72,13 @@ def _log_validation(trainer: Trainer, results: list[dict[str, Any]]) -> None:
 
 def _exported_weights(pl_module: LightningModule, dm: Any) -> Any:
     """The module's bucketed export when it has one (the trainer then never holds a second full copy of the
-    weights; buckets of ``generation.refit_bucket_mb``), else its one-dict ``export_weights()``."""
+    weights; buckets of ``generation.refit_bucket_mb``, each put into the object store as it comes, as a
+    ``WireBucket`` the workers read in place), else its one-dict ``export_weights()``."""
     module: Any = pl_module
     if getattr(dm, "broadcasts_weights", False):  # vLLM NCCL transfer: the trainer sends its HF module itself
         return module.model
-    if hasattr(module, "iter_export_weights"):
-        return module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20))
+    if hasattr(module, "iter_export_weights"):  # numpy on the wire: workers read the object store without a copy
+        return map(bucket_to_wire, module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20)))
     if hasattr(module, "export_weights"):
         return module.export_weights()
     raise TypeError(

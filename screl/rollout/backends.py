@@ -8,9 +8,12 @@ builds one with ``Backend.from_options(policy, EngineOptions(...))``. ``torch`` 
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from screl.rollout.engine import EngineOptions, GenerationEngine
@@ -99,6 +102,37 @@ def _checked_bucket(bucket: Any) -> Mapping[str, torch.Tensor]:
 def bucket_nbytes(bucket: Mapping[str, torch.Tensor]) -> int:
     """The bytes a bucket's tensors hold."""
     return sum(t.numel() * t.element_size() for t in bucket.values())
+
+
+@dataclass(frozen=True)
+class WireBucket:
+    """A refit bucket as it travels through Ray's object store: each tensor's bytes as a numpy array, which Ray
+    hands back as a read-only view of the store's shared memory (torch tensors come back as private copies)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    arrays: list[np.ndarray]
+
+
+def bucket_to_wire(bucket: Mapping[str, torch.Tensor]) -> WireBucket:
+    """``bucket`` for ``ray.put`` (views of its CPU tensors: no copy here)."""
+    tensors = [(k, t.detach().to("cpu").contiguous()) for k, t in bucket.items()]
+    return WireBucket([k for k, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                      [list(t.shape) for _, t in tensors], [t.reshape(-1).view(torch.uint8).numpy() for _, t in tensors])
+
+
+def bucket_from_wire(obj: Any) -> Mapping[str, torch.Tensor]:
+    """The tensors of a :class:`WireBucket`, viewing its arrays (read-only: only to be copied from); any other
+    bucket as it is."""
+    if not isinstance(obj, WireBucket):
+        return obj  # type: ignore[no-any-return]
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # the store's memory is read-only; the engines only read it
+        warnings.simplefilter("ignore", UserWarning)
+        for name, dtype, shape, array in zip(obj.names, obj.dtypes, obj.shapes, obj.arrays, strict=True):
+            out[name] = torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
+    return out
 
 
 def merge_buckets(buckets: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from screl.config_generation import DEFAULT_WORKFLOW
 from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
-from screl.rollout.backends import build_engine, merge_buckets
+from screl.rollout.backends import bucket_from_wire, build_engine, merge_buckets
 from screl.rollout.batching import (
     Pending,
     RowSink,
@@ -346,7 +346,7 @@ class GenerationWorker:
         if getattr(self.engine, "streams_weight_buckets", False):
             state = _fetched_lazily(weights, loop)
         else:
-            state = merge_buckets([await w if isinstance(w, ray.ObjectRef) else w for w in weights])
+            state = merge_buckets([bucket_from_wire(await w if isinstance(w, ray.ObjectRef) else w) for w in weights])
         self.clock.pause()  # deadlines stand still while the engine is paused for the refit
         try:
             drain = not self.in_flight_weight_updates
@@ -433,8 +433,8 @@ def _fetched_lazily(weights: list[Any], loop: asyncio.AbstractEventLoop) -> Iter
     the engine draws it (``map`` keeps no reference to a bucket it has handed out)."""
     def get(w: Any) -> Any:
         if isinstance(w, ray.ObjectRef):
-            return asyncio.run_coroutine_threadsafe(_fetch(w), loop).result()
-        return w
+            return bucket_from_wire(asyncio.run_coroutine_threadsafe(_fetch(w), loop).result())
+        return bucket_from_wire(w)
 
     return map(get, weights)
 

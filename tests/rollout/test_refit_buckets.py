@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from screl.models import TinyCausalLM
-from screl.rollout.backends import iter_buckets
+from screl.rollout.backends import bucket_from_wire, bucket_to_wire, iter_buckets
 from screl.rollout.engine import GenerationRequest, SamplingParams
 from screl.rollout.torch_engine import TorchGenerationEngine
 from screl.rollout.worker import GenerationWorker
@@ -129,3 +129,19 @@ def test_the_worker_streams_buckets_to_the_engine() -> None:
     assert seen == ["map"]  # drawn lazily, never merged
     a, b = _weights(reference), _weights(worker.engine)  # type: ignore[arg-type]
     assert all(torch.equal(a[k], b[k]) for k in a) and worker.engine.version == 4
+
+
+def test_wire_buckets_round_trip_and_refit_like_tensor_buckets() -> None:
+    """What WeightSync puts into the object store (numpy, so Ray hands workers views of the store, not copies)."""
+    bucket = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(4).bfloat16(), "s": torch.tensor(2.0)}
+    back = bucket_from_wire(bucket_to_wire(bucket))
+    assert list(back) == list(bucket)
+    assert all(back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t)
+               for k, t in bucket.items())
+    state = _new_state()
+    worker, reference = GenerationWorker(SPEC), TorchGenerationEngine(SPEC)
+    reference.update_weights(state, 2)
+    wire = [bucket_to_wire(b) for b in iter_buckets(state.items(), bucket_bytes=4096)]
+    assert asyncio.run(worker.update_weights(wire, 2)) == 2
+    a, b = _weights(reference), _weights(worker.engine)  # type: ignore[arg-type]
+    assert all(torch.equal(a[k], b[k]) for k in a)
