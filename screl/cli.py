@@ -329,45 +329,12 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
 
 
 def trainer_memory_line(cfg: dict[str, Any]) -> str:
-    """The plan's estimate of one training process's peak memory (:mod:`screl.modules.memory_plan`), from the
-    policy's config (no weights are loaded)."""
-    import importlib
+    """The plan's estimate of one training process's peak memory (:func:`screl.modules.memory_plan.config_estimate`),
+    from the policy's config (no weights are loaded)."""
+    from screl.modules.memory_plan import config_estimate
 
-    from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS
-    from screl.modules.memory_plan import ModelShape, estimate_trainer_memory
-
-    args = (cfg.get("model") or {}).get("init_args") or {}
-    policy = args.get("policy") or {}
-    try:
-        module, _, name = str(policy.get("class_path", "")).rpartition(".")
-        spec = getattr(importlib.import_module(module), name)(**(policy.get("init_args") or {}))
-        hf_config = spec.build_config()
-    except (ImportError, AttributeError, TypeError, ValueError, OSError) as err:
-        return f"no estimate (model.init_args.policy: {err})"
-    if hf_config is None:
-        return "no estimate (the policy spec cannot tell its shape before loading the model)"
-    trainer = cfg.get("trainer") or {}
-    on_cpu = str(trainer.get("accelerator") or "auto") == "cpu"
-    budget = args.get("micro_batch_tokens")
-    if budget is None:
-        budget = CPU_MICRO_BATCH_TOKENS if on_cpu else ACCELERATOR_MICRO_BATCH_TOKENS
-    gen = cfg["data"]["init_args"].get("generation") or {}
-    run = RunConfig.from_dict(cfg["data"]["init_args"]["run"])
-    whole = run.rows_per_step * int(gen.get("max_new_tokens", 16))
-    tokens = budget if budget > 0 else whole
-    ckpt = args.get("activation_checkpointing") not in (None, False)
-    reference = 0
-    loss = args.get("loss_fn") or {}
-    if float((loss.get("init_args", loss) or {}).get("reference_policy_kl_penalty", 0) or 0) > 0:
-        reference = 2 if str(getattr(spec, "dtype", "float32")) in ("bfloat16", "float16") else 4
-    estimate = estimate_trainer_memory(
-        ModelShape.from_hf_config(hf_config), tokens, bf16_mixed=str(trainer.get("precision")) in ("bf16-mixed", "bf16"),
-        activation_checkpointing=ckpt, logprob_chunk_tokens=args.get("logprob_chunk_tokens"),
-        reference_bytes_per_param=reference,
-    )
-    where = "CPU" if on_cpu else "accelerator"
-    note = "" if budget > 0 else f" (micro_batch_tokens 0: the whole chunk, >= {whole} tokens)"
-    return f"{estimate.describe()}{note}; micro-batch budget for the {where} (model.init_args.micro_batch_tokens)"
+    estimate, note = config_estimate(cfg)
+    return note if estimate is None else estimate.describe() + note
 
 
 def _validation_line(run: RunConfig) -> str:

@@ -365,42 +365,13 @@ def _shared_gpu_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str
 
 
 def trainer_memory_bytes(cfg: Mapping[str, Any]) -> int | None:
-    """The trainer's estimated peak bytes per process (``screl.modules.memory_plan``; the same inputs as the
-    plan's ``trainer memory`` line), or None when the policy cannot tell its shape before loading."""
-    import importlib
+    """The trainer's estimated peak bytes per process (the plan's ``trainer memory`` line,
+    :func:`screl.modules.memory_plan.config_estimate`), or None when the policy cannot tell its shape before
+    loading."""
+    from screl.modules.memory_plan import config_estimate
 
-    from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS
-    from screl.modules.memory_plan import ModelShape, estimate_trainer_memory
-
-    args = _get(cfg, "model.init_args", {}) or {}
-    policy = args.get("policy") or {}
-    try:
-        module, _, name = str(policy.get("class_path", "")).rpartition(".")
-        spec = getattr(importlib.import_module(module), name)(**(policy.get("init_args") or {}))
-        hf_config = spec.build_config()
-    except (ImportError, AttributeError, TypeError, ValueError, OSError):
-        return None
-    if hf_config is None:
-        return None
-    trainer = cfg.get("trainer") or {}
-    on_cpu = str(trainer.get("accelerator") or "auto") == "cpu"
-    budget = args.get("micro_batch_tokens")
-    if budget is None:
-        budget = CPU_MICRO_BATCH_TOKENS if on_cpu else ACCELERATOR_MICRO_BATCH_TOKENS
-    if budget <= 0:
-        grpo = cfg.get("grpo") or cfg.get("ppo") or {}
-        rows = int(grpo.get("num_prompts_per_step", 8)) * int(grpo.get("num_generations_per_prompt", 4))
-        budget = rows * int((_get(cfg, "data.init_args.generation", {}) or {}).get("max_new_tokens", 16))
-    loss = args.get("loss_fn") or {}
-    reference = 0
-    if float((loss.get("init_args", loss) or {}).get("reference_policy_kl_penalty", 0) or 0) > 0:
-        reference = 2 if str(getattr(spec, "dtype", "float32")) in ("bfloat16", "float16") else 4
-    return estimate_trainer_memory(
-        ModelShape.from_hf_config(hf_config), int(budget),
-        bf16_mixed=str(trainer.get("precision")) in ("bf16-mixed", "bf16"),
-        activation_checkpointing=args.get("activation_checkpointing") not in (None, False),
-        logprob_chunk_tokens=args.get("logprob_chunk_tokens"), reference_bytes_per_param=reference,
-    ).peak
+    estimate, _ = config_estimate(cfg)
+    return None if estimate is None else estimate.peak
 
 
 # -- the node's GPUs, and the trainer's CUDA_VISIBLE_DEVICES ---------------------------------------------------

@@ -208,3 +208,15 @@ def test_the_estimate_follows_the_memory_model() -> None:
     assert full.logits == 3 * 4 * 8192 * 151_936 + 8192 * 1536 * 6
     assert base.chunk_tokens == 220 and base.logits < full.logits / 10
     assert estimate_trainer_memory(shape, 16384, bf16_mixed=True).activations == 2 * base.activations
+
+
+def test_the_estimate_splits_over_megatron_ranks() -> None:
+    shape = ModelShape(hidden=1536, query=1536, kv=256, ffn=8960, layers=28, vocab=151_936, tied=True)
+    one = estimate_trainer_memory(shape, 8192, bf16_mixed=True, megatron=True)
+    tp2 = estimate_trainer_memory(shape, 8192, bf16_mixed=True, megatron=True, tensor_parallel=2)
+    sharded = estimate_trainer_memory(shape, 8192, bf16_mixed=True, megatron=True, tensor_parallel=2,
+                                      optimizer_shards=4)
+    p2 = shape.parameters // 2
+    assert tp2.state == 18 * p2 and sharded.state == 8 * p2 + 8 * p2 // 4 + 2 * p2
+    assert tp2.logits < one.logits and one.logits >= 3 * 4 * 8192 * 151_936  # vocabulary-parallel, not chunked
+    assert tp2.activations < one.activations

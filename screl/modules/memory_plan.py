@@ -24,6 +24,7 @@ An estimate, not a measurement: ``bench/memory.py`` measures the real peak (CPU 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,19 +85,30 @@ class MemoryEstimate:
 
 def estimate_trainer_memory(
     shape: ModelShape, micro_batch_tokens: int, *, bf16_mixed: bool = False, activation_checkpointing: bool = False,
-    logprob_chunk_tokens: int | None = None, reference_bytes_per_param: int = 0,
+    logprob_chunk_tokens: int | None = None, reference_bytes_per_param: int = 0, tensor_parallel: int = 1,
+    pipeline_parallel: int = 1, optimizer_shards: int = 1, megatron: bool = False,
 ) -> MemoryEstimate:
-    """The estimate above for a micro-batch of ``micro_batch_tokens`` tokens."""
+    """The estimate above for a micro-batch of ``micro_batch_tokens`` tokens.
+
+    Under ``MegatronStrategy`` (``megatron``) one rank holds ``1 / (tensor_parallel x pipeline_parallel)`` of the
+    weights, gradients and (``optimizer_shards``: the data-parallel size with ``use_distributed_optimizer``) a further
+    share of the AdamW state; the tensor-parallel parts of the activations and the logits split ``tensor_parallel``
+    ways, and the logits are vocabulary-parallel over the whole micro-batch rather than chunked.
+    """
     b = 2 if bf16_mixed else 4
-    p = shape.parameters
-    state = 16 * p + (2 * p if bf16_mixed else 0) + reference_bytes_per_param * p
+    tp, shards = max(1, tensor_parallel), max(1, tensor_parallel) * max(1, pipeline_parallel)
+    p = shape.parameters // shards
+    state = 8 * p + 8 * p // max(1, optimizer_shards) + (2 * p if bf16_mixed else 0) + reference_bytes_per_param * p
     h, t = shape.hidden, micro_batch_tokens
-    per_layer = b * (2 * h + 3 * shape.query + 3 * shape.kv + 4 * shape.ffn) + 8 * h
+    layers = -(-shape.layers // max(1, pipeline_parallel))
+    per_layer = b * (2 * h + (3 * shape.query + 3 * shape.kv + 4 * shape.ffn) // tp) + 8 * h
     if activation_checkpointing:
-        activations = t * (shape.layers * 4 * h + per_layer)
+        activations = t * (layers * 4 * h + per_layer)
     else:
-        activations = t * shape.layers * per_layer
-    if logprob_chunk_tokens == 0:
+        activations = t * layers * per_layer
+    if megatron:
+        chunk, logits = t, 3 * 4 * t * shape.vocab // tp
+    elif logprob_chunk_tokens == 0:
         chunk, logits = t, 3 * 4 * t * shape.vocab
     else:
         chunk = min(t, logprob_chunk_tokens or auto_chunk_tokens(shape.vocab))
@@ -106,3 +118,63 @@ def estimate_trainer_memory(
     logits += t * h * (4 + b)
     return MemoryEstimate(state=state, activations=activations, logits=logits, micro_batch_tokens=t,
                           chunk_tokens=chunk)
+
+
+def _get(cfg: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def config_estimate(cfg: Mapping[str, Any]) -> tuple[MemoryEstimate | None, str]:
+    """The estimate for a whole screl config (the parsed YAML with defaults): the policy's shape from its spec's
+    ``build_config()`` (no weights loaded), the micro-batch budget, precision, checkpointing, a KL reference and
+    the Megatron layout. Returns the estimate and a note (why there is none, or what the budget is)."""
+    import importlib
+
+    from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS
+
+    args = _get(cfg, "model.init_args", {}) or {}
+    policy = args.get("policy") or {}
+    try:
+        module, _, name = str(policy.get("class_path", "")).rpartition(".")
+        spec = getattr(importlib.import_module(module), name)(**(policy.get("init_args") or {}))
+        hf_config = spec.build_config()
+    except (ImportError, AttributeError, TypeError, ValueError, OSError) as err:
+        return None, f"no estimate (model.init_args.policy: {err})"
+    if hf_config is None:
+        return None, "no estimate (the policy spec cannot tell its shape before loading the model)"
+    trainer = cfg.get("trainer") or {}
+    on_cpu = str(trainer.get("accelerator") or "auto") == "cpu"
+    budget = args.get("micro_batch_tokens")
+    if budget is None:
+        budget = CPU_MICRO_BATCH_TOKENS if on_cpu else ACCELERATOR_MICRO_BATCH_TOKENS
+    algo = cfg.get("grpo") or cfg.get("ppo") or {}
+    rows = int(algo.get("num_prompts_per_step", 8)) * int(algo.get("num_generations_per_prompt", 4))
+    whole = rows * int((_get(cfg, "data.init_args.generation", {}) or {}).get("max_new_tokens", 16))
+    loss = args.get("loss_fn") or {}
+    reference = 0
+    if float((loss.get("init_args", loss) or {}).get("reference_policy_kl_penalty", 0) or 0) > 0:
+        reference = 2 if str(getattr(spec, "dtype", "float32")) in ("bfloat16", "float16") else 4
+    strategy = trainer.get("strategy")
+    strategy_args = (strategy.get("init_args") or {}) if isinstance(strategy, Mapping) else {}
+    megatron = isinstance(strategy, Mapping) and str(strategy.get("class_path", "")).endswith("MegatronStrategy")
+    par = strategy_args.get("parallelism") or {}
+    tp = int(par.get("tensor_model_parallel_size", 1)) if megatron else 1
+    pp = int(par.get("pipeline_model_parallel_size", 1)) if megatron else 1
+    devices = trainer.get("devices")
+    dp = max(1, (devices if isinstance(devices, int) else 1) * int(trainer.get("num_nodes") or 1) // (tp * pp))
+    estimate = estimate_trainer_memory(
+        ModelShape.from_hf_config(hf_config), budget if budget > 0 else whole,
+        bf16_mixed=str(trainer.get("precision")) in ("bf16-mixed", "bf16"),
+        activation_checkpointing=args.get("activation_checkpointing") not in (None, False),
+        logprob_chunk_tokens=args.get("logprob_chunk_tokens"), reference_bytes_per_param=reference,
+        megatron=megatron, tensor_parallel=tp, pipeline_parallel=pp,
+        optimizer_shards=dp if megatron and strategy_args.get("use_distributed_optimizer") else 1,
+    )
+    where = "CPU" if on_cpu else "accelerator"
+    note = "" if budget > 0 else f" (micro_batch_tokens 0: the whole chunk, >= {whole} tokens)"
+    return estimate, f"{note}; micro-batch budget for the {where} (model.init_args.micro_batch_tokens)"
