@@ -197,17 +197,14 @@ def _worst(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def main() -> int:
-    device = "cpu" if "--cpu" in sys.argv[1:] else "cuda"
-    if device == "cuda" and torch.cuda.device_count() < 2:
-        print(f"pipeline_check.py needs two CUDA GPUs (found {torch.cuda.device_count()}); --cpu runs it on CPU.",
-              file=sys.stderr)
-        return 2
+def run_checks(device: str) -> dict[str, Any]:
+    """PP=1 then PP=2 on ``device`` and their comparison: the worst differences and the failures (empty: passed)."""
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="pipeline_check_")
     (ref,) = run(1, 1, workdir, device)
     stages = run(2, 2, workdir, device)
     failures = []
+    worst = {"loss": 0.0, "grad_norm": 0.0, "grads": 0.0, "export": 0.0}
     for rank, got in enumerate(stages):
         for step in range(STEPS):
             dl = abs(got["loss"][step] - ref["loss"][step])
@@ -216,20 +213,35 @@ def main() -> int:
             print(f"[stage {rank}] step {step}: loss {got['loss'][step]:.6f} (PP=1 {ref['loss'][step]:.6f}) "
                   f"grad_norm {got['grad_norm'][step]:.5f} (PP=1 {ref['grad_norm'][step]:.5f}) "
                   f"max |grad diff| {dg:.2e}; {got['ms'][step]:.1f} ms (PP=1 {ref['ms'][step]:.1f} ms)", flush=True)
+            worst.update(loss=max(worst["loss"], dl), grad_norm=max(worst["grad_norm"], dn),
+                         grads=max(worst["grads"], dg))
             if max(dl, dn, dg) > TOL:
                 failures.append(f"stage {rank} step {step}: loss {dl:.2e}, grad norm {dn:.2e}, grads {dg:.2e}")
         de = _worst(got["export"], ref["export"])
+        worst["export"] = max(worst["export"], de)
         print(f"[stage {rank}] exported weights after {STEPS} steps: max diff {de:.2e}", flush=True)
         if de > TOL:
             failures.append(f"stage {rank}: exported weights differ by {de:.2e}")
         if device == "cuda" and "seq_length" not in got["no_shape"]:
             failures.append(f"stage {rank}: the schedule without an activation shape gave {got['no_shape']!r}")
+    return {"device": device, "steps": STEPS, "tolerance": TOL, "max_abs_diff": worst, "failures": failures,
+            "wall_s": round(time.perf_counter() - start, 2)}
+
+
+def main() -> int:
+    device = "cpu" if "--cpu" in sys.argv[1:] else "cuda"
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        print(f"pipeline_check.py needs two CUDA GPUs (found {torch.cuda.device_count()}); --cpu runs it on CPU.",
+              file=sys.stderr)
+        return 2
+    out = run_checks(device)
+    failures = out["failures"]
     if failures:
         print("pipeline_check: FAILED\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     schedule = "Megatron's GPU schedule" if device == "cuda" else "screl's CPU schedule"
     print(f"pipeline_check: PP=2 on {schedule} equals PP=1 (tolerance {TOL}); "
-          f"all checks passed in {time.perf_counter() - start:.1f} s", flush=True)
+          f"all checks passed in {out['wall_s']:.1f} s", flush=True)
     return 0
 
 

@@ -7,7 +7,9 @@ allocated before, during (the peak inside the value stage) and after. With the o
 about ``2 x 4 bytes x policy parameters``. Exit status 0 when the drop is at least 90% of that and the state is
 back on the device afterwards.
 
-    python examples/gpu/ppo_offload_check.py
+    python examples/gpu/ppo_offload_check.py          # or --cpu: the same calls on CPU, where there is nothing to move
+
+:func:`run_checks` returns the figures (``examples/gpu/acceptance.py`` calls it).
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from typing import Any
 import torch
 
 
-def _measure(offload: bool) -> tuple[int, int, int, int, bool]:
+def _measure(offload: bool, device: str = "cuda") -> tuple[int, int, int, int, bool]:
+    """(allocated before, value-stage peak, allocated after, optimizer state bytes, state back on ``device``);
+    the three memory figures are 0 on CPU."""
     from screl.algos import ClippedPGLoss
     from screl.models import TinyCausalLM
     from screl.modules.ppo import PPO
 
     spec = TinyCausalLM(scale="small")
     model = PPO(policy=spec, value=spec, loss_fn=ClippedPGLoss(), offload_optimizer_for_logprob=offload,
-                algo={"num_prompts_per_step": 4, "num_generations_per_prompt": 2}).to("cuda")
+                algo={"num_prompts_per_step": 4, "num_generations_per_prompt": 2}).to(device)
     opt = torch.optim.AdamW(model.model.parameters(), lr=1e-4)
-    ids = torch.randint(4, 40, (8, 48), device="cuda")
+    ids = torch.randint(4, 40, (8, 48), device=device)
+    cuda = device == "cuda"
     model.model(input_ids=ids).logits.float().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -37,37 +42,64 @@ def _measure(offload: bool) -> tuple[int, int, int, int, bool]:
     class _Opt:
         optimizer = opt
 
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
     model._offload(_Opt(), "cpu")  # type: ignore[arg-type]
     with torch.no_grad():
         model.critic.token_values(ids, torch.ones_like(ids))
-    during = torch.cuda.max_memory_allocated()
-    model._offload(_Opt(), torch.device("cuda"))  # type: ignore[arg-type]
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_allocated()
-    back = all(v.is_cuda for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    during = torch.cuda.max_memory_allocated() if cuda else 0
+    model._offload(_Opt(), torch.device(device))  # type: ignore[arg-type]
+    if cuda:
+        torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated() if cuda else 0
+    back = all(v.device.type == device for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return before, during, after, state_bytes, back
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
+def run_checks(cpu: bool = False) -> dict[str, Any]:
+    """Both runs (offload off, on) and the verdict as figures (MiB). On CPU nothing moves (screl's ``_offload``
+    is a no-op there): the calls run, the state stays on the CPU, and ``note`` says so."""
+    device = "cpu" if cpu else "cuda"
     rows: dict[str, Any] = {}
     for offload in (False, True):
-        rows["offload" if offload else "keep"] = _measure(offload)
-        torch.cuda.empty_cache()
-    for name, (before, during, after, state, back) in rows.items():
-        print(f"{name:8s} before {before / 2**20:8.1f} MiB  value-stage peak {during / 2**20:8.1f} MiB  "
-              f"after {after / 2**20:8.1f} MiB  (optimizer state {state / 2**20:.1f} MiB, on device after: {back})")
-    drop = rows["keep"][1] - rows["offload"][1]
-    state = rows["offload"][3]
-    print(f"value-stage peak drop {drop / 2**20:.1f} MiB of {state / 2**20:.1f} MiB optimizer state")
-    ok = drop >= 0.9 * state and rows["offload"][4]
-    print("OK" if ok else "FAILED")
-    return 0 if ok else 1
+        rows["offload" if offload else "keep"] = _measure(offload, device)
+        if not cpu:
+            torch.cuda.empty_cache()
+    mib = 2**20
+    out: dict[str, Any] = {"device": device, "optimizer_state_mib": rows["offload"][3] / mib}
+    for name, (before, during, after, _state, back) in rows.items():
+        out[name] = {"before_mib": before / mib, "value_stage_peak_mib": during / mib, "after_mib": after / mib,
+                     "state_on_device_after": back}
+    if cpu:
+        out["note"] = "nothing to move: training on CPU, the optimizer state stays where it is"
+        out["ok"] = rows["offload"][3] > 0 and rows["offload"][4] and rows["keep"][4]
+    else:
+        drop = rows["keep"][1] - rows["offload"][1]
+        out["value_stage_peak_drop_mib"] = drop / mib
+        out["ok"] = drop >= 0.9 * rows["offload"][3] and rows["offload"][4]
+    return out
+
+
+def main() -> int:
+    cpu = "--cpu" in sys.argv[1:]
+    if not cpu and not torch.cuda.is_available():
+        print("needs a CUDA GPU (--cpu runs the same calls on CPU)", file=sys.stderr)
+        return 2
+    out = run_checks(cpu)
+    for name in ("keep", "offload"):
+        r = out[name]
+        print(f"{name:8s} before {r['before_mib']:8.1f} MiB  value-stage peak {r['value_stage_peak_mib']:8.1f} MiB  "
+              f"after {r['after_mib']:8.1f} MiB  (optimizer state {out['optimizer_state_mib']:.1f} MiB, "
+              f"on device after: {r['state_on_device_after']})")
+    if cpu:
+        print(out["note"])
+    else:
+        print(f"value-stage peak drop {out['value_stage_peak_drop_mib']:.1f} MiB of "
+              f"{out['optimizer_state_mib']:.1f} MiB optimizer state")
+    print("OK" if out["ok"] else "FAILED")
+    return 0 if out["ok"] else 1
 
 
 if __name__ == "__main__":
