@@ -1,0 +1,461 @@
+"""One GPU acceptance command: everything GPU-only in one run (one H100/H200-class GPU, 80+ GB, under 8 minutes).
+
+    python examples/gpu/acceptance.py                 # GPU mode: writes bench/results/gpu_acceptance.json
+    python examples/gpu/acceptance.py --cpu           # the parts a CPU can run, small (CI runs this)
+    python examples/gpu/acceptance.py --cpu --out /tmp/acc.json
+
+Parts, each in its own subprocess (``--part NAME``), so one failure does not hide the others:
+
+- ``grpo``: GRPO through ``screl fit``. GPU: SmolLM2-135M-Instruct on vLLM (bf16, CUDA graphs), non-colocated on
+  the one shared GPU (``num_gpus_per_worker: 0.4``, ``gpu_memory_utilization: 0.3``), 20 steps. CPU: the tiny
+  model for 3 steps, on vLLM's CPU build when ``vllm`` imports, else on the torch engine. Read from the run's
+  ``metrics.csv`` and ``events.jsonl``: reward per step, generation tokens/s (completion tokens trained over the
+  time some group of the run was generating), refit time, ``train/logprob_mismatch``.
+- ``vllm_standalone``: the same prompts (the run's ``admit`` events), the same sampling and engine arguments on a
+  standalone engine (screl's ``VLLMGenerationEngine`` in this process: no Ray, controller or trainer), one step's
+  requests at a time; tokens/s and ``grpo_over_standalone_tokens_per_s``. Needs ``vllm``.
+- ``nccl_refit``: ``vllm_nccl_check.run_checks`` on SmolLM2: NCCL refit time and a probe's logprobs after it
+  against the trainer's. Needs two GPUs: NCCL refuses two ranks of one communicator on one device.
+- ``megatron``: ``megatron_check.run_checks``: GPTModel/HF logit parity, export, Megatron optimizer vs torch AdamW
+  step losses, dist-checkpoint round trip (TP=1). CPU: the CPU shim, no Megatron optimizer.
+- ``pipeline``: ``pipeline_check.run_checks``: PP=2 on Megatron's 1F1B schedule equals PP=1. Two GPUs only.
+- ``ppo_offload``: ``ppo_offload_check.run_checks``: GPU memory of PPO's value stage with and without
+  ``offload_optimizer_for_logprob``. CPU: the same calls, nothing to move (reported).
+- ``memory``: ``bench/memory.py``'s step at vocabulary 151,936, chunked logprobs (``after``) against full logits
+  (``before``). GPU: 8 x 2048 tokens, ``torch.cuda.max_memory_allocated`` above the allocation before the step.
+  CPU: 2 x 256 tokens, peak RSS above idle (``bench.memory.run_side``).
+
+Prints one JSON object: ``ok``, ``mode``, ``wall_s``, ``device``, and under ``parts`` per part ``status``
+(``passed``, ``failed``, ``skipped``), ``wall_s``, its figures, ``error`` (failed) or ``reason`` (skipped). Exit
+status 1 when any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory")
+GPU_TIMEOUT_S = {"grpo": 300, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
+                 "ppo_offload": 90, "memory": 150}
+CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
+GPU_STEPS, CPU_STEPS = 20, 3
+
+
+class PartFailed(AssertionError):
+    pass
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise PartFailed(what)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+# -- grpo ------------------------------------------------------------------------------------------------------
+
+
+def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
+    """The run's config (the YAML as a dict), built from an existing config."""
+    import yaml
+
+    if cpu and not vllm_importable():
+        sys.path.insert(0, str(REPO))
+        from bench._common import SAMPLERS, screl_config
+
+        cfg = screl_config(run_dir=run_dir, steps=steps, sampler=SAMPLERS["async_w1"], prompts_per_step=4, group=4,
+                           completion_len=8)
+        cfg["data"]["init_args"]["generation"]["min_new_tokens"] = 0
+        return cfg
+    name = "grpo_vllm_tiny.yaml" if cpu else "grpo_smollm2.yaml"
+    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    grpo = cfg["grpo"]
+    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
+    grpo.pop("validation", None)
+    gen = cfg["data"]["init_args"]["generation"]
+    if cpu:
+        grpo.update(num_prompts_per_step=4, num_generations_per_prompt=4)
+        cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
+        gen.update(max_new_tokens=8)
+    else:
+        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
+        gen.update(backend="vllm", device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32,
+                   backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})  # CUDA graphs: cuda default
+        grpo.update(num_prompts_per_step=8, num_generations_per_prompt=8)
+        cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
+        cfg["data"]["init_args"]["step_timeout_s"] = 120
+    return cfg
+
+
+def _read_run(run_root: Path) -> tuple[list[dict[str, float]], list[dict[str, Any]], Path]:
+    import csv
+
+    [events_path] = sorted(run_root.rglob("events.jsonl"))[-1:]
+    run_dir = events_path.parent
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    with (run_dir / "metrics.csv").open() as fh:
+        rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(fh)]
+    return rows, events, run_dir
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def part_grpo(cpu: bool, work: Path) -> dict[str, Any]:
+    import yaml
+
+    steps = CPU_STEPS if cpu else GPU_STEPS
+    run_root = work / "grpo_run"
+    cfg = grpo_config(cpu, run_root, steps)
+    path = work / "grpo_config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)], capture_output=True,
+                          text=True, check=False, cwd=REPO)
+    fit_s = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise PartFailed(f"screl fit exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    rows, events, run_dir = _read_run(run_root)
+    by_step: dict[int, float] = {}
+    for r in rows:
+        if "reward" in r and "step" in r:
+            by_step[int(r["step"])] = r["reward"]
+    reward = [by_step[s] for s in sorted(by_step)]
+    reserve = {e["group_id"]: float(e["time"]) for e in events if e["event"] == "reserve"}
+    commit = {e["group_id"]: float(e["time"]) for e in events if e["event"] == "commit"}
+    trained = [g for e in events if e["event"] == "train_step" for g in e["group_ids"]]
+    gen_s = _union_s([(reserve[g], commit[g]) for g in trained if g in reserve and g in commit])
+    tokens = sum(r.get("train/num_valid_tokens", 0.0) for r in rows)
+    refit = [float(e["refit_s"]) for e in events if e["event"] == "refit" and "refit_s" in e]
+    mismatch = [r["train/logprob_mismatch"] for r in rows if "train/logprob_mismatch" in r]
+    gen = cfg["data"]["init_args"]["generation"]
+    out = {
+        "backend": gen.get("backend", "torch"), "policy": cfg["model"]["init_args"]["policy"]["class_path"],
+        "steps": len(reward), "reward_per_step": reward, "completion_tokens": tokens,
+        "generation_s": gen_s, "generation_tokens_per_s": tokens / gen_s if gen_s > 0 else float("nan"),
+        "refit_s_median": sorted(refit)[len(refit) // 2] if refit else float("nan"), "refits": len(refit),
+        "logprob_mismatch_max": max(mismatch) if mismatch else float("nan"), "fit_wall_s": fit_s,
+        "run_dir": str(run_dir),
+    }
+    _check(len(reward) == steps, f"{len(reward)} steps logged a reward, expected {steps}")
+    _check(all(_finite(r) for r in reward), f"a reward is not finite: {reward}")
+    _check(tokens > 0 and out["generation_tokens_per_s"] > 0, f"no generation throughput: {tokens} tokens, {gen_s} s")
+    _check(len(refit) >= steps - 1, f"{len(refit)} refits for {steps} steps")
+    _check(_finite(out["logprob_mismatch_max"]), "train/logprob_mismatch missing or not finite")
+    return out
+
+
+# -- vllm_standalone -------------------------------------------------------------------------------------------
+
+
+def _instantiate(spec: dict[str, Any]) -> Any:
+    import importlib
+
+    module, name = spec["class_path"].rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(**(spec.get("init_args") or {}))
+
+
+def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
+    import yaml
+
+    from screl.rollout.engine import GenerationRequest, SamplingParams
+    from screl.rollout.vllm_engine import VLLMGenerationEngine
+
+    cfg = yaml.safe_load((work / "grpo_config.yaml").read_text())
+    _rows, events, _ = _read_run(work / "grpo_run")
+    policy = _instantiate(cfg["model"]["init_args"]["policy"])
+    task = _instantiate(cfg["data"]["init_args"]["task"])
+    tokenizer = policy.build_tokenizer()
+    by_id = {p.prompt_id: p for p in task.prompts()}
+    gen = cfg["data"]["init_args"]["generation"]
+    group = int(cfg["grpo"]["num_generations_per_prompt"])
+    sampling = SamplingParams(max_new_tokens=int(gen["max_new_tokens"]), min_new_tokens=int(gen["min_new_tokens"]),
+                              temperature=float(gen["temperature"]))
+    steps = [[int(p) for p in e["prompt_ids"]] for e in events if e["event"] == "admit"]
+    batches = [[GenerationRequest(f"{s}-{p}-{k}", policy.prompt_token_ids(tokenizer, by_id[p].text), sampling)
+                for p in ids for k in range(group)] for s, ids in enumerate(steps)]
+    engine = VLLMGenerationEngine(policy, engine_args=dict(gen.get("backend_args") or {}), seed=0,
+                                  device=gen.get("device", "cpu"), num_threads=None if not cpu else 1)
+    try:
+        engine.generate(batches[0][:1])  # warm-up, outside the timed window
+        t0 = time.perf_counter()
+        tokens = sum(len(r.token_ids) for b in batches for r in engine.generate(b))
+        gen_s = time.perf_counter() - t0
+    finally:
+        close = getattr(engine, "close", None) or getattr(engine, "shutdown", None)
+        if close is not None:
+            close()
+    out = {"prompts": sum(len(s) for s in steps), "requests": sum(len(b) for b in batches), "completion_tokens": tokens,
+           "generation_s": gen_s, "generation_tokens_per_s": tokens / gen_s}
+    _check(tokens > 0, "the standalone engine generated nothing")
+    return out
+
+
+# -- the other parts -------------------------------------------------------------------------------------------
+
+
+def part_nccl_refit(cpu: bool, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from vllm_nccl_check import run_checks
+
+    from screl.models import SmolLM2
+
+    out = run_checks(SmolLM2(), gpu_memory_utilization=0.3, max_new_tokens=900)
+    _check(out["ok"], f"NCCL refit check failed: {out}")
+    return out
+
+
+def part_megatron(cpu: bool, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from megatron_check import run_checks
+
+    return run_checks(cpu=cpu, steps=3 if cpu else None)
+
+
+def part_pipeline(cpu: bool, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from pipeline_check import run_checks
+
+    out = run_checks("cpu" if cpu else "cuda")
+    _check(not out["failures"], "; ".join(out["failures"]))
+    return out
+
+
+def part_ppo_offload(cpu: bool, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from ppo_offload_check import run_checks
+
+    out = run_checks(cpu)
+    _check(out["ok"], f"offload check failed: {out}")
+    return out
+
+
+def part_memory(cpu: bool, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO / "bench"))
+    import memory as bench_memory
+
+    rows, length, micro_rows = (2, 256, 1) if cpu else (8, 2048, 2)
+    out: dict[str, Any] = {"vocab": bench_memory.VOCAB, "rows": rows, "length": length, "micro_rows": micro_rows}
+    key = "peak_above_idle_mb" if cpu else "max_allocated_above_start_mb"
+    for side in ("after", "before"):
+        out[side] = bench_memory.run_side(side, rows, length, micro_rows) if cpu else _gpu_memory_side(
+            bench_memory, side, rows, length, micro_rows)
+    out["after_over_before"] = out["after"][key] / out["before"][key]
+    _check(out["after"][key] > 0 and out["before"][key] > 0, f"no memory measured: {out}")
+    _check(out["after"][key] < out["before"][key], f"the chunked step took no less memory than full logits: {out}")
+    return out
+
+
+def _gpu_memory_side(bench_memory: Any, side: str, rows: int, length: int, micro_rows: int) -> dict[str, float]:
+    """``bench.memory``'s step on cuda:0: its model, batch and step code, the module moved to the GPU and the
+    step's own tensors created there (``torch.device`` as the default device)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    runner = bench_memory._ScrelSide(side)
+    runner.module.to("cuda")
+
+    def on_gpu(batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.cuda() for k, v in batch.items()}
+
+    with torch.device("cuda"):
+        runner.step(on_gpu(bench_memory._batch(1, bench_memory.PROMPT + 16)), 1)  # warm-up: AdamW state exists
+    batch = on_gpu(bench_memory._batch(rows, length))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        runner.step(batch, micro_rows)
+    torch.cuda.synchronize()
+    step_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated()
+    del runner, batch
+    torch.cuda.empty_cache()
+    return {"start_allocated_mb": start / 2**20, "max_allocated_mb": peak / 2**20,
+            "max_allocated_above_start_mb": (peak - start) / 2**20, "step_s": step_s, "tokens": rows * length}
+
+
+RUNNERS = {"grpo": part_grpo, "vllm_standalone": part_vllm_standalone, "nccl_refit": part_nccl_refit,
+           "megatron": part_megatron, "pipeline": part_pipeline, "ppo_offload": part_ppo_offload,
+           "memory": part_memory}
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+
+
+def skip_reason(part: str, cpu: bool, gpus: int, done: dict[str, Any]) -> str | None:
+    """Why ``part`` does not run in this mode and on this machine (None: it runs)."""
+    if part == "vllm_standalone":
+        if not vllm_importable():
+            return "vllm is not importable in this environment (the vLLM CPU tier runs it: .venv-vllm)"
+        if done.get("grpo", {}).get("status") != "passed":
+            return "needs the grpo part's run (its prompts and sampling), which did not pass"
+        if done["grpo"].get("backend") != "vllm":
+            return "the grpo part ran on the torch engine: no vLLM run to compare with"
+        return None
+    if part == "nccl_refit":
+        if cpu:
+            return "needs CUDA and NCCL (two GPUs: the trainer's and the engine's)"
+        if not vllm_importable():
+            return "vllm is not importable"
+        if gpus < 2:
+            return (f"{gpus} GPU visible: NCCL refuses two ranks of one communicator on one device (the trainer "
+                    "and the engine would share it); needs two GPUs")
+        return None
+    if part == "pipeline":
+        if cpu:
+            return ("Megatron's 1F1B schedule needs two CUDA GPUs (its CPU dry run, screl's own schedule: "
+                    "python examples/gpu/pipeline_check.py --cpu)")
+        if gpus < 2:
+            return f"{gpus} GPU visible: the 1F1B parity run needs two"
+        return None
+    return None
+
+
+def run_part_subprocess(part: str, cpu: bool, work: Path, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--work", str(work)]
+    if cpu:
+        cmd.append("--cpu")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="131072")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        return {"status": "failed", "error": f"timed out after {timeout_s:.0f} s",
+                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
+                "wall_s": round(time.perf_counter() - t0, 1)}
+    wall = round(time.perf_counter() - t0, 1)
+    result: dict[str, Any] | None = None
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{") and '"status"' in line:
+            result = json.loads(line)
+            break
+    if result is None:
+        result = {"status": "failed", "error": f"exit status {proc.returncode}, no result line",
+                  "stderr_tail": proc.stderr[-3000:]}
+    elif result["status"] == "failed":
+        result.setdefault("stderr_tail", proc.stderr[-2000:])
+    result["wall_s"] = wall
+    return result
+
+
+def run_one_part(part: str, cpu: bool, work: Path) -> dict[str, Any]:
+    """In the part's own process: run it, one JSON line with ``status`` (never raises)."""
+    import traceback
+
+    if cpu:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    try:
+        figures = RUNNERS[part](cpu, work)
+        return {"status": "passed", **figures}
+    except Exception as e:  # noqa: BLE001 - every error becomes the part's error text
+        return {"status": "failed", "error": f"{type(e).__name__}: {e}"[:4000],
+                "traceback": traceback.format_exc()[-3000:]}
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="run the parts a CPU can run, small")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the JSON here too (default: bench/results/gpu_acceptance.json in GPU mode)")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:  # a part's own process
+        print(json.dumps(run_one_part(args.part, args.cpu, args.work), default=float), flush=True)
+        return 0
+    gpus = 0 if args.cpu else gpu_count()
+    if not args.cpu and gpus == 0:
+        print("acceptance.py: no CUDA GPU visible; --cpu runs the CPU parts", file=sys.stderr)
+        return 2
+    out_path = args.out or (None if args.cpu else REPO / "bench" / "results" / "gpu_acceptance.json")
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
+    work = Path(tempfile.mkdtemp(prefix="screl_acceptance_"))
+    t0 = time.perf_counter()
+    parts: dict[str, Any] = {}
+    for part in PARTS:
+        if part not in wanted:
+            continue
+        reason = skip_reason(part, args.cpu, gpus, parts)
+        if reason is not None:
+            parts[part] = {"status": "skipped", "reason": reason}
+        else:
+            timeout = CPU_TIMEOUT_S if args.cpu else GPU_TIMEOUT_S[part]
+            parts[part] = run_part_subprocess(part, args.cpu, work, timeout)
+        print(f"acceptance: {part}: {parts[part]['status']}"
+              + (f" ({parts[part].get('error') or parts[part].get('reason')})"
+                 if parts[part]["status"] != "passed" else f" in {parts[part].get('wall_s')} s"),
+              file=sys.stderr, flush=True)
+    grpo, alone = parts.get("grpo", {}), parts.get("vllm_standalone", {})
+    if grpo.get("status") == "passed" and alone.get("status") == "passed":
+        alone["grpo_over_standalone_tokens_per_s"] = (grpo["generation_tokens_per_s"]
+                                                      / alone["generation_tokens_per_s"])
+    result = {
+        "ok": all(p["status"] != "failed" for p in parts.values()),
+        "mode": "cpu" if args.cpu else "gpu",
+        "device": "cpu" if args.cpu else _gpu_name(),
+        "gpus_visible": gpus,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "parts": parts,
+    }
+    text = json.dumps(result, indent=1, default=float)
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(text + "\n")
+    print(text, flush=True)
+    return 0 if result["ok"] else 1
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_name(0))
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
