@@ -1,0 +1,85 @@
+"""``examples/gpu/acceptance.py --cpu`` runs in CI so the GPU acceptance command cannot rot while no GPU is lent:
+every CPU part passes with plausible figures, every GPU-only part is skipped with its reason (never passed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "gpu" / "acceptance.py"
+
+
+def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "acceptance.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *extra], capture_output=True,
+                          text=True, cwd=REPO, check=False, timeout=1800)
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == result  # the same object on stdout and in --out
+    return proc, result
+
+
+@pytest.mark.slow
+def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path: Path) -> None:
+    proc, result = _run(tmp_path)
+    parts = result["parts"]
+    assert proc.returncode == 0, json.dumps(parts, indent=1)[-4000:]
+    assert result["ok"] is True and result["mode"] == "cpu"
+    assert set(parts) == {"grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory"}
+    for name in ("grpo", "megatron", "ppo_offload", "memory"):
+        assert parts[name]["status"] == "passed", (name, parts[name])
+    for name in ("nccl_refit", "pipeline"):
+        assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"], parts[name]
+    if importlib.util.find_spec("vllm") is None:
+        assert parts["vllm_standalone"]["status"] == "skipped"
+        assert "vllm" in parts["vllm_standalone"]["reason"]
+
+    grpo = parts["grpo"]
+    assert grpo["steps"] == 3 and len(grpo["reward_per_step"]) == 3
+    assert all(0.0 <= r <= 1.0 for r in grpo["reward_per_step"])
+    assert grpo["completion_tokens"] > 0 and grpo["generation_tokens_per_s"] > 0
+    assert grpo["refits"] >= 2 and grpo["refit_s_median"] > 0
+    assert 0.0 <= grpo["logprob_mismatch_max"] < 1e-3  # fp32 on CPU: the same numerics on both sides
+
+    meg = parts["megatron"]
+    assert meg["logits_max_abs_diff"] < 1e-3 and meg["export_max_abs_diff"] == 0.0
+    assert meg["torch_optimizer_losses"][-1] < meg["torch_optimizer_losses"][0]
+    assert meg["checkpoint_loss_before"] == pytest.approx(meg["checkpoint_loss_after"], abs=1e-6)
+    assert "CUDA" in meg["optimizer_comparison"]
+
+    ppo = parts["ppo_offload"]
+    assert ppo["optimizer_state_mib"] > 0 and "nothing to move" in ppo["note"]
+    assert ppo["offload"]["state_on_device_after"] is True
+
+    mem = parts["memory"]
+    assert mem["vocab"] == 151_936
+    assert 0 < mem["after"]["peak_above_idle_mb"] < mem["before"]["peak_above_idle_mb"]
+    assert 0 < mem["after_over_before"] < 1 and math.isfinite(mem["after_over_before"])
+
+
+def test_acceptance_unknown_part_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--parts", "grpo,nope"], capture_output=True,
+                          text=True, cwd=REPO, check=False, timeout=120)
+    assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_acceptance_cpu_mode_on_vllm_compares_with_a_standalone_engine(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    proc, result = _run(tmp_path, "--parts", "grpo,vllm_standalone")
+    parts = result["parts"]
+    assert proc.returncode == 0 and result["ok"] is True, json.dumps(parts, indent=1)[-4000:]
+    assert parts["grpo"]["status"] == "passed" and parts["grpo"]["backend"] == "vllm"
+    alone = parts["vllm_standalone"]
+    assert alone["status"] == "passed", alone
+    assert alone["prompts"] >= parts["grpo"]["steps"] * 4 and alone["requests"] == alone["prompts"] * 4
+    assert alone["completion_tokens"] > 0 and alone["grpo_over_standalone_tokens_per_s"] > 0
