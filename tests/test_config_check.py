@@ -11,23 +11,13 @@ from typing import Any
 
 import pytest
 import yaml
+from _check_helpers import load_config as _load
+from _check_helpers import run_check as _run_check
 
 from screl.cli import check, main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-
-
-def _load(name: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "configs" / name).read_text())
-
-
-def _run_check(cfg: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc = check(["--config", str(path)])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])

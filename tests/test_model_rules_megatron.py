@@ -11,19 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-
-from screl.cli import check
+from _check_helpers import run_check as _check
 
 ROOT = Path(__file__).resolve().parents[1]
 CP_KEY = "trainer.strategy.init_args.parallelism.context_parallel_size"
-
-
-def _check(cfg: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc = check(["--config", str(path)])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 def _megatron_tiny() -> dict[str, Any]:

@@ -9,16 +9,14 @@ from typing import Any
 
 import pytest
 import yaml
+from _check_helpers import load_config as _load
+from _check_helpers import run_check as _check
 
-from screl.cli import check, main
+from screl.cli import main
 from screl.placement import ENV_DEVICE_MAP, DeviceMap, apply_trainer_devices, device_map, trainer_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "data.init_args.generation"
-
-
-def _load(name: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "configs" / name).read_text())  # type: ignore[no-any-return]
 
 
 def _gpu_tiny(**generation: Any) -> dict[str, Any]:
@@ -27,14 +25,6 @@ def _gpu_tiny(**generation: Any) -> dict[str, Any]:
     cfg["trainer"].update(accelerator="gpu", devices=1)
     cfg["data"]["init_args"]["generation"].update(device="cuda", **generation)
     return cfg
-
-
-def _check(cfg: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc = check(["--config", str(path)])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 def test_check_prints_the_device_map_and_the_budget_of_a_shared_gpu(

@@ -9,10 +9,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import yaml
+from _check_helpers import load_config
+from _check_helpers import run_check as _check
 
 from screl.algos import ClippedPGLoss
-from screl.cli import check
 from screl.datamodule import collate_chunk
 from screl.models import TinyCausalLM
 from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, GRPO
@@ -154,16 +154,8 @@ def test_an_accelerator_splits_a_chunk_by_the_token_budget() -> None:
 # -- screl check ------------------------------------------------------------------------------------------------
 
 
-def _check(cfg: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    rc = check(["--config", str(path)])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 def _tiny() -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())  # type: ignore[no-any-return]
+    return load_config("grpo_tiny.yaml")
 
 
 def test_check_refuses_every_real_scale_combination_that_cannot_train(
