@@ -270,7 +270,8 @@ class RolloutRuntime:
 
         if self._sender is None:
             self._wait(self.controller.use_external_refit.remote(), "switch to the NCCL refit")
-            self._sender = NcclWeightSender(self.workers, module, timeout_s=self.timeout_s)
+            self._sender = NcclWeightSender(self.workers, module, timeout_s=self.timeout_s,
+                                            bucket_bytes=self.refit_bucket_bytes)  # generation.refit_bucket_mb
         version = self._wait(self.controller.begin_refit.remote(self.timeout_s), "retire the step")
         t0 = time.perf_counter()
         self._sender.refit(int(version))

@@ -162,7 +162,11 @@ class GenerationEngine(Protocol):
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load new weights (atomically between decode steps) and set the version."""
+        """Load new weights (atomically between decode steps) and set the version.
+
+        An engine whose class sets ``streams_weight_buckets = True`` is given an iterable of buckets (name ->
+        tensor dicts, fetched lazily) instead of one dict, and loads them one at a time in place; a refit that
+        misses a weight fails and keeps the old version label (the torch and vLLM engines do so)."""
         ...
 
     def set_version(self, version: int) -> None:
