@@ -21,28 +21,10 @@ STEPS = jobs.STEPS
 
 def make(tp: int = 1, world: int = 1, pp: int = 1, distributed: bool = True) -> Any:
     """A ``MegatronStrategy`` set up by hand on the running process group, its AdamW swapped when ``distributed``."""
-    from lightning.pytorch import LightningModule
-    from lightning.pytorch.accelerators import CPUAccelerator
-    from lightning.pytorch.plugins.environments import LightningEnvironment
-    from screl.strategies import GPTModelProvider, MegatronStrategy, ParallelismConfig, load_hf_weights
-
-    hf = jobs.hf_model()
-    strategy = MegatronStrategy(
-        parallelism=ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-        model_provider=GPTModelProvider.from_hf_config(hf.config, calculate_per_token_loss=True),
-        use_distributed_optimizer=distributed,
-        accelerator=CPUAccelerator(),
-        parallel_devices=[torch.device("cpu")] * world,
-        cluster_environment=LightningEnvironment(),
-    )
-    module = LightningModule()
-    strategy.connect(module)
-    strategy.setup_environment()
-    module.model = strategy.build_model()
-    load_hf_weights(module.model, hf.state_dict(), strict=pp == 1)
-    strategy.wrap_megatron_modules()
-    adamw = torch.optim.AdamW(module.parameters(), lr=jobs.LR, eps=jobs.ADAM_EPS, weight_decay=WEIGHT_DECAY)
-    strategy.optimizers = [strategy.distribute_optimizer(adamw) if distributed else adamw]
+    strategy = jobs.make_strategy(tp, world, per_token=True, pp=pp, weight_decay=WEIGHT_DECAY,
+                                  use_distributed_optimizer=distributed)
+    if distributed:
+        strategy.optimizers = [strategy.distribute_optimizer(strategy.optimizers[0])]
     return strategy
 
 

@@ -117,8 +117,11 @@ class FromLogits:
         return self.loss.reduce(values)
 
 
-def make_strategy(tp: int, world: int, per_token: bool = False, pp: int = 1) -> Any:
-    """A ``MegatronStrategy`` set up by hand (no Trainer) on the already-initialized process group."""
+def make_strategy(
+    tp: int, world: int, per_token: bool = False, pp: int = 1, weight_decay: float | None = None, **strategy_args: Any
+) -> Any:
+    """A ``MegatronStrategy`` set up by hand (no Trainer) on the already-initialized process group, with a torch
+    AdamW (``weight_decay``: None keeps torch's default); ``strategy_args`` go to the strategy."""
     from lightning.pytorch import LightningModule
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.plugins.environments import LightningEnvironment
@@ -129,6 +132,7 @@ def make_strategy(tp: int, world: int, per_token: bool = False, pp: int = 1) -> 
     strategy = MegatronStrategy(
         parallelism=ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         model_provider=provider,
+        **strategy_args,
         accelerator=CPUAccelerator(),
         parallel_devices=[torch.device("cpu")] * world,
         cluster_environment=LightningEnvironment(),
@@ -139,8 +143,8 @@ def make_strategy(tp: int, world: int, per_token: bool = False, pp: int = 1) -> 
     module.model = strategy.build_model()
     load_hf_weights(module.model, hf.state_dict(), strict=pp == 1)  # a stage holds its layers only
     strategy.wrap_megatron_modules()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, eps=ADAM_EPS)
-    strategy.optimizers = [optimizer]
+    decay = {} if weight_decay is None else {"weight_decay": weight_decay}
+    strategy.optimizers = [torch.optim.AdamW(module.parameters(), lr=LR, eps=ADAM_EPS, **decay)]
     return strategy
 
 
