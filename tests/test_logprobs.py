@@ -10,8 +10,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from screl.modules.grpo import full_token_logprobs, token_logprobs
-from screl.modules.logprobs import auto_chunk_tokens, chunked_logprobs_of_hidden, chunked_token_logprobs
+from screl.modules.logprobs import (
+    auto_chunk_tokens,
+    chunked_logprobs_of_hidden,
+    chunked_token_logprobs,
+    full_token_logprobs,
+    token_logprobs,
+)
 
 torch.set_num_threads(1)
 VOCAB = 1000

@@ -39,7 +39,7 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, grpo_advantages
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
-from screl.modules.logprobs import chunked_token_logprobs
+from screl.modules.logprobs import token_logprobs
 from screl.modules.megatron_policy import fit_provider_to_policy, megatron_token_logprobs
 from screl.modules.step_log import BatchMetrics
 from screl.rollout.backends import iter_buckets, merge_buckets
@@ -76,31 +76,6 @@ def behaviour(trainer_lp: Tensor, engine_lp: Tensor, on_policy: Tensor, source: 
     if source == "engine":
         return engine_lp.float()
     return torch.where(on_policy, trainer_lp, engine_lp.float())
-
-
-def token_logprobs(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-    chunk_tokens: int | None = None,
-) -> Tensor:
-    """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``.
-
-    ``chunk_tokens``: the output layer and the log-softmax run over chunks of this many tokens and are recomputed
-    in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.modules.logprobs`);
-    None sizes the chunk from the vocabulary; 0 computes the full logits (:func:`full_token_logprobs`).
-    """
-    if chunk_tokens == 0:
-        return full_token_logprobs(model, input_ids, attention_mask, temperature)
-    return chunked_token_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens)[0]
-
-
-def full_token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
-    """:func:`token_logprobs` through the model's full logits (``logprob_chunk_tokens: 0``): about three
-    ``[tokens, vocabulary]`` fp32 tensors live at once."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def loss_sample_mask(batch: dict[str, Any], overlong_filtering: bool) -> Tensor:

@@ -151,3 +151,28 @@ def chunked_token_logprobs(
     hidden = trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
     return chunked_logprobs_of_hidden(hidden, head.weight, input_ids[:, 1:], temperature, chunk_tokens,
                                       with_entropy)
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``.
+
+    ``chunk_tokens``: the output layer and the log-softmax run over chunks of this many tokens and are recomputed
+    in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.modules.logprobs`);
+    None sizes the chunk from the vocabulary; 0 computes the full logits (:func:`full_token_logprobs`).
+    """
+    if chunk_tokens == 0:
+        return full_token_logprobs(model, input_ids, attention_mask, temperature)
+    return chunked_token_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens)[0]
+
+
+def full_token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+    """:func:`token_logprobs` through the model's full logits (``logprob_chunk_tokens: 0``): about three
+    ``[tokens, vocabulary]`` fp32 tensors live at once."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
