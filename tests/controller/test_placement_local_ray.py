@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import ray
+from _ray_session import ray_set_aside
 
 from screl.config import GenerationConfig, from_dict
 from screl.controller.runtime import check_cluster_fits, worker_resources
@@ -42,13 +43,14 @@ def placed() -> Iterator[tuple[dict[str, str], DeviceMap, GenerationConfig]]:
     dmap = apply_trainer_devices(CFG, env)
     assert not dmap.problems, dmap.problems
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    started = start_local_ray(num_cpus=4, gpu_ids=local_ray_gpu_ids(env))
-    assert started, "Ray was already running in this process"
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before, "the driver's own CUDA_VISIBLE_DEVICES must not change"
-    try:
-        yield env, dmap, from_dict(GenerationConfig, GEN)
-    finally:
-        stop_ray_if_started(started)
+    with ray_set_aside():  # this file's cluster has logical GPUs: not the worker's shared one
+        started = start_local_ray(num_cpus=4, gpu_ids=local_ray_gpu_ids(env))
+        assert started, "Ray was already running in this process"
+        assert os.environ.get("CUDA_VISIBLE_DEVICES") == before, "the driver's CUDA_VISIBLE_DEVICES must not change"
+        try:
+            yield env, dmap, from_dict(GenerationConfig, GEN)
+        finally:
+            stop_ray_if_started(started)
 
 
 def test_the_workers_get_only_inference_gpus_and_the_trainer_only_its_own(

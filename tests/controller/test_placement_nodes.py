@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import ray
+from _ray_session import ray_set_aside
 from recovery.ray_nodes import RayNodes
 
 from screl.config import GenerationConfig, from_dict
@@ -38,8 +39,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers c
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayNodes]:
     with RayNodes(head_cpus=2, head_resources={"head_node": 1}, head_gpus=4,
-                  kinds=[(2, {"rollout_node": 4}, 4)]) as nodes:
+                  kinds=[(2, {"rollout_node": 4}, 4)]) as nodes, ray_set_aside():
         started = start_local_ray(namespace="placement", address=nodes.address)
+        assert started, "Ray was already running in this process"
         try:
             yield nodes
         finally:

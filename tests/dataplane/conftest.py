@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from _ray_session import session_ray
 
-from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
+from screl.dataplane import DataPlane
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    started = start_local_ray(num_cpus=6)
-    yield
-    stop_ray_if_started(started)
+    with session_ray(num_cpus=6):
+        yield
 
 
 @pytest.fixture(scope="module")

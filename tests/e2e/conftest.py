@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from _ray_session import session_ray
 
-from screl.dataplane import start_local_ray, stop_ray_if_started, tq_actors_alive
+from screl.dataplane import tq_actors_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    started = start_local_ray(num_cpus=8, namespace="screl-tests")
-    yield
-    stop_ray_if_started(started)
+    with session_ray(num_cpus=8, namespace="screl-tests"):
+        yield
 
 
 def base_config(run_dir: Path) -> dict[str, Any]:
