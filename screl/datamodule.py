@@ -222,6 +222,9 @@ class RolloutDataModule(LightningDataModule):
         from screl.controller import RolloutRuntime
 
         self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
+        for task in (self.task, self.val_task):  # before the tasks travel: they filter/format by the tokenizer
+            if task is not None:
+                task.prepare(policy, run_dir)
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
         restore = None
         if self.resume is not None:

@@ -17,7 +17,10 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only: screl.envs stays importable without transformers
+    from screl.models.spec import PolicySpec
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,13 @@ class Task(ABC):
         reward in its group's baseline, but no gradient comes from it. Default: nothing is masked."""
         return False
 
+    def prepare(self, policy: PolicySpec, run_dir: str) -> None:
+        """Called once before the rollout side starts (on global rank 0, before the task is sent to the workers),
+        with the policy spec (``policy.build_tokenizer()``, ``policy.prompt_token_ids``) and the run directory.
+        A task that filters or formats its prompts by the policy's tokenizer does it here
+        (:class:`screl.envs.DatasetTask`); it must be idempotent. Default: nothing."""
+        return None
+
     def prompt(self, prompt_id: int) -> PromptRecord:
         """Look a prompt up by id."""
         by_id: dict[int, PromptRecord] | None = self.__dict__.get("_by_id")
@@ -115,6 +125,32 @@ class HeldOut(Task):
 
     def rewards(self, prompts: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
         return self.task.rewards(prompts, completions)
+
+    def masked(self, prompt: PromptRecord, completion: str) -> bool:
+        return self.task.masked(prompt, completion)
+
+    def prepare(self, policy: PolicySpec, run_dir: str) -> None:
+        """Prepare the wrapped task, then take its held-out prompts again (preparing may filter them)."""
+        self.task.prepare(policy, run_dir)
+        self._records = list(self.task.val_prompts())
+        self.__dict__.pop("_by_id", None)
+
+
+class Verifier(ABC):
+    """Scores completions against the reference answer their prompt carries (``prompt.metadata``): the reward
+    of a task whose prompts come from data (``DatasetTask(verifier=...)``; :class:`screl.envs.MathVerify`).
+
+    ``rewards`` runs on the rollout workers' executor threads, batched. Raising fails the batch: the workflow
+    then scores each completion alone, and one that raises again is a data failure (its sibling is resampled,
+    under ``failure.max_data_attempts``), never a zero reward."""
+
+    @abstractmethod
+    def rewards(self, prompts: Sequence[PromptRecord], completions: Sequence[str]) -> list[float]:
+        """One reward per completion."""
+
+    def masked(self, prompt: PromptRecord, completion: str) -> bool:
+        """Exclude the sample from the loss (:meth:`Task.masked`). Default: nothing is masked."""
+        return False
 
 
 class CustomReward(Task):
