@@ -7,23 +7,30 @@ from screl.envs.base import (
     RewardFn,
     SlowReward,
     Task,
+    Verifier,
     decode_completion,
     load_reward_fn,
 )
+from screl.envs.datasets import DatasetTask
 from screl.envs.format_tasks import StrictAnswer
+from screl.envs.math_verify import MathVerify, MathVerifyError
 from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts, split_holdout
 
 __all__ = [
     "Addition",
     "CountLetter",
     "CustomReward",
+    "DatasetTask",
     "HeldOut",
     "JsonlTask",
+    "MathVerify",
+    "MathVerifyError",
     "PromptRecord",
     "RewardFn",
     "SlowReward",
     "StrictAnswer",
     "Task",
+    "Verifier",
     "arithmetic_prompts",
     "decode_completion",
     "load_reward_fn",
