@@ -240,6 +240,9 @@ def _generation_line(cfg: dict[str, Any]) -> str:
     from screl.controller.runtime import worker_resources
 
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
+    if g.colocated.enabled:
+        return (f"colocated: one {g.backend} engine in the trainer's process, decoding with the trainer's module on "
+                "its device (no worker process, no weight copy); a refit is a version bump")
     res = worker_resources(g)
     custom = "".join(f" + {v:g} {k}" for k, v in res.custom.items())
     where = " (only on nodes offering " + ", ".join(res.custom) + ")" if res.custom else ""
@@ -258,7 +261,11 @@ def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
     """How a refit meets in-flight requests, and the per-request deadlines (the plan's ``refit`` line)."""
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
     a = run.async_rl
-    if not a.in_flight_weight_updates:
+    if g.colocated.enabled:
+        how = ("colocated: the engine stands down for each train step (KV caches freed); " +
+               ("the requests in flight finish first (drain gate)" if not a.in_flight_weight_updates else
+                "requests in flight across it re-prefill under the new weights at the wake"))
+    elif not a.in_flight_weight_updates:
         how = ("drain gate: each refit waits for the in-flight requests to finish under the old weights, so no "
                "sample spans two versions; generation runs dry for the longest request at every step")
     elif a.recompute_kv_cache_after_weight_updates:
@@ -267,7 +274,8 @@ def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
         how = "in flight: requests continue under the new weights on their old KV cache"
     limits = [f"{k} {v:g} s" for k, v in (("generation", g.generation_timeout_s), ("rollout", g.rollout_timeout_s))
               if v is not None]
-    line = how + ("; deadlines: " + ", ".join(limits) + " (paused time excluded)" if limits else "")
+    paused = "stood-down and paused time excluded" if g.colocated.enabled else "paused time excluded"
+    line = how + ("; deadlines: " + ", ".join(limits) + f" ({paused})" if limits else "")
     if g.backend == "vllm" and g.min_new_tokens > 0:
         line += (f"; note: vLLM's logprobs of the first {g.min_new_tokens} tokens are of the EOS-masked distribution"
                  ", the trainer's are not (train/logprob_mismatch shows the gap; min_new_tokens: 0 avoids it)")

@@ -65,7 +65,8 @@ class ColocatedConfig:
     """Whether generation shares the training devices."""
 
     enabled: bool = False
-    """Colocated generation (supported only with ``backend: megatron``)."""
+    """Colocated generation: the engine decodes with the trainer's own module in the trainer's process and stands
+    down for each train step (``backend: torch``, one trainer process; docs/generation.md)."""
     resources: Resources = field(default_factory=Resources)
     """Generation devices when not colocated."""
 

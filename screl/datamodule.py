@@ -182,9 +182,9 @@ class RolloutDataModule(LightningDataModule):
         trainer: Any = self.trainer
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
-        weights = module.export_weights()
+        weights = {} if self.colocated else module.export_weights()  # a colocated engine decodes with the module
         if trainer.global_rank == 0:
-            self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights))
+            self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights, module))
         else:
             self._on_rank_zero(lambda: None)
         self._started = True
@@ -218,7 +218,7 @@ class RolloutDataModule(LightningDataModule):
             raise _RankZeroError(f"global rank 0 failed: {payload}")
         return payload  # type: ignore[no-any-return]
 
-    def _start(self, policy: Any, run_dir: str, initial_weights: dict[str, torch.Tensor]) -> None:
+    def _start(self, policy: Any, run_dir: str, initial_weights: dict[str, torch.Tensor], module: Any = None) -> None:
         from screl.controller import RolloutRuntime
 
         self._pad_id = int(policy.build_tokenizer().pad_token_id or 0)
@@ -230,8 +230,12 @@ class RolloutDataModule(LightningDataModule):
         if self.resume is not None:
             restore = (self.resume.controller_state, self.resume.data_plane_dir, self.resume.data_plane_remote)
         self.runtime = runtime
+        colocated: dict[str, Any] = {}
+        if self.colocated:
+            dtype = getattr(module, "engine_dtype", None)
+            colocated = {"model": module.model, "autocast": dtype if dtype in (torch.bfloat16, torch.float16) else None}
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
-                      config_dict=self.config_dict, val_task=self.val_task)
+                      config_dict=self.config_dict, val_task=self.val_task, **colocated)
         self.events_path = runtime.events_path
 
     @override
@@ -282,9 +286,13 @@ class RolloutDataModule(LightningDataModule):
         self._ensure_started()
 
         def fetch() -> dict[str, Any] | None:
+            if self.colocated:  # the engine generates while the trainer waits (idempotent after the refit's wake)
+                self.runtime.wake()
             meta = self.runtime.next_chunk()
             if meta is None:
                 return None
+            if self.colocated:  # the step's batch is complete: the engine stands down for the train step
+                self.runtime.stand_down()
             batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id)
             batch["wait_s"] = time.perf_counter() - t0
             return batch
@@ -304,6 +312,11 @@ class RolloutDataModule(LightningDataModule):
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     @property
+    def colocated(self) -> bool:
+        """Generation decodes with the trainer's module in this process (``generation.colocated.enabled``)."""
+        return bool(self.generation.colocated.enabled)
+
+    @property
     def broadcasts_weights(self) -> bool:
         """The trainer sends the policy module itself to the engines (vLLM NCCL transfer): no export needed."""
         return bool(getattr(self.runtime, "broadcasts_weights", False))
@@ -313,6 +326,8 @@ class RolloutDataModule(LightningDataModule):
     ) -> dict[str, Any]:
         """Retire the finished step and refit the workers with ``weights``: a state dict, or the buckets of the
         weight export (called by WeightSync on every rank; only rank 0's weights go to the controller)."""
+        if self.colocated:  # the engine holds the trainer's module: nothing to send (the export is never drawn)
+            return self._on_rank_zero(lambda: self.runtime.complete_step_in_place(changed=weights is not None))
         if isinstance(weights, torch.nn.Module):  # the NCCL broadcast: rank 0 sends (a replicated module)
             return self._on_rank_zero(lambda: self.runtime.complete_step(weights))
         if weights is not None and not isinstance(weights, Mapping) and self._world_size() > 1 and \

@@ -34,8 +34,12 @@ class ThreadPlan:
     train: int
     overlapping: bool
     cores: int
+    colocated: bool = False
 
     def describe(self) -> str:
+        if self.colocated:
+            return (f"{self.train} in the trainer's process, which generates and trains in turns ({self.cores} cores; "
+                    "colocated)")
         mode = "generation overlaps training: cores split" if self.overlapping else "phases take turns: all cores each"
         return f"{self.generation} per generation worker, {self.train} for training ({self.cores} cores; {mode})"
 
@@ -58,7 +62,8 @@ def thread_plan(
     Workers on a GPU (``generation.device: cuda``) get 1 thread and leave the CPU cores to the trainer.
     """
     cores = available_cores() if cores is None else cores
-    overlapping = phases_overlap(run)
+    colocated = generation.colocated.enabled  # one process: its generation and training never overlap
+    overlapping = phases_overlap(run) and not colocated
     on_cpu = generation.device == "cpu"
     workers = max(1, generation.num_workers)
     if not on_cpu:
@@ -74,4 +79,6 @@ def thread_plan(
         train = max(1, cores - gen_total)
     else:
         train = cores
-    return ThreadPlan(generation=gen, train=train, overlapping=overlapping, cores=cores)
+    if colocated:  # the engine runs on the trainer's threads
+        gen = train
+    return ThreadPlan(generation=gen, train=train, overlapping=overlapping, cores=cores, colocated=colocated)

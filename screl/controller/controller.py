@@ -49,6 +49,7 @@ from screl.data.reserve import ReservePolicy
 from screl.data.watchdog import StallWatchdog
 from screl.dataplane.snapshot import RemoteTree
 from screl.envs import Task
+from screl.rollout.colocated import Mailbox, with_mailboxes
 from screl.rollout.rows import ROW_FIELDS
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class RolloutController:
         self.run = run
         self.config_dict = config_dict or {}
         self.generation = generation
-        self.workers = workers
+        self.workers = with_mailboxes(workers)  # a colocated engine's slot becomes its mailbox
         self.dp: Any = None  # set_data_plane, once TransferQueue is up
         settings = core_settings(run, task, len(workers), seed, id_prefix=f"{uuid.uuid4().hex[:8]}-")
         self.core = RolloutCore(settings, create_sampler(run.async_rl.sampler, groups_per_step=settings.groups_per_step),
@@ -329,6 +330,9 @@ class RolloutController:
             self.emit(event)
         for worker, attempts in eff.abort.items():
             self.workers[worker].abort.remote(attempts)
+        for box in self.workers:
+            if isinstance(box, Mailbox):
+                box.close("the controller shut down")
         if self._events is not None:
             self._events.close()
             self._events = None
@@ -425,17 +429,41 @@ class RolloutController:
             elif isinstance(res, BaseException):
                 raise res
 
-    async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0) -> dict[str, Any]:
+    async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0,
+                            in_place: bool = False) -> dict[str, Any]:
         """The open step's optimizer update is done: retire it, bump the version, refit the workers (after the
-        validation of the old weights, if one runs, has finished: at most ``timeout_s``)."""
+        validation of the old weights, if one runs, has finished: at most ``timeout_s``). ``in_place``: the
+        engines decode with the trainer's own module (colocated), so the new weights are already theirs and the
+        refit is the relabel."""
         version = await self.begin_refit(timeout_s)
         t0 = time.perf_counter()
         if weights is not None:
             self.latest_weights = weights
             await self._refit_workers(weights, version, timeout_s)
-        else:  # the policy did not change (PPO critic warmup): the workers' weights stay, their label moves
+        else:  # the policy did not change (PPO critic warmup), or changed in place: the label moves
             await self._relabel_workers(version, timeout_s)
-        return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None)
+        return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None or in_place)
+
+    # ------------------------------------------------------------------ a colocated engine's mailbox
+    def _mailbox(self, index: int) -> Mailbox:
+        box = self.workers[index]
+        if not isinstance(box, Mailbox):
+            raise TypeError(f"generation worker {index} is a Ray actor, not a colocated engine")
+        return box
+
+    async def colocated_take(self, index: int, timeout_s: float) -> list[Any]:
+        """The calls queued for colocated engine ``index`` (its host polls this)."""
+        return await self._mailbox(index).take(timeout_s)
+
+    def colocated_done(self, index: int, call_id: int, ok: bool, value: Any) -> None:
+        """A colocated engine's reply to one call."""
+        self._mailbox(index).done(call_id, ok, value)
+
+    async def validation_idle(self, timeout_s: float = 600.0) -> None:
+        """Wait for the running validation, if any (a colocated engine validates before it stands down: the
+        weights it validates change in the train step)."""
+        if self.validation is not None:
+            await self.validation.wait(timeout_s)
 
     async def begin_refit(self, timeout_s: float = 600.0) -> int:
         """The first half of :meth:`complete_step`, for a trainer that moves the weights itself (vLLM's NCCL

@@ -7,6 +7,7 @@ place outside the actors that talks to Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -24,11 +25,12 @@ from screl.envs import Task
 from screl.models import PolicySpec
 from screl.placement import ENV_DEVICE_MAP, DeviceMap, joined_cluster_problem, local_ray_gpu_ids
 from screl.rollout.backends import iter_buckets
+from screl.rollout.colocated import ColocatedHost, ColocatedSlot
 from screl.rollout.deadlines import Deadlines
 from screl.rollout.engine import EngineOptions, SamplingParams
 from screl.rollout.reward_transform import reward_transform
 from screl.rollout.rows import ROW_FIELDS
-from screl.rollout.worker import WorkerResources, spawn_workers
+from screl.rollout.worker import GenerationWorker, WorkerResources, spawn_workers
 from screl.threads import thread_plan
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,23 @@ def sampling_params(g: GenerationConfig) -> SamplingParams:
                           temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
 
 
+def start_host(controller: Any, policy: PolicySpec, g: GenerationConfig, run: RunConfig, seed: int,
+               model: Any, autocast: torch.dtype | None, dataplane: Any, worker_kwargs: dict[str, Any],
+               timeout_s: float) -> ColocatedHost:
+    """The colocated engine: a worker in this process whose torch engine decodes with ``model`` (the trainer's
+    module, in the trainer's threads), served to the controller through its mailbox."""
+    from screl.rollout.torch_engine import TorchGenerationEngine
+
+    options = engine_options(g, run, seed)
+    engine = TorchGenerationEngine(
+        policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
+        recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+        decode=str(g.backend_args.get("decode", "auto")), model=model, autocast=autocast)
+    worker = GenerationWorker(policy, options=dataclasses.replace(options, num_threads=None), engine=engine,
+                              **worker_kwargs)
+    return ColocatedHost(controller, 0, worker, dataplane, stand_down_timeout_s=timeout_s)
+
+
 class RolloutRuntime:
     """Owns the rollout side of one run; every call waits at most ``timeout_s``."""
 
@@ -143,14 +162,22 @@ class RolloutRuntime:
             generation.backend_args.get("weight_transfer") == "nccl"
         """The trainer broadcasts the policy module to the engines over NCCL instead of exporting buckets."""
         self._sender: Any = None
+        self.colocated = generation.colocated.enabled
+        """The engine decodes with the trainer's module in this process (:mod:`screl.rollout.colocated`)."""
+        self.host: Any = None  # the colocated engine's ColocatedHost
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         restore: tuple[dict[str, Any], str | None, dict[str, Any] | None] | None = None,
         config_dict: dict[str, Any] | None = None, val_task: Task | None = None,
+        model: torch.nn.Module | None = None, autocast: torch.dtype | None = None,
     ) -> None:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir, the published
-        snapshot for TQ actors on other nodes), the controller resumes from it before its pump starts."""
+        snapshot for TQ actors on other nodes), the controller resumes from it before its pump starts. Colocated
+        generation decodes with ``model`` (the trainer's module; its forward passes compute in ``autocast``)."""
+        if self.colocated and model is None:
+            raise ValueError("colocated generation needs the trainer's module (RolloutRuntime.start(model=...))")
+        self._model, self._autocast = model, autocast
         rc = self.run.ray
         t0 = time.perf_counter()
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
@@ -173,10 +200,10 @@ class RolloutRuntime:
     def _start_fleet(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         config_dict: dict[str, Any] | None, val_task: Task | None,
-    ) -> list[Any]:
+    ) -> list[Any] | None:
         """Start TransferQueue, the workers (with ``initial_weights`` loaded) and the controller actor, all at
         once: TransferQueue (its controller, then its storage units, one after the other) starts in a thread
-        while the workers and the controller boot. Returns the weights' object refs."""
+        while the workers and the controller boot. Returns the weights' object refs (None: colocated)."""
         g, dpc = self.generation, self.run.data_plane
         check_cluster_fits(g, ray.cluster_resources())
         if self.run.ray.address is not None:
@@ -186,18 +213,24 @@ class RolloutRuntime:
             lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id,
                                     storage_node_resource=dpc.storage_node_resource)
         )
+        worker_kwargs: dict[str, Any] = dict(
+            backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
+            task=task, sampling=sampling_params(g), workflow=g.workflow, workflow_args=dict(g.workflow_args),
+            reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
+            deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
+            in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
+        )
+        weights: list[Any] | None = None
+        loaded: list[Any] = []
         try:
-            self.workers = spawn_workers(
-                g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
-                max_restarts=g.max_worker_restarts,
-                backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
-                task=task, sampling=sampling_params(g), workflow=g.workflow, workflow_args=dict(g.workflow_args),
-                reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
-                deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
-                in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
-            )
-            weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
-            loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
+            if self.colocated:  # no worker process: the controller's mailbox, served by this process's host
+                self.workers = [ColocatedSlot(0)]
+            else:
+                self.workers = spawn_workers(
+                    g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
+                    max_restarts=g.max_worker_restarts, **worker_kwargs)
+                weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
+                loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
             self.controller = spawn_controller(
                 self.run, task, g, self.workers, run_dir, seed, config_dict,
                 [p.prompt_id for p in val_task.prompts()] if val_task is not None else None,
@@ -206,12 +239,20 @@ class RolloutRuntime:
             self.dataplane = dp_future.result()
         startup.info("screl: TransferQueue started in %.1f s (%d storage unit(s))", time.perf_counter() - t1,
                      dpc.num_storage_units)
-        attached = [a.set_data_plane.remote(self.dataplane) for a in [*self.workers, self.controller]]
+        actors = [self.controller] if self.colocated else [*self.workers, self.controller]
+        attached = [a.set_data_plane.remote(self.dataplane) for a in actors]
         self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
+        if self.colocated:
+            self.host = start_host(self.controller, policy, g, self.run, seed, self._model, self._autocast,
+                                   self.dataplane, worker_kwargs, self.timeout_s)
         if g.expose_http_server:
             self._start_server(policy)
-        startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights loaded)",
-                     len(self.workers), time.perf_counter() - t1, g.backend)
+        if self.colocated:
+            startup.info("screl: the colocated %s engine (the trainer's module) and the controller ready in %.1f s",
+                         g.backend, time.perf_counter() - t1)
+        else:
+            startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights "
+                         "loaded)", len(self.workers), time.perf_counter() - t1, g.backend)
         return weights
 
     def _start_server(self, policy: PolicySpec) -> None:
@@ -248,6 +289,25 @@ class RolloutRuntime:
         """The rollout rows of ``keys`` from the data plane."""
         assert self.dataplane is not None
         return self.dataplane.get(keys, list(ROW_FIELDS)) if keys else {}
+
+    def stand_down(self) -> None:
+        """Colocated: the step's batch is complete; after the running validation (its weights are about to
+        change), the engine stands down for the train step."""
+        self._wait(self.controller.validation_idle.remote(self.timeout_s), "finish the validation before the step",
+                   self.timeout_s + 60)
+        self.host.stand_down()
+
+    def wake(self) -> None:
+        """Colocated: generation resumes (idempotent)."""
+        self.host.wake()
+
+    def complete_step_in_place(self, changed: bool) -> dict[str, Any]:
+        """Colocated: retire the step; the engine's weights are the trainer's, so the refit is the relabel
+        (``changed``: the policy was updated, not a PPO critic warmup); then the engine wakes."""
+        info = self._wait(self.controller.complete_step.remote(None, self.timeout_s, in_place=changed),
+                          "relabel the colocated engine")
+        self.host.wake()
+        return info  # type: ignore[no-any-return]
 
     def complete_step(self, weights: WeightSource | None) -> dict[str, Any]:
         """Retire the open step and refit the workers with ``weights`` (a state dict, or an iterable of buckets
@@ -295,10 +355,15 @@ class RolloutRuntime:
         return ray.get(self.controller.stats.remote(), timeout=60)  # type: ignore[no-any-return]
 
     def worker_pids(self) -> list[int]:
+        if self.colocated:
+            return []
         return [int(p) for p in ray.get([w.pid.remote() for w in self.workers], timeout=60)]
 
     def shutdown(self) -> None:
         """Stop the controller, workers and data plane (and Ray, if started here). Idempotent."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
         if self.controller is not None:
             try:
                 ray.get(self.controller.shutdown.remote(), timeout=30)
@@ -310,7 +375,8 @@ class RolloutRuntime:
             ray.kill(self.server, no_restart=True)
             self.server = None
         for w in self.workers:
-            ray.kill(w, no_restart=True)
+            if not isinstance(w, ColocatedSlot):
+                ray.kill(w, no_restart=True)
         self.workers = []
         if self.dataplane is not None:
             try:

@@ -16,15 +16,15 @@ and weights, not on its batch mates. Give siblings of a group different seeds.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from screl.config_generation import TORCH_DECODE_PATHS
@@ -40,6 +40,7 @@ from screl.rollout.engine import (
 )
 from screl.rollout.static_decode import StaticDecoder, static_decode_support
 from screl.rollout.stop_tokens import StopTokens, stop_tokens
+from screl.rollout.weight_copy import copy_bucket
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class _Batch:
     static: StaticDecoder | None = None
     attn: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
+    dropped: bool = False  # the KV cache was freed in a stand-down: re-prefill before the next step
 
 
 class TorchGenerationEngine:
@@ -96,6 +98,11 @@ class TorchGenerationEngine:
         version: Initial weight version label.
         decode: ``auto`` (the static-cache path where the model supports it, else Hugging Face's forward),
             ``static`` (that path, an error on a model it cannot run) or ``hf``.
+        model: Decode with this module instead of building one (colocated generation: the trainer's own
+            module, :mod:`screl.rollout.colocated`). It is used as it is: not moved, not frozen; each forward pass
+            runs it in eval mode and restores its mode after.
+        autocast: With ``model``: the dtype its forward passes compute in (a trainer's fp32 master weights decode
+            in the engine's bf16, as the trainer computes under ``bf16-mixed``). None: the module's own dtype.
     """
 
     @classmethod
@@ -127,6 +134,8 @@ class TorchGenerationEngine:
         seed: int | None = None,
         version: int = 0,
         decode: str = "auto",
+        model: torch.nn.Module | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -137,10 +146,16 @@ class TorchGenerationEngine:
         self.max_batch_size = max_batch_size
         self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
         self.tokenizer = policy.build_tokenizer()
-        self.model = policy.build_model()
-        self.model.to(self.device)  # type: ignore[arg-type]  # transformers' wrapped .to
-        self.model.eval()
-        self.model.requires_grad_(False)
+        self.shared = model is not None
+        self.autocast = autocast if model is not None else None
+        if model is not None:
+            self.model: Any = model
+            self.device = next(model.parameters()).device
+        else:
+            self.model = policy.build_model()
+            self.model.to(self.device)  # transformers' wrapped .to
+            self.model.eval()
+            self.model.requires_grad_(False)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.stop_tokens: StopTokens = stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None),
                                                    self.model.config)
@@ -159,6 +174,7 @@ class TorchGenerationEngine:
         self._aborted: set[str] = set()
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
+        self._stood_down = False  # paused with the KV caches freed (colocated: the trainer has the module)
 
     def _decode_path(self, decode: str) -> str:
         """``static`` or ``hf`` from the setting, logged once (never a silent choice)."""
@@ -214,7 +230,7 @@ class TorchGenerationEngine:
         with self._model_lock, torch.no_grad():
             try:
                 for bucket in as_buckets(weights):
-                    copied += _copy_bucket(bucket, names, given, loaded)
+                    copied += copy_bucket(bucket, names, given, loaded)
                     del bucket  # the next bucket is drawn with this one released (no other local holds it)
                 persistent = set(self.model.state_dict())
                 missing = sorted(k for k, t in names.items() if id(t) not in loaded and k in persistent)
@@ -265,6 +281,25 @@ class TorchGenerationEngine:
         """Whether the engine is paused."""
         return self._pause_mode is not None
 
+    def stand_down(self, timeout: float | None = None, drain: bool = False) -> None:
+        """Pause in ``keep`` mode and free the KV caches of the parked batches (colocated generation, while the
+        trainer trains the module this engine decodes with); returns when no forward pass runs. The parked
+        requests re-prefill under the weights of the :meth:`wake` (their tokens after it carry its version).
+        ``drain``: pause in ``wait`` mode instead (the drain gate): the requests in flight finish first."""
+        with self._cond:
+            self._stood_down = True
+        self.pause("wait" if drain else "keep", timeout)
+
+    def wake(self) -> None:
+        """End a :meth:`stand_down`: parked batches re-prefill and decode on."""
+        with self._cond:
+            self._stood_down = False
+        self.resume()
+
+    @property
+    def stood_down(self) -> bool:
+        return self._stood_down
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generate all requests, ``max_batch_size`` at a time; results in request order."""
         if not requests:
@@ -301,10 +336,14 @@ class TorchGenerationEngine:
             self._aborted.difference_update(ids)
             self._cond.notify_all()
 
-    def _checkpoint(self, rows: list[_Row]) -> None:
-        """Between steps: park while paused in ``keep`` mode, then apply aborts."""
+    def _checkpoint(self, rows: list[_Row], batch: _Batch | None = None) -> None:
+        """Between steps: park while paused in ``keep`` mode (a stand-down frees the batch's KV cache first),
+        then apply aborts."""
         with self._cond:
             if self._pause_mode == "keep":
+                if self._stood_down and batch is not None:
+                    batch.cache = batch.static = batch.attn = batch.next_pos = None
+                    batch.dropped = True
                 self._active -= 1
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._pause_mode != "keep")
@@ -353,7 +392,7 @@ class TorchGenerationEngine:
         if all(r.finish is not None for r in rows):
             return
         batch = self._batch_params(rows)
-        with self._model_lock:
+        with self._forwarding():
             version = self._version
             logits = self._prefill(rows, batch)
         for r in rows:
@@ -361,18 +400,35 @@ class TorchGenerationEngine:
         cache_version = version
         while True:
             self._sample_step(rows, batch, logits, version)
-            self._checkpoint(rows)
+            self._checkpoint(rows, batch)
             if all(r.finish is not None for r in rows):
                 return
-            with self._model_lock:
+            with self._forwarding():
                 version = self._version
-                if self.recompute_kv_cache and version != cache_version:
+                if batch.dropped or (self.recompute_kv_cache and version != cache_version):
+                    batch.dropped = False
                     logits = self._prefill(rows, batch)
                     cache_version = version
                 else:
                     logits = self._decode(rows, batch)
 
-    @torch.inference_mode()
+    @contextlib.contextmanager
+    def _forwarding(self) -> Iterator[None]:
+        """One forward pass: the model lock, no autograd, and a shared module in eval mode (its mode restored).
+        A shared module runs under ``no_grad`` rather than ``inference_mode``: a buffer it updates in the forward
+        (a dynamic RoPE table) must stay usable by the trainer's autograd."""
+        amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+               else contextlib.nullcontext())
+        with self._model_lock, (torch.no_grad() if self.shared else torch.inference_mode()), amp:
+            training = self.model.training
+            if self.shared and training:
+                self.model.eval()
+            try:
+                yield
+            finally:
+                if self.shared and training:
+                    self.model.train()
+
     def _prefill(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
         """Forward the full sequences (prompt + tokens so far), left-padded; logits of the last position."""
         seqs = [list(r.req.prompt_token_ids) + r.tokens for r in rows]
@@ -396,7 +452,6 @@ class TorchGenerationEngine:
         batch.next_pos = attn.sum(-1)
         return out.logits[:, -1, :].float()
 
-    @torch.inference_mode()
     def _decode(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
         """One cached step on each row's last token (finished rows decode a dummy token, ignored)."""
         last = [r.tokens[-1] if r.finish is None else self.pad_token_id for r in rows]
@@ -457,54 +512,6 @@ class TorchGenerationEngine:
             stop_kind=(self.stop_tokens.kind(r.stop_token, r.sampling.ignore_eos)
                        if r.finish == "stop" and r.stop_token is not None else None),
         )
-
-
-def _check_bucket(bucket: Mapping[str, torch.Tensor], names: Mapping[str, torch.Tensor], given: set[str]) -> None:
-    """Refuse a refit bucket before any of it is copied: a name not in the model, a name an earlier bucket
-    gave, or a shape that differs from the model's."""
-    unexpected = sorted(set(bucket) - set(names))
-    if unexpected:
-        raise KeyError(f"update_weights: keys not in the model: {unexpected[:5]} ({len(unexpected)} in all).")
-    twice = sorted(set(bucket) & given)
-    if twice:
-        raise ValueError(f"update_weights: weight buckets overlap on {twice[:5]}")
-    shapes = [f"{k}: {tuple(t.shape)} != {tuple(names[k].shape)}" for k, t in bucket.items()
-              if t.shape != names[k].shape]
-    if shapes:
-        raise ValueError(f"update_weights: shape mismatch (given != model): {shapes[:5]}.")
-
-
-def _copy_bucket(bucket: Mapping[str, torch.Tensor], names: Mapping[str, torch.Tensor], given: set[str],
-                 loaded: set[int]) -> int:
-    """Check one refit bucket, then copy it into the model's tensors in place; returns how many it held."""
-    _check_bucket(bucket, names, given)
-    for k, t in bucket.items():
-        _copy_serial(names[k], t)
-        loaded.add(id(names[k]))
-    given.update(bucket)
-    return len(bucket)
-
-
-def _copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` without an OpenMP parallel region when both are CPU tensors of one dtype.
-
-    Weight updates run on a thread other than the decode thread. With libgomp, every thread that enters a
-    parallel region gets its own team of helper threads; once the process has more OpenMP threads than
-    cores, libgomp stops spinning and every decode step pays for waking its helpers (measured: a 2-thread
-    generation of 64 x 64 tokens went from 0.49 s to 0.81 s after one ``copy_`` on another thread). A
-    numpy copy is a plain memcpy on the calling thread.
-    """
-    as_int = _SAME_SIZE_INT.get(dst.dtype.itemsize)
-    if (
-        dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype or as_int is None
-        or not dst.is_contiguous() or dst.shape != src.shape
-    ):
-        dst.copy_(src)
-        return
-    np.copyto(dst.view(as_int).numpy(), src.contiguous().view(as_int).numpy())
-
-
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,8 @@ _CALL: contextvars.ContextVar[_CallState | None] = contextvars.ContextVar("screl
 
 
 class GenerationWorker:
-    """One engine in its own process. Create with :func:`spawn_workers`."""
+    """One engine in its own process. Create with :func:`spawn_workers` (or, colocated with the trainer, in the
+    trainer's process with an ``engine`` on the trainer's module: :class:`screl.rollout.colocated.ColocatedHost`)."""
 
     def __init__(
         self,
@@ -86,11 +87,12 @@ class GenerationWorker:
         val_task: Task | None = None,
         deadlines: Deadlines | None = None,
         in_flight_weight_updates: bool = True,
+        engine: Any = None,
     ) -> None:
         options = options or EngineOptions()
-        if options.num_threads is not None:
+        if engine is None and options.num_threads is not None:
             torch.set_num_threads(options.num_threads)
-        self.engine = build_engine(backend, policy, options)
+        self.engine: Any = engine if engine is not None else build_engine(backend, policy, options)
         self.max_batch_size = options.max_batch_size or 64
         seed = options.seed or 0
         self.injected_latency_s = injected_latency_s

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from screl.validation.agent_rules import agent_rules
+from screl.validation.colocated_rules import colocated_rules
 from screl.validation.context import (
     ConfigError,
     Problem,
@@ -59,6 +60,7 @@ RULES = (
     failure_rules,
     batch_rules,
     generation_rules,
+    colocated_rules,
     placement_rules,
     agent_rules,
     torch_backend_rules,

@@ -256,13 +256,7 @@ def batch_rules(c: RuleContext) -> None:
 def generation_rules(c: RuleContext) -> None:
     gen, key = c.gen, "data.init_args.generation"
     backend = gen.get("backend", "torch")
-    colocated = get(gen, "colocated.enabled", False)
-    if colocated and backend != "megatron":
-        c.bad(f"{key}.colocated.enabled", True, f"colocated generation is supported only with backend megatron "
-              f"(got {backend})", "set colocated.enabled: false and give generation its own resources")
-    if colocated and backend == "megatron" and c.min_groups != c.P:
-        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "colocated generation stands down for the "
-              "whole train step, so each step must be one full batch", f"set it to num_prompts_per_step ({c.P})")
+    colocated = get(gen, "colocated.enabled", False)  # its rules: screl.validation.colocated_rules
     workflow = gen.get("workflow")
     workflow_error = workflow_problem(str(workflow)) if workflow is not None else None
     if workflow_error is not None:

@@ -12,7 +12,8 @@ import torch
 
 from screl.models import EOS_TOKEN_ID, TinyCausalLM
 from screl.rollout import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.torch_engine import TorchGenerationEngine, _Batch, _copy_serial, _Row
+from screl.rollout.torch_engine import TorchGenerationEngine, _Batch, _Row
+from screl.rollout.weight_copy import copy_serial
 
 torch.set_num_threads(1)
 
@@ -353,12 +354,12 @@ def test_pause_times_out_with_a_clear_error() -> None:
 def test_serial_copy_equals_copy_(dtype: torch.dtype) -> None:
     src = (torch.randn(33, 17) * 50).to(dtype)
     dst = torch.zeros(33, 17, dtype=dtype)
-    _copy_serial(dst, src)
+    copy_serial(dst, src)
     assert torch.equal(dst, src)
     strided = torch.zeros(17, 33, dtype=dtype).t()  # not contiguous: falls back to copy_
-    _copy_serial(strided, src)
+    copy_serial(strided, src)
     assert torch.equal(strided, src)
-    _copy_serial(dst, src.t().contiguous().t())  # a non-contiguous source
+    copy_serial(dst, src.t().contiguous().t())  # a non-contiguous source
     assert torch.equal(dst, src)
 
 
@@ -372,14 +373,14 @@ import sys, torch, psutil
 from concurrent.futures import ThreadPoolExecutor
 torch.set_num_threads(2)
 from screl.models import TinyCausalLM
-from screl.rollout import torch_engine as te
+from screl.rollout import torch_engine as te, weight_copy
 spec = TinyCausalLM(scale="small")
 eng = te.TorchGenerationEngine(spec, num_threads=2)
 weights = spec.build_model().state_dict()
 x = torch.randn(512, 512); x @ x
 pool = ThreadPoolExecutor(1); pool.submit(lambda: None).result()
 if sys.argv[1] == "copy_":
-    te._copy_serial = lambda dst, src: dst.copy_(src)
+    weight_copy.copy_serial = lambda dst, src: dst.copy_(src)
 before = psutil.Process().num_threads()
 pool.submit(eng.update_weights, weights, 1).result()
 print(psutil.Process().num_threads() - before)

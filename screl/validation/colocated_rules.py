@@ -1,0 +1,62 @@
+"""``data.init_args.generation.colocated.enabled``: the engine decodes with the trainer's module in the trainer's
+process (:mod:`screl.rollout.colocated`). Built for the torch backend in one trainer process; every other
+combination is refused before anything starts, naming the key and the way out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from screl.validation.context import RuleContext, get
+from screl.validation.optimizer_rules import _world_size
+
+__all__ = ["colocated_rules"]
+
+GEN = "data.init_args.generation"
+
+
+def colocated_rules(c: RuleContext) -> None:
+    """The spec's rule (each step one full batch) and the limits of today's colocated engine."""
+    gen = c.gen
+    if not get(gen, "colocated.enabled", False):
+        return
+    key = f"{GEN}.colocated.enabled"
+    backend = gen.get("backend", "torch")
+    if backend == "vllm":
+        c.bad(key, True, "colocated vLLM needs vLLM's sleep/wake mode, which runs on a GPU only: not built yet",
+              "use backend: torch for colocated generation, or colocated.enabled: false with vLLM workers")
+    elif backend != "torch":
+        c.bad(key, True, f"colocated generation runs the torch engine on the trainer's module (backend {backend!r} "
+              "cannot be colocated)", "set backend: torch, or colocated.enabled: false")
+    if c.min_groups != c.P:
+        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "colocated generation stands down for the "
+              "whole train step, so each step must be one full batch", f"set it to num_prompts_per_step ({c.P})")
+    if gen.get("num_workers", 1) != 1:
+        c.bad(f"{GEN}.num_workers", gen.get("num_workers"), "a colocated engine is the trainer's process: there is "
+              "one", "set num_workers: 1 (or colocated.enabled: false for a fleet of workers)")
+    world = _world_size(c.cfg)
+    strategy = get(c.cfg, "trainer.strategy")
+    named = strategy.get("class_path") if isinstance(strategy, dict) else strategy
+    if world > 1 or (isinstance(named, str) and named not in ("auto", "single_device")):
+        c.bad(key, True, f"colocated generation runs in one trainer process (trainer world size {world}, strategy "
+              f"{named or 'auto'}); a data- or model-parallel colocated engine is not built yet",
+              "train on one device (trainer.devices: 1, num_nodes: 1, no strategy), or set colocated.enabled: false")
+    if gen.get("expose_http_server", False):
+        c.bad(f"{GEN}.expose_http_server", True, "the policy server reaches Ray workers; a colocated engine has "
+              "none yet", "set expose_http_server: false, or colocated.enabled: false")
+    _device_rule(c, gen)
+    res = get(gen, "colocated.resources", {}) or {}
+    if isinstance(res, dict) and (res.get("gpus_per_node") or 0) > 0:
+        c.bad(f"{GEN}.colocated.resources.gpus_per_node", res.get("gpus_per_node"), "colocated generation uses the "
+              "trainer's devices; these GPUs would be set aside for nothing", "set gpus_per_node: 0")
+
+
+def _device_rule(c: RuleContext, gen: Any) -> None:
+    """The engine decodes where the trainer's module is: ``generation.device`` must say the same kind."""
+    accelerator = str(get(c.cfg, "trainer.accelerator", "auto"))
+    device = str(gen.get("device", "cpu"))
+    if accelerator == "cpu" and device.startswith("cuda"):
+        c.bad(f"{GEN}.device", device, "a colocated engine decodes on the trainer's device, and the trainer runs on "
+              "the CPU", "set device: cpu (or trainer.accelerator: gpu)")
+    elif accelerator in ("gpu", "cuda") and device == "cpu":
+        c.bad(f"{GEN}.device", device, "a colocated engine decodes on the trainer's device, and the trainer runs on "
+              "a GPU", "set device: cuda")
