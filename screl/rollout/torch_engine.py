@@ -414,19 +414,23 @@ class TorchGenerationEngine:
 
     @contextlib.contextmanager
     def _forwarding(self) -> Iterator[None]:
-        """One forward pass: the model lock, no autograd, and a shared module in eval mode (its mode restored).
-        A shared module runs under ``no_grad`` rather than ``inference_mode``: a buffer it updates in the forward
-        (a dynamic RoPE table) must stay usable by the trainer's autograd."""
+        """One forward pass: the model lock, no autograd, and (``autocast``) the engine's compute dtype.
+
+        A shared module (colocated) on Hugging Face's forward runs in eval mode (its mode restored after) and under
+        ``no_grad`` rather than ``inference_mode``: a buffer that forward updates (a dynamic RoPE table) must stay
+        usable by the trainer's autograd. The static-cache path calls the layers' functions on the parameters
+        themselves (no module mode, no buffer written), so it keeps ``inference_mode`` either way."""
+        hf_shared = self.shared and self.decode_path == "hf"
         amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
                else contextlib.nullcontext())
-        with self._model_lock, (torch.no_grad() if self.shared else torch.inference_mode()), amp:
-            training = self.model.training
-            if self.shared and training:
+        with self._model_lock, (torch.no_grad() if hf_shared else torch.inference_mode()), amp:
+            training = hf_shared and self.model.training
+            if training:
                 self.model.eval()
             try:
                 yield
             finally:
-                if self.shared and training:
+                if training:
                     self.model.train()
 
     def _prefill(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
