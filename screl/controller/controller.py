@@ -131,7 +131,7 @@ class RolloutController:
         self._writer = EventLogWriter(self._events, clock=time.time) if self._events is not None else None
         self.validation: ValidationRunner | None = None
         if val_prompt_ids:
-            self.validation = ValidationRunner(run.algo, val_prompt_ids, generation.max_new_tokens, seed, workers,
+            self.validation = ValidationRunner(run.algo, val_prompt_ids, generation.max_new_tokens, seed, self.workers,
                                                self.ensure_fresh, self.emit)
         self._val_redo: list[int] = []
         self.watchdog = StallWatchdog(run.async_rl.watchdog.stall_timeout_s)
