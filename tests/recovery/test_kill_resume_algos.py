@@ -1,4 +1,5 @@
-"""The kill chain on PPO (across its critic warmup) and on dynamic sampling (its replacement reserve)."""
+"""The kill chain on PPO (across its critic warmup, with colocated generation) and on dynamic sampling (its
+replacement reserve)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ pytestmark = pytest.mark.slow
 PPO_SAMPLER = {"name": "in_order", "max_lookahead_versions": 1, "warmup_lookahead_versions": 2}
 
 
-def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path) -> None:
-    """The kill chain on PPO: kills land in the critic warmup and after it; the resumed run trains every step
-    once, its critic and both optimizers come back, and warmup steps are never refit."""
+def test_kill9_a_colocated_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path) -> None:
+    """The kill chain on PPO with colocated generation (the engine in the trainer's process, standing down for
+    each step's policy and critic updates): kills land in the critic warmup and after it, mid-generation in the
+    trainer itself; the resumed run trains every step once, its critic and both optimizers come back, and warmup
+    steps are never refit."""
     rng = random.Random(1)
     ck_root = tmp_path / "bundles"
     steps = 14
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=PPO_SAMPLER,
                                             source="ppo_tiny.yaml"))
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["generation"]["colocated"] = {"enabled": True}
+    config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     points = ["generation", "mid_step", "checkpoint_write", "snapshot_write", "mid_step"]
     kills = kill_chain(config, points, run_dir, ck_root, rng)
@@ -46,6 +52,9 @@ def test_kill9_a_ppo_run_across_its_critic_warmup_loses_no_group(tmp_path: Path)
     assert len(ckpt["optimizer_states"]) == 2 and any(k.startswith("critic.") for k in ckpt["state_dict"])
     # every update of every incarnation up to the last bundle is counted once: none lost, none repeated
     assert ckpt["ppo_update_counts"] == {"policy": (steps - start) * 2, "critic": steps * 2}
+    log = (tmp_path / "fit.log").read_text()
+    assert log.count("the colocated torch engine (the trainer's module)") == len(kills) + 1  # every incarnation
+    assert "generation worker(s)" not in log
 
 
 SNAPSHOT_EVERY_S = 0.1
