@@ -33,8 +33,9 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     parts = result["parts"]
     assert proc.returncode == 0, json.dumps(parts, indent=1)[-4000:]
     assert result["ok"] is True and result["mode"] == "cpu"
-    assert set(parts) == {"grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory"}
-    for name in ("grpo", "megatron", "ppo_offload", "memory"):
+    assert set(parts) == {"grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory",
+                          "colocated"}
+    for name in ("grpo", "megatron", "ppo_offload", "memory", "colocated"):
         assert parts[name]["status"] == "passed", (name, parts[name])
     for name in ("nccl_refit", "pipeline"):
         assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"], parts[name]
@@ -48,6 +49,10 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     assert grpo["completion_tokens"] > 0 and grpo["generation_tokens_per_s"] > 0
     assert grpo["refits"] >= 2 and grpo["refit_s_median"] > 0
     assert 0.0 <= grpo["logprob_mismatch_max"] < 1e-3  # fp32 on CPU: the same numerics on both sides
+
+    colocated = parts["colocated"]
+    assert colocated["backend"] == "torch" and colocated["steps"] == 3
+    assert colocated["refits"] >= 2 and colocated["logprob_mismatch_max"] < 1e-5  # the trainer's own module
 
     meg = parts["megatron"]
     assert meg["logits_max_abs_diff"] < 1e-3 and meg["export_max_abs_diff"] == 0.0

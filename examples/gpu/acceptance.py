@@ -21,6 +21,10 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
 - ``pipeline``: ``pipeline_check.run_checks``: PP=2 on Megatron's 1F1B schedule equals PP=1. Two GPUs only.
 - ``ppo_offload``: ``ppo_offload_check.run_checks``: GPU memory of PPO's value stage with and without
   ``offload_optimizer_for_logprob``. CPU: the same calls, nothing to move (reported).
+- ``colocated``: GRPO through ``screl fit`` with colocated generation (the torch engine on the trainer's module, in
+  the trainer's process, standing down for each train step). GPU: SmolLM2-135M-Instruct, ``bf16-mixed``, 20 steps
+  of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
+  (its refits are relabels: no weight moves), and no generation worker may appear in the run's log.
 - ``memory``: ``bench/memory.py``'s step at vocabulary 151,936, chunked logprobs (``after``) against full logits
   (``before``). GPU: 8 x 2048 tokens, ``torch.cuda.max_memory_allocated`` above the allocation before the step.
   CPU: 2 x 256 tokens, peak RSS above idle (``bench.memory.run_side``).
@@ -45,9 +49,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory")
+PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated")
 GPU_TIMEOUT_S = {"grpo": 300, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
-                 "ppo_offload": 90, "memory": 150}
+                 "ppo_offload": 90, "memory": 150, "colocated": 240}
 CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
 GPU_STEPS, CPU_STEPS = 20, 3
 
@@ -129,12 +133,51 @@ def _union_s(intervals: list[tuple[float, float]]) -> float:
 
 
 def part_grpo(cpu: bool, work: Path) -> dict[str, Any]:
-    import yaml
-
     steps = CPU_STEPS if cpu else GPU_STEPS
     run_root = work / "grpo_run"
-    cfg = grpo_config(cpu, run_root, steps)
-    path = work / "grpo_config.yaml"
+    return _fit_and_read(grpo_config(cpu, run_root, steps), run_root, work / "grpo_config.yaml", steps)[0]
+
+
+def colocated_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Colocated GRPO: ``configs/grpo_colocated_tiny.yaml`` small on a CPU; SmolLM2 on the one GPU otherwise."""
+    import yaml
+
+    name = "grpo_colocated_tiny.yaml" if cpu else "grpo_smollm2.yaml"
+    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    grpo = cfg["grpo"]
+    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
+    grpo.pop("validation", None)
+    gen = cfg["data"]["init_args"]["generation"]
+    prompts = 4 if cpu else 8
+    grpo.update(num_prompts_per_step=prompts, num_generations_per_prompt=4 if cpu else 8)
+    cfg["async_rl"].update(min_groups_for_streaming_train=prompts, max_inflight_prompts=2 * prompts,
+                           max_buffered_rollouts=2 * prompts)
+    if cpu:
+        gen.update(max_new_tokens=8, min_new_tokens=0)
+    else:
+        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
+        gen.update(backend="torch", device="cuda", num_workers=1, max_new_tokens=32, backend_args={},
+                   colocated={"enabled": True}, num_gpus_per_worker=None)
+        cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
+        cfg["data"]["init_args"]["step_timeout_s"] = 120
+    return cfg
+
+
+def part_colocated(cpu: bool, work: Path) -> dict[str, Any]:
+    steps = CPU_STEPS if cpu else GPU_STEPS
+    run_root = work / "colocated_run"
+    out, log = _fit_and_read(colocated_config(cpu, run_root, steps), run_root, work / "colocated_config.yaml", steps)
+    _check("the colocated torch engine" in log and "generation worker(s)" not in log,
+           "the run did not start the colocated engine, or started a generation worker")
+    return out
+
+
+def _fit_and_read(cfg: dict[str, Any], run_root: Path, path: Path, steps: int) -> tuple[dict[str, Any], str]:
+    """``screl fit`` of ``cfg`` in a subprocess; its figures from the run's metrics and events, and its log."""
+    import yaml
+
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)], capture_output=True,
@@ -169,7 +212,7 @@ def part_grpo(cpu: bool, work: Path) -> dict[str, Any]:
     _check(tokens > 0 and out["generation_tokens_per_s"] > 0, f"no generation throughput: {tokens} tokens, {gen_s} s")
     _check(len(refit) >= steps - 1, f"{len(refit)} refits for {steps} steps")
     _check(_finite(out["logprob_mismatch_max"]), "train/logprob_mismatch missing or not finite")
-    return out
+    return out, proc.stderr
 
 
 # -- vllm_standalone -------------------------------------------------------------------------------------------
@@ -303,7 +346,7 @@ def _gpu_memory_side(bench_memory: Any, side: str, rows: int, length: int, micro
             "max_allocated_above_start_mb": (peak - start) / 2**20, "step_s": step_s, "tokens": rows * length}
 
 
-RUNNERS = {"grpo": part_grpo, "vllm_standalone": part_vllm_standalone, "nccl_refit": part_nccl_refit,
+RUNNERS = {"grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone, "nccl_refit": part_nccl_refit,
            "megatron": part_megatron, "pipeline": part_pipeline, "ppo_offload": part_ppo_offload,
            "memory": part_memory}
 
