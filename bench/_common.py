@@ -307,13 +307,15 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_screl(name: str, cfg: dict[str, Any], work_dir: Path) -> ScrelRun:
-    """Run ``screl fit`` in-process on ``cfg`` and read back what it measured."""
+def run_screl(name: str, cfg: dict[str, Any], work_dir: Path, settle_first: bool = True) -> ScrelRun:
+    """Run ``screl fit`` in-process on ``cfg`` and read back what it measured (``settle_first``: wait for this
+    process tree to go quiet first; a fresh process of its own, timed from its start, leaves it off)."""
     import yaml
 
     from screl.cli import ScrelCLI
 
-    settle()
+    if settle_first:
+        settle()
     work_dir.mkdir(parents=True, exist_ok=True)
     path = work_dir / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -107,6 +107,8 @@ class TreeRSS:
         self.peak = 0.0
         self.by_role: dict[str, float] = {}
         self.pss_by_role: dict[str, float] = {}
+        self.last_pids: set[int] = set()
+        """The tree's processes at the last sample (what may outlive the root: Ray's daemons)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -124,6 +126,7 @@ class TreeRSS:
                 rss[proc] = proc.memory_info().rss / MB
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+        self.last_pids = {proc.pid for proc in rss}
         total = sum(rss.values())
         if total <= self.peak:
             return
@@ -136,7 +139,7 @@ class TreeRSS:
                 role = c.process_role(" ".join(proc.cmdline()[:1]), root=proc.pid == self.root.pid)
                 p_mb = proc.memory_full_info().pss / MB
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
+                role, p_mb = "exited", 0.0  # gone since its RSS was read (a run's end): the split still sums up
             roles[role] = roles.get(role, 0.0) + mb
             pss[role] = pss.get(role, 0.0) + p_mb
         self.peak, self.by_role, self.pss_by_role = total, roles, pss
@@ -155,13 +158,14 @@ class TreeRSS:
 
 
 def run_watched(cmd: list[str], env: dict[str, str], poll_s: float, what: str) -> dict[str, Any]:
-    """Run ``cmd`` to completion while sampling its tree's RSS; its wall time and memory."""
+    """Run ``cmd`` to completion while sampling its tree's RSS; its wall time and memory (``started``: the
+    ``time.time()`` just before the launch; ``leftover_pids``: the tree's processes at the last sample)."""
     c.settle()
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mem = TreeRSS(proc.pid, poll_s)
     out, err = proc.communicate()
-    res = mem.stop() | {"wall_s": time.time() - t0}
+    res = mem.stop() | {"wall_s": time.time() - t0, "started": t0, "leftover_pids": sorted(mem.last_pids - {proc.pid})}
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n{(err or out)[-3000:]}")
     return res

@@ -105,24 +105,19 @@ def shape(args: argparse.Namespace, scale: str) -> dict[str, int]:
     return s
 
 
-def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict[str, Any]:
+def trl_command(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> tuple[list[str], dict[str, str]]:
+    """The TRL peer's command line and environment for ``scale`` (its JSON record goes to ``out``)."""
     s = shape(args, scale)
     cmd = [
         sys.executable, str(peer), "--task", args.task, "--steps", str(s["steps"]), "--scale", scale,
         "--prompts-per-step", str(s["prompts_per_step"]), "--group", str(s["group"]),
         "--completion-len", str(s["completion_len"]), "--no-gradient-checkpointing", "--out", str(out),
     ]
-    env = dict(os.environ, PEER_THREADS=str(args.trl_threads), HF_HUB_OFFLINE="1")
-    c.settle()
-    before, child_before, t0 = c.cpu_snapshot(), _children_cpu(), time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    after, child_cpu, elapsed = c.cpu_snapshot(), _children_cpu() - child_before, time.time() - t0
-    delta = c.cpu_delta(before, after)
-    machine = delta.pop(c.MACHINE, 0.0)
-    tree = sum(delta.values())  # this process and Ray's daemons meanwhile
-    if proc.returncode != 0:
-        raise RuntimeError(f"trl_peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    d: dict[str, Any] = json.loads(out.read_text())
+    return cmd, dict(os.environ, PEER_THREADS=str(args.trl_threads), HF_HUB_OFFLINE="1")
+
+
+def trl_result(d: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one TRL run from the peer's JSON record ``d`` (samples/s: samples / wall(train()))."""
     steps = d["step_time_s_per_step"]
     ends, t = [], 0.0
     for x in steps:
@@ -136,10 +131,25 @@ def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict
         "reward": d["rewards_per_step"],
         "step_ends": ends,
         "torch_threads": d["machine"]["torch_threads"],
+        "versions": d["versions"],
+    }
+
+
+def run_trl(peer: Path, args: argparse.Namespace, scale: str, out: Path) -> dict[str, Any]:
+    cmd, env = trl_command(peer, args, scale, out)
+    c.settle()
+    before, child_before, t0 = c.cpu_snapshot(), _children_cpu(), time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    after, child_cpu, elapsed = c.cpu_snapshot(), _children_cpu() - child_before, time.time() - t0
+    delta = c.cpu_delta(before, after)
+    machine = delta.pop(c.MACHINE, 0.0)
+    tree = sum(delta.values())  # this process and Ray's daemons meanwhile
+    if proc.returncode != 0:
+        raise RuntimeError(f"trl_peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return trl_result(json.loads(out.read_text())) | {
         # over the whole subprocess (imports included): cores it used, and cores other jobs used meanwhile
         "own_cores": child_cpu / elapsed,
         "other_cores": max(0.0, machine - child_cpu - tree) / elapsed,
-        "versions": d["versions"],
     }
 
 
@@ -150,15 +160,20 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) -> dict[str, Any]:
+def screl_side_config(side: str, args: argparse.Namespace, scale: str, work: Path) -> dict[str, Any]:
+    """The run config of a screl side: sync (``*_sync``: in_order lookahead 0) or async (in_order lookahead 1),
+    on the vLLM backend for ``*_vllm_*``."""
     s = shape(args, scale)
     sampler = c.SAMPLERS["sync" if side.endswith("_sync") else "async_w1"]
-    cfg = c.screl_config(
+    return c.screl_config(
         run_dir=work / "run", steps=s["steps"], sampler=sampler, scale=scale, task=args.task,
         prompts_per_step=s["prompts_per_step"], group=s["group"], completion_len=s["completion_len"],
         threads=args.screl_threads, backend="vllm" if "_vllm_" in side else "torch",
     )
-    r = c.run_screl(side, cfg, work / "cfg")
+
+
+def screl_side_result(r: c.ScrelRun) -> dict[str, Any]:
+    """The figures of one screl run, in the TRL side's shape (``step_ends``: seconds since the window start)."""
     return {
         "window_s": r.window_s,
         "samples_per_s": r.samples_per_s,
@@ -172,6 +187,11 @@ def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) 
         "own_cores": r.own_cores,
         "other_cores": r.other_cores,
     }
+
+
+def run_screl_side(side: str, args: argparse.Namespace, scale: str, work: Path) -> dict[str, Any]:
+    cfg = screl_side_config(side, args, scale, work)
+    return screl_side_result(c.run_screl(side, cfg, work / "cfg"))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
