@@ -12,6 +12,7 @@ from screl._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from screl.models.hf import HFCausalLM
+    from screl.models.shape_twin import ShapeTwin, shrink_config
     from screl.models.smollm2 import SmolLM2, convert_gguf, smollm2_gguf
     from screl.models.spec import PolicySpec, resolve_dtype
     from screl.models.tiny import MODEL_SCALES, TinyCausalLM
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "HFCausalLM": "hf",
+    "ShapeTwin": "shape_twin", "shrink_config": "shape_twin",
     "SmolLM2": "smollm2", "convert_gguf": "smollm2", "smollm2_gguf": "smollm2",
     "PolicySpec": "spec", "resolve_dtype": "spec",
     "MODEL_SCALES": "tiny", "TinyCausalLM": "tiny",
@@ -44,6 +46,7 @@ __all__ = [
     "PAD_TOKEN_ID",
     "SPECIAL_TOKENS",
     "HFCausalLM",
+    "ShapeTwin",
     "SmolLM2",
     "PolicySpec",
     "TinyCausalLM",
@@ -53,6 +56,7 @@ __all__ = [
     "convert_gguf",
     "critic_state",
     "resolve_dtype",
+    "shrink_config",
     "smollm2_gguf",
 ]
 
