@@ -20,11 +20,18 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 """Environment that keeps Ray on 127.0.0.1; set before ``ray.init`` (ideally before ``import ray``)."""
 
 LOOPBACK_IPS = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+START_ATTEMPTS = 3
+"""Starts of a local cluster whose raylet misses Ray's fixed 30 s registration (an overloaded machine) before the
+error reaches the caller."""
 
 
 def _force_loopback_env() -> None:
@@ -80,17 +87,20 @@ def start_local_ray(
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    kwargs: dict[str, Any] = dict(address="local", num_cpus=num_cpus, num_gpus=None if gpu_ids is None else len(gpu_ids),
+                                  namespace=namespace, include_dashboard=False, log_to_driver=log_to_driver,
+                                  logging_level=level, object_store_memory=object_store_memory)
     try:
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            num_gpus=None if gpu_ids is None else len(gpu_ids),
-            namespace=namespace,
-            include_dashboard=False,
-            log_to_driver=log_to_driver,
-            logging_level=level,
-            object_store_memory=object_store_memory,
-        )
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                ray.init(**kwargs)
+                break
+            except Exception as err:  # Ray raises a bare Exception when its raylet misses its 30 s registration
+                if "timed out during startup" not in str(err) or attempt == START_ATTEMPTS:
+                    raise
+                log.warning("screl: the local Ray cluster did not come up (%s); starting it again (%d of %d): an "
+                            "overloaded machine", str(err).split(".")[0], attempt + 1, START_ATTEMPTS)
+                ray.shutdown()
     finally:
         if gpu_ids is not None:
             if saved is None:

@@ -21,14 +21,14 @@ KINDS = ["generation", "mid_step", "checkpoint_write", "snapshot_write"]
 
 @pytest.mark.parametrize("seed", [0])
 def test_kill9_at_seeded_points_of_every_kind_loses_no_group(seed: int, tmp_path: Path) -> None:
-    """Six kills in a row: each kind of point once, two more drawn, in a seeded order. With the other kill chains
-    (tests/recovery/test_kill_resume_algos.py: 5 + 2 + 2) the slow tier kills 15 runs at seeded points."""
+    """Four kills in a row, each kind of point once, in a seeded order. With the other kill chains
+    (tests/recovery/test_kill_resume_algos.py: 3 + 2 + 2) the slow tier kills 11 runs at seeded points."""
     rng = random.Random(seed)
     ck_root = tmp_path / "bundles"
-    steps = 40  # long enough that every incarnation reaches its kill point
+    steps = 30  # long enough that every incarnation reaches its kill point
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
     run_dir = tmp_path / "run"
-    points = KINDS + rng.sample(KINDS, 2)
+    points = list(KINDS)
     rng.shuffle(points)
     kills = kill_chain(config, points, run_dir, ck_root, rng)
     assert sorted(set(kills)) == sorted(KINDS), f"not every kind of kill landed before the run finished: {kills}"

@@ -1,10 +1,10 @@
 """Checkpoint bundles from 2 training processes (2 gloo ranks, started by ``screl fit`` itself, nothing listening
-beyond loopback). Under ``MegatronStrategy`` every rank writes its shards into the unpublished bundle, and rank 0
-publishes it; the whole job is SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and
-at TP=1 with DP=2 from a copy of the same bundles. With ``use_distributed_optimizer`` the same holds at DP=2 (each
-rank saving its half of the optimizer state), resumed at TP=2 (resharded). Under screl's ``DDPStrategy`` rank 0
-writes the one Lightning checkpoint, and the killed job resumes. In sync mode every resume reproduces the
-uninterrupted run's losses, and the event checker finds nothing lost or trained twice."""
+beyond loopback). Under ``MegatronStrategy`` at DP=2 with ``use_distributed_optimizer`` every rank writes its
+shards (its half of the optimizer state) into the unpublished bundle, and rank 0 publishes it; the whole job is
+SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and at TP=2 from a copy of the same
+bundles (the optimizer state resharded). Under screl's ``DDPStrategy`` rank 0 writes the one Lightning checkpoint,
+and the killed job resumes. In sync mode every resume reproduces the uninterrupted run's losses, and the event
+checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _config(base: Path, parallelism: dict[str, int], **strategy_args: object) ->
 
 
 def _relayout(config: Path, parallelism: dict[str, int]) -> Path:
-    """The same run at other parallel sizes (the bundles were written at TP=2)."""
+    """The same run at other parallel sizes (its bundles were written at another layout)."""
     cfg = yaml.safe_load(config.read_text())
     cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(parallelism)
     config.write_text(yaml.safe_dump(cfg))
@@ -110,31 +110,19 @@ def _copy_run(src: Path, dst: Path, config: Path) -> Path:
     return dst / "config.yaml"
 
 
-def test_two_rank_bundles_survive_a_kill_and_resume_at_another_tp(tmp_path: Path) -> None:
-    """TP=2 killed at a seeded point after a bundle; resumed at TP=2, and from a copy of the same bundles at TP=1
-    with DP=2 (each replica half of the groups): both reproduce the uninterrupted TP=2 run."""
-    reference_cfg = _config(tmp_path / "ref", LAYOUTS["tp2"])
+def test_two_rank_bundles_survive_a_kill_and_resume_at_the_same_and_another_layout(tmp_path: Path) -> None:
+    """DP=2 with ``use_distributed_optimizer: true`` (megatron's DistributedOptimizer: each rank holds and saves
+    half of the optimizer state), the two ranks started by ``screl fit`` and meeting through a file, killed at a
+    seeded point after a bundle; resumed at DP=2, and from a copy of the same bundles at TP=2 (the optimizer state
+    resharded): both reproduce the uninterrupted DP=2 run."""
+    sharded = {"use_distributed_optimizer": True}
+    reference_cfg = _config(tmp_path / "ref", LAYOUTS["dp2"], **sharded)
     wide, ranks = _run_watching_sockets(reference_cfg, tmp_path / "ref.log")  # `screl fit` started rank 1 itself
     assert ranks == 2
     assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
     reference = _per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
-    _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["tp2"]), "dp2", reference, "multirank")
-
-
-def test_distributed_optimizer_bundles_survive_a_kill_and_resume_at_another_layout(tmp_path: Path) -> None:
-    """DP=2 with ``use_distributed_optimizer: true`` (megatron's DistributedOptimizer: each rank holds and saves
-    half of the optimizer state) killed at a seeded point after a bundle; resumed from a copy of the bundles at TP=2
-    (the optimizer state resharded): it reproduces the uninterrupted DP=2 run."""
-    sharded = {"use_distributed_optimizer": True}
-    reference_cfg = _config(tmp_path / "ref", LAYOUTS["dp2"], **sharded)
-    proc = start_fit(reference_cfg, tmp_path / "ref.log")
-    assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    reference = _per_step(tmp_path / "ref" / "root")
-    assert sorted(reference) == list(range(STEPS))
-    # the same-layout resume is the TP=2 test's; here only the resharding one (one 2-rank run less in CI)
-    _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["dp2"], **sharded), "tp2", reference,
-                     "distributed-optimizer", same_layout=False)
+    _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["dp2"], **sharded), "tp2", reference, "multirank")
     latest = CheckpointStore(str(tmp_path / "cut" / "bundles")).latest()
     assert latest is not None
     common = torch.load(tmp_path / "cut" / "bundles" / f"step_{latest.step}" / "lightning.ckpt" / "common.pt",
@@ -145,11 +133,9 @@ def test_distributed_optimizer_bundles_survive_a_kill_and_resume_at_another_layo
 
 def _kill_and_resume(
     tmp_path: Path, config: Path, other_layout: str, reference: dict[int, tuple[float, ...]], seed: str,
-    same_layout: bool = True,
 ) -> None:
-    """Run ``config`` (under ``tmp_path/cut``), SIGKILL it at a seeded point after a bundle, resume it (unless not
-    ``same_layout``), and resume a copy of its bundles at ``other_layout``: each must reproduce ``reference`` step for
-    step from the bundle on."""
+    """Run ``config`` (under ``tmp_path/cut``), SIGKILL it at a seeded point after a bundle, resume it, and resume a
+    copy of its bundles at ``other_layout``: each must reproduce ``reference`` step for step from the bundle on."""
     rng = random.Random(seed)
     kill_after = rng.choice([1, 2])
     cut = config.parent
@@ -163,9 +149,7 @@ def _kill_and_resume(
     assert bundle is not None and bundle.step >= kill_after
     assert any(p.startswith("lightning.ckpt/") for p in bundle.parts), "a sharded checkpoint, one part per file"
     other = tmp_path / other_layout
-    resumes = [(other, _relayout(_copy_run(cut, other, config), LAYOUTS[other_layout]))]
-    if same_layout:
-        resumes.insert(0, (cut, config))
+    resumes = [(cut, config), (other, _relayout(_copy_run(cut, other, config), LAYOUTS[other_layout]))]
     for base, cfg in resumes:
         log = base / "resume.log"
         proc = start_fit(cfg, log)
