@@ -22,7 +22,7 @@ from screl.envs.base import PromptRecord
 from screl.envs.environment import Action, Environment, EnvTask, StepResult, ToolCall
 from screl.envs.tasks import split_holdout
 
-__all__ = ["CalculatorEnv", "CalculatorTask", "calculator_agent", "evaluate_sum"]
+__all__ = ["CalculatorEnv", "CalculatorTask", "calculator_agent", "evaluate_sum", "instruct_calculator_agent"]
 
 _COMPACT = re.compile(r"^\s*=\s*([0-9+]*)")
 _JSON = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -148,3 +148,10 @@ def calculator_agent(client: Any, prompt: PromptRecord, env: Environment | None,
             break
         messages += [{"role": "assistant", "content": text}, {"role": env.observation_role, "content": step.observation}]
     return reward
+
+
+def instruct_calculator_agent(client: Any, prompt: PromptRecord, env: Environment | None) -> float:
+    """:func:`calculator_agent` with room for an instruct model: up to 4 turns of 256 tokens each, enough for a
+    ``<tool_call>{"name": "calculator", ...}</tool_call>`` (``CalculatorTask(syntax="json")``) and a short answer
+    (``configs/recipes/grpo_qwen3_0.6b_agent.yaml``)."""
+    return calculator_agent(client, prompt, env, max_turns=4, max_tokens=256)
