@@ -152,8 +152,12 @@ def test_ppo_math_1b_megatron_twin(tmp_path: Path) -> None:
     in_order with the warmup lookahead, whole steps, MathVerify over OpenMathInstruct-2's columns."""
     cfg = twin_config("ppo_math_1b_megatron.yaml", tmp_path, layout="openmathinstruct2", template="{problem} =")
     assert cfg["async_rl"]["min_groups_for_streaming_train"] == NPS  # PPO trains whole steps
-    run_dir, _ = _fit_in_process(cfg, tmp_path)
+    seen = StrategySeen()
+    start = time.monotonic()
+    run_dir = run_fit(cfg, tmp_path, callbacks=[seen()])
+    print(f"twin took {time.monotonic() - start:.1f} s")
     rows = _audit(run_dir, cfg)
+    assert seen.strategy == "MegatronStrategy", seen.strategy
     assert column(rows, "critic/value_loss"), "the critic never trained"
     assert column(rows, "ppo/critic_updates")[-1] == STEPS
 
