@@ -78,9 +78,21 @@ def vllm_importable() -> bool:
 # -- grpo ------------------------------------------------------------------------------------------------------
 
 
+def _shipped_config(name: str, run_dir: Path, steps: int) -> dict[str, Any]:
+    """``configs/<name>`` for ``steps`` steps in ``run_dir``: no progress bar, no checkpoints, no validation."""
+    import yaml
+
+    cfg: dict[str, Any] = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    grpo = cfg["grpo"]
+    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
+    grpo.pop("validation", None)
+    return cfg
+
+
 def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
     """The run's config (the YAML as a dict), built from an existing config."""
-    import yaml
 
     if cpu and not vllm_importable():
         sys.path.insert(0, str(REPO))
@@ -90,14 +102,8 @@ def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
                            completion_len=8)
         cfg["data"]["init_args"]["generation"]["min_new_tokens"] = 0
         return cfg
-    name = "grpo_vllm_tiny.yaml" if cpu else "grpo_smollm2.yaml"
-    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
-    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
-    grpo = cfg["grpo"]
-    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
-    grpo.pop("validation", None)
-    gen = cfg["data"]["init_args"]["generation"]
+    cfg = _shipped_config("grpo_vllm_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
+    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
     if cpu:
         grpo.update(num_prompts_per_step=4, num_generations_per_prompt=4)
         cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
@@ -140,16 +146,8 @@ def part_grpo(cpu: bool, work: Path) -> dict[str, Any]:
 
 def colocated_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
     """Colocated GRPO: ``configs/grpo_colocated_tiny.yaml`` small on a CPU; SmolLM2 on the one GPU otherwise."""
-    import yaml
-
-    name = "grpo_colocated_tiny.yaml" if cpu else "grpo_smollm2.yaml"
-    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
-    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
-    grpo = cfg["grpo"]
-    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
-    grpo.pop("validation", None)
-    gen = cfg["data"]["init_args"]["generation"]
+    cfg = _shipped_config("grpo_colocated_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
+    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
     prompts = 4 if cpu else 8
     grpo.update(num_prompts_per_step=prompts, num_generations_per_prompt=4 if cpu else 8)
     cfg["async_rl"].update(min_groups_for_streaming_train=prompts, max_inflight_prompts=2 * prompts,

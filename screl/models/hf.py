@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from screl.models.spec import PolicySpec, resolve_dtype
+from screl.models.spec import PolicySpec, chat_prompt_token_ids, resolve_dtype
 
 
 class HFCausalLM(PolicySpec):
@@ -49,13 +49,7 @@ class HFCausalLM(PolicySpec):
     def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         if not self.chat_template:
             return super().prompt_token_ids(tokenizer, text)
-        messages = [{"role": "user", "content": text}]
-        if self.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5)
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_prompt_token_ids(tokenizer, text, self.system_prompt)
 
     def _require_dir(self, path: str, what: str) -> str:
         if not os.path.isdir(path):

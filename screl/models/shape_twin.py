@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from screl.models.spec import PolicySpec, resolve_dtype
+from screl.models.spec import PolicySpec, chat_prompt_token_ids, resolve_dtype
 from screl.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, build_char_tokenizer, char_vocab
 
 __all__ = ["ShapeTwin", "shrink_config"]
@@ -133,10 +133,4 @@ class ShapeTwin(PolicySpec):
     def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         if not self.chat_template:
             return super().prompt_token_ids(tokenizer, text)
-        messages = [{"role": "user", "content": text}]
-        if self.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5)
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_prompt_token_ids(tokenizer, text, self.system_prompt)

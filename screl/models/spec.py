@@ -58,3 +58,15 @@ class PolicySpec(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted((k, repr(v)) for k, v in self._fields().items()))))
+
+
+def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, system_prompt: str | None = None) -> list[int]:
+    """A prompt as an instruct model reads it: a user turn (after ``system_prompt``, if any) in the tokenizer's chat
+    template, with the generation prompt that opens the assistant's turn."""
+    messages = [{"role": "user", "content": text}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5)
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
