@@ -41,7 +41,9 @@ class FileRendezvous(_Base):
         super()._configure_launcher()
         env = self.cluster_environment
         if self.num_nodes == 1 and env is not None and not env.creates_processes_externally:
-            os.environ.setdefault(INIT_FILE_ENV, os.path.join(tempfile.gettempdir(), f"screl-pg-{uuid.uuid4().hex}"))
+            # a fresh file per launch, never one an earlier trainer of this process (or of its parent, through the
+            # environment) used: a used file holds that group's rendezvous, and the new ranks would wait on it
+            os.environ[INIT_FILE_ENV] = os.path.join(tempfile.gettempdir(), f"screl-pg-{uuid.uuid4().hex}")
 
     @override
     def setup_distributed(self) -> None:
