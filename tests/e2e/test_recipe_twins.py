@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from _fit_env import fit_env
 
 from screl.data.event_check import check_events
 
@@ -237,7 +237,7 @@ def test_grpo_math_1b_megatron_twin_at_tp2(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(cfg))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--config", str(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          capture_output=True, text=True, timeout=600, env=fit_env({"PYTHONUNBUFFERED": "1"}))
     print(f"twin took {time.monotonic() - start:.1f} s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     (run_dir,) = {p.parent for p in (tmp_path / "root").rglob("events.jsonl")}

@@ -12,6 +12,7 @@ from typing import Any
 
 import psutil
 import yaml
+from _fit_env import fit_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ def start_fit(config: Path, log: Path, env: dict[str, str] | None = None) -> sub
     out = log.open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "screl.cli", "fit", "--config", str(config)],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=fit_env(env),
     )
 
 
