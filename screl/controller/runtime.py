@@ -177,7 +177,6 @@ class RolloutRuntime:
         generation decodes with ``model`` (the trainer's module; its forward passes compute in ``autocast``)."""
         if self.colocated and model is None:
             raise ValueError("colocated generation needs the trainer's module (RolloutRuntime.start(model=...))")
-        self._model, self._autocast = model, autocast
         rc = self.run.ray
         t0 = time.perf_counter()
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
@@ -185,7 +184,8 @@ class RolloutRuntime:
                                             gpu_ids=local_ray_gpu_ids() if rc.address is None else None)
         startup.info("screl: Ray %s in %.1f s", "started" if self._ray_started else "joined", time.perf_counter() - t0)
         try:
-            weights = self._start_fleet(task, policy, run_dir, initial_weights, seed, config_dict, val_task)
+            weights = self._start_fleet(task, policy, run_dir, initial_weights, seed, config_dict, val_task,
+                                        model, autocast)
             t2 = time.perf_counter()
             if restore is not None:
                 summary = self._wait(self.controller.restore.remote(*restore), "restore the checkpoint", self.timeout_s)
@@ -199,7 +199,8 @@ class RolloutRuntime:
 
     def _start_fleet(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
-        config_dict: dict[str, Any] | None, val_task: Task | None,
+        config_dict: dict[str, Any] | None, val_task: Task | None, model: torch.nn.Module | None = None,
+        autocast: torch.dtype | None = None,
     ) -> list[Any] | None:
         """Start TransferQueue, the workers (with ``initial_weights`` loaded) and the controller actor, all at
         once: TransferQueue (its controller, then its storage units, one after the other) starts in a thread
@@ -243,7 +244,7 @@ class RolloutRuntime:
         attached = [a.set_data_plane.remote(self.dataplane) for a in actors]
         self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
         if self.colocated:
-            self.host = start_host(self.controller, policy, g, self.run, seed, self._model, self._autocast,
+            self.host = start_host(self.controller, policy, g, self.run, seed, model, autocast,
                                    self.dataplane, worker_kwargs, self.timeout_s)
         if g.expose_http_server:
             self._start_server(policy)
