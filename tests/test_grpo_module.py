@@ -12,7 +12,7 @@ import torch
 from screl.algos import ClippedPGLoss
 from screl.datamodule import collate_chunk
 from screl.models import TinyCausalLM
-from screl.modules.grpo import GRPO, token_logprobs
+from screl.modules.grpo import GRPO, token_logprobs, whole_row_on_policy
 from screl.rollout import GenerationRequest, SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.torch_engine import TorchGenerationEngine
@@ -109,6 +109,25 @@ def test_stale_tokens_get_weights_from_behaviour_logprobs() -> None:
     cap = _fit(_module(), [shifted])
     # w = exp(logp_old - logp_gen) = exp(0.1) for every valid token (up to engine/trainer fp noise)
     assert abs(cap.metrics[0]["train/is_weight_mean"] - float(torch.exp(torch.tensor(0.1)))) < 1e-4
+
+
+def test_logprob_mismatch_leaves_out_rows_that_crossed_an_in_flight_refit() -> None:
+    """Rows generated at version 0 are trained at version 1; row 0 took its last tokens after an in-flight refit (their
+    version is 1, but they attended to version-0 keys and values: the engine's logprobs read 0.3 off), every other row
+    was generated at version 1 from its first token. The mismatch is the clean rows' numerics alone."""
+    meta, data = _rollouts(4, temperature=1.0, version=0)
+    batch = collate_chunk(meta, data, pad_id=0)
+    batch["trainer_version"] = 1
+    valid = batch["token_mask"].bool()
+    batch["token_versions"] = torch.where(valid, 1, batch["token_versions"])
+    first = int(valid[0].nonzero()[0])
+    batch["token_versions"][0, first] = 0  # row 0's first token: before the refit
+    batch["generation_logprobs"][0] = batch["generation_logprobs"][0] - 0.3 * batch["token_mask"][0]
+    clean = whole_row_on_policy(batch["token_versions"], batch["token_mask"], 1)
+    assert not clean[0].any() and torch.equal(clean[1:], valid[1:])
+    cap = _fit(_module(), [batch])
+    assert cap.metrics[0]["train/logprob_mismatch"] < 1e-5
+    assert cap.metrics[0]["train/is_weight_min"] == 1.0  # row 0's later tokens keep weight 1 in the loss (trainer side)
 
 
 @pytest.mark.parametrize(("source", "weight"), [("trainer", 1.0), ("engine", float(torch.exp(torch.tensor(0.05))))])

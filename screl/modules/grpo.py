@@ -11,7 +11,7 @@ importance-sampling weight ``exp(prev - gen)`` corrects for the behaviour policy
 token. Tokens that the current weight version generated (their recorded version equals the trainer
 version) are on-policy by construction: their behaviour logprobs are taken to be the trainer's, so
 their IS weight is exactly 1; ``train/logprob_mismatch`` reports how far engine and trainer numerics
-differ on them.
+differ on them, over the rows the current version generated from their first token.
 
 Under ``trainer.strategy: screl.strategies.MegatronStrategy`` the policy is a Megatron-core ``GPTModel``
 built in ``configure_model`` (this rank's shard, loaded from the policy spec's Hugging Face weights);
@@ -76,6 +76,16 @@ def behaviour(trainer_lp: Tensor, engine_lp: Tensor, on_policy: Tensor, source: 
     if source == "engine":
         return engine_lp.float()
     return torch.where(on_policy, trainer_lp, engine_lp.float())
+
+
+def whole_row_on_policy(token_versions: Tensor, token_mask: Tensor, trainer_version: int) -> Tensor:
+    """``[rows, tokens]`` the valid tokens of rows whose every valid token the trainer's current version generated:
+    where ``train/logprob_mismatch`` measures engine against trainer numerics. A row that crossed an in-flight refit
+    is left out: its tokens after the refit attend to keys and values the older weights computed (unless the engine
+    re-prefills), so they differ from the trainer's recompute by more than numerics."""
+    valid = token_mask.bool()
+    oldest = torch.where(valid, token_versions, torch.full_like(token_versions, trainer_version)).amin(dim=1)
+    return valid & (oldest == trainer_version)[:, None]
 
 
 def loss_sample_mask(batch: dict[str, Any], overlong_filtering: bool) -> Tensor:
@@ -457,7 +467,7 @@ class GRPO(LightningModule):
         )
         if not self.loss_fn.token_level_loss:
             loss = loss * (sl.stop - sl.start) / chunk.chunk_rows
-        on_mask = on_policy & chunk.token_mask[sl].bool()
+        on_mask = whole_row_on_policy(batch["token_versions"][sl], chunk.token_mask[sl], int(batch["trainer_version"]))
         if on_mask.any():
             metrics["logprob_mismatch"] = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()
         return loss, metrics
