@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -95,3 +96,17 @@ def with_snapshots(config: Path, **changes: Any) -> Path:
     cfg["token_capture"] = {"enabled": True}
     config.write_text(yaml.safe_dump(cfg))
     return config
+
+
+PARITY_KEYS = ("train/loss", "reward", "train/grad_norm")
+
+
+def per_step(root: Path) -> dict[int, tuple[float, ...]]:
+    """step -> (loss, reward, grad norm) over every metrics.csv under root (later runs override earlier)."""
+    out: dict[int, tuple[float, ...]] = {}
+    for path in sorted(root.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime):
+        with path.open() as fh:
+            for row in csv.DictReader(fh):
+                if all(row.get(k) for k in PARITY_KEYS):
+                    out[int(row["step"])] = tuple(float(row[k]) for k in PARITY_KEYS)
+    return out

@@ -3,7 +3,7 @@ beyond loopback). Under ``MegatronStrategy`` at DP=2 with ``use_distributed_opti
 shards (its half of the optimizer state) into the unpublished bundle, and rank 0 publishes it; the whole job is
 SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and at TP=2 from a copy of the same
 bundles (the optimizer state resharded). Under screl's ``DDPStrategy`` rank 0 writes the one Lightning checkpoint,
-and the killed job resumes. In sync mode every resume reproduces the uninterrupted run's losses, and the event
+and the killed job resumes, at 2 ranks and as one process. In sync mode every resume reproduces the uninterrupted run's losses, and the event
 checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
 from screl.dataplane.cluster import LOOPBACK_IPS, listening_addresses
 
-from .conftest import kill_tree, recovery_config, start_fit, wait_for
-from .test_resume_parity import _per_step
+from .conftest import kill_tree, per_step, recovery_config, start_fit, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +119,7 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_the_same_and_another_layo
     wide, ranks = _run_watching_sockets(reference_cfg, tmp_path / "ref.log")  # `screl fit` started rank 1 itself
     assert ranks == 2
     assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
-    reference = _per_step(tmp_path / "ref" / "root")
+    reference = per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
     _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["dp2"], **sharded), "tp2", reference, "multirank")
     latest = CheckpointStore(str(tmp_path / "cut" / "bundles")).latest()
@@ -157,7 +156,7 @@ def _kill_and_resume(
         assert f"resuming from {base / 'bundles'}/step_{bundle.step}" in log.read_text()
         report = check_events(base / "run", SYNC)
         assert report.ok, report.format()
-        resumed = _per_step(base / "root")
+        resumed = per_step(base / "root")
         assert set(range(bundle.step, STEPS)) <= set(resumed)
         for step in range(bundle.step, STEPS):
             got, want = resumed[step], reference[step]
@@ -169,11 +168,12 @@ def _kill_and_resume(
 def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_path: Path) -> None:
     """screl.strategies.DDPStrategy over 2 ranks, each training half of every step's groups, reproduces a
     one-process run's loss and gradient norm step by step (the gradients are summed over the shards), before a
-    seeded SIGKILL of the whole job and after its resume from rank 0's Lightning checkpoint."""
+    seeded SIGKILL of the whole job and after its resume from rank 0's Lightning checkpoint; the same bundles
+    resumed by one process reproduce the uninterrupted one-process run (resume parity in sync mode)."""
     reference_cfg = _ddp_config(tmp_path / "ref", devices=1)
     proc = start_fit(reference_cfg, tmp_path / "ref.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    reference = _per_step(tmp_path / "ref" / "root")
+    reference = per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
 
     kill_after = random.Random("ddp").choice([1, 2])
@@ -196,13 +196,32 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     bundle = CheckpointStore(str(cut / "bundles")).latest()
     assert bundle is not None and bundle.step >= kill_after
     assert "lightning.ckpt" in bundle.parts, sorted(bundle.parts)  # one file: every rank holds the same state
+    alone = tmp_path / "alone"
+    one = _copy_run(cut, alone, config)  # the killed job's bundles, resumed by one process below
     proc = start_fit(config, cut / "resume.log")
     assert proc.wait(timeout=600) == 0, (cut / "resume.log").read_text()[-3000:]
     assert f"resuming from {cut / 'bundles'}/step_{bundle.step}" in (cut / "resume.log").read_text()
     report = check_events(cut / "run", SYNC)
     assert report.ok, report.format()
-    trained = _per_step(cut / "root")
+    trained = per_step(cut / "root")
     assert sorted(trained) == list(range(STEPS))
     for step in range(STEPS):  # `reward` is rank 0's half of the chunk; loss and grad norm are the whole's
         got, want = (trained[step][0], trained[step][2]), (reference[step][0], reference[step][2])
         assert got == pytest.approx(want, rel=1e-5, abs=1e-8), step
+
+    # resume parity: a copy of the killed job's bundles resumed as one process reproduces the uninterrupted run's
+    # loss, gradient norm and whole-chunk reward (which depends on what the restored weights generate)
+    cfg = yaml.safe_load(one.read_text())
+    cfg["trainer"]["devices"] = 1
+    del cfg["trainer"]["strategy"]
+    one.write_text(yaml.safe_dump(cfg))
+    proc = start_fit(one, alone / "resume.log")
+    assert proc.wait(timeout=600) == 0, (alone / "resume.log").read_text()[-3000:]
+    assert f"resuming from {alone / 'bundles'}/step_{bundle.step}" in (alone / "resume.log").read_text()
+    report = check_events(alone / "run", SYNC)
+    assert report.ok, report.format()
+    resumed = per_step(alone / "root")
+    assert set(range(bundle.step, STEPS)) <= set(resumed)
+    assert max(reference[s][2] for s in range(STEPS)) > 0.0  # the steps really moved the weights
+    for step in range(bundle.step, STEPS):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), step
