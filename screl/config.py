@@ -297,7 +297,8 @@ class DataPlaneConfig:
     enabled: bool = True
     """Required: the single controller always moves rollouts through TransferQueue."""
     backend: Literal["simple", "mooncake_cpu"] = "simple"
-    """Storage backend; native checkpointing supports only ``simple``."""
+    """Storage backend: ``simple`` (``mooncake_cpu`` is the spec's name for TransferQueue's Mooncake storage, which
+    screl does not wire in yet: ``screl check`` refuses it rather than fall back to ``simple`` silently)."""
     num_storage_units: int = 1
     """TransferQueue storage unit actors."""
     storage_node_resource: str | None = None

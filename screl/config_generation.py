@@ -140,7 +140,8 @@ class GenerationConfig:
     top_k: int | None = None
     """Top-k sampling (None: off)."""
     async_engine: bool = True
-    """(vllm) Use the async engine; required when not colocated."""
+    """Must be true: every engine screl runs is asynchronous (vLLM's AsyncLLM, the torch engine's request loop); the
+    key is the spec's, and ``screl check`` refuses ``false``, which would select nothing."""
     colocated: ColocatedConfig = field(default_factory=ColocatedConfig)
     """Colocation and generation resources."""
     num_threads: int | None = None

@@ -238,6 +238,9 @@ def batch_rules(c: RuleContext) -> None:
     if not get(c.cfg, "data_plane.enabled", True):
         c.bad("data_plane.enabled", False, "the single controller moves every rollout through TransferQueue",
               "set data_plane.enabled: true")
+    if c.dp_backend != "simple":
+        c.bad("data_plane.backend", c.dp_backend, "TransferQueue's Mooncake storage is not wired into screl (its "
+              "transfer engine is not installed here); the run would use SimpleStorage", "set data_plane.backend: simple")
     node_res = get(c.cfg, "data_plane.storage_node_resource", None)
     if node_res is not None and (not isinstance(node_res, str) or not node_res or node_res in ("CPU", "GPU")):
         c.bad("data_plane.storage_node_resource", node_res, "must be a Ray resource name that the storage nodes "
@@ -262,9 +265,9 @@ def generation_rules(c: RuleContext) -> None:
     if workflow_error is not None:
         c.bad(f"{key}.workflow", workflow, workflow_error, "name an importable class with a run(items, generate) "
               "method, e.g. screl.rollout.workflow.SingleTurnWorkflow")
-    if backend == "vllm" and not colocated and not gen.get("async_engine", True):
-        c.bad(f"{key}.async_engine", False, "non-colocated vLLM generation needs the async engine",
-              "set async_engine: true")
+    if not gen.get("async_engine", True):
+        c.bad(f"{key}.async_engine", False, "screl has no synchronous engine: every backend runs an async engine "
+              "(vLLM's AsyncLLM, the torch engine's request loop), colocated or not", "set async_engine: true")
     try:
         resolve_backend(str(backend))
     except ValueError as err:
