@@ -2,6 +2,9 @@
 
 from screl.callbacks.checkpoint import DataPlaneCheckpoint
 from screl.callbacks.progress import RichRLProgressBar, TQDMRLProgressBar, rl_progress_bar
+from screl.callbacks.summary import ModelSummary
 from screl.callbacks.weight_sync import WeightSync
 
-__all__ = ["DataPlaneCheckpoint", "RichRLProgressBar", "TQDMRLProgressBar", "WeightSync", "rl_progress_bar"]
+__all__ = [
+    "DataPlaneCheckpoint", "ModelSummary", "RichRLProgressBar", "TQDMRLProgressBar", "WeightSync", "rl_progress_bar",
+]

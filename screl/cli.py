@@ -177,9 +177,15 @@ class ScrelCLI(LightningCLI):
             root = trainer_cfg.get("default_root_dir") or os.getcwd()
             kwargs["logger"] = CSVLogger(save_dir=root, name="lightning_logs")
         trainer = super().instantiate_trainer(**kwargs)
-        from screl.callbacks import DataPlaneCheckpoint, WeightSync
+        from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
+        from lightning.pytorch.callbacks import RichModelSummary
+
+        from screl.callbacks import DataPlaneCheckpoint, ModelSummary, WeightSync
 
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        for i, cb in enumerate(callbacks):  # Lightning's own summary prints 'Total FLOPs: 0' for every run
+            if type(cb) in (LightningModelSummary, RichModelSummary):
+                callbacks[i] = ModelSummary(max_depth=cb._max_depth)
         _count_rl_steps(callbacks, trainer_cfg)
         if not any(isinstance(cb, WeightSync) for cb in callbacks):
             callbacks.append(WeightSync())
