@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.callbacks import RichModelSummary
-
 from screl.callbacks import ModelSummary
+
 from screl.cli import ScrelCLI
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -259,7 +259,6 @@ def batch_rules(c: RuleContext) -> None:
 def generation_rules(c: RuleContext) -> None:
     gen, key = c.gen, "data.init_args.generation"
     backend = gen.get("backend", "torch")
-    colocated = get(gen, "colocated.enabled", False)  # its rules: screl.validation.colocated_rules
     workflow = gen.get("workflow")
     workflow_error = workflow_problem(str(workflow)) if workflow is not None else None
     if workflow_error is not None:
