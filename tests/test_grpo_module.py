@@ -92,11 +92,34 @@ def _module(cls: type[GRPO] = GRPO) -> GRPO:
                 algo={"num_prompts_per_step": 4, "num_generations_per_prompt": G})
 
 
-def test_on_policy_tokens_have_unit_is_weights() -> None:
+def test_is_weights_are_exp_of_trainer_minus_engine_logprobs_token_by_token() -> None:
+    """Under ``behaviour_logprobs: engine`` every token's weight is exp(trainer - engine), here against logprobs the
+    test computes itself: the engine's logprobs carry seeded noise of up to +-0.2 per token, and the logged min,
+    max and mean weights must be those of exp(trainer - noisy engine) over the valid tokens. The mismatch metric
+    reads the noise too (the largest |noise| up to fp error)."""
+    meta, data = _rollouts(4, temperature=1.0, version=0)
+    batch = collate_chunk(meta, data, pad_id=0)
+    valid = batch["token_mask"].bool()
+    noise = (torch.rand(batch["generation_logprobs"].shape, generator=torch.Generator().manual_seed(3)) - 0.5) * 0.4
+    batch["generation_logprobs"] = batch["generation_logprobs"] + noise * valid
+    with torch.no_grad():
+        trainer_lp = token_logprobs(SPEC.build_model(), batch["input_ids"], batch["attention_mask"], temperature=1.0)
+    weights = torch.exp(trainer_lp - batch["generation_logprobs"])[valid]
+    model = _module()
+    model.behaviour_logprobs = "engine"
+    cap = _fit(model, [batch])
+    got = cap.metrics[0]
+    assert abs(got["train/is_weight_min"] - weights.min().item()) < 1e-5
+    assert abs(got["train/is_weight_max"] - weights.max().item()) < 1e-5
+    assert abs(got["train/is_weight_mean"] - weights.mean().item()) < 1e-5
+    assert weights.max() > 1.15 and weights.min() < 0.85  # the noise really moved them
+    assert abs(got["train/logprob_mismatch"] - noise[valid].abs().max().item()) < 1e-5
+
+
+def test_on_policy_tokens_agree_with_the_engine() -> None:
+    """Tokens of the trainer's current version: the trainer's recomputed logprobs match the engine's."""
     meta, data = _rollouts(4, temperature=1.0, version=0)
     cap = _fit(_module(), [collate_chunk(meta, data, pad_id=0)])
-    assert cap.metrics[0]["train/is_weight_min"] == 1.0
-    assert cap.metrics[0]["train/is_weight_max"] == 1.0
     assert cap.metrics[0]["train/logprob_mismatch"] < 1e-5  # engine and trainer numerics agree
 
 
