@@ -5,7 +5,7 @@ launch -> end of its first step, alternated over ``--reps`` repetitions, medians
 
 screl: a fresh ``screl fit --config configs/grpo_tiny.yaml`` subprocess (Ray, TransferQueue, workers and the
 controller all start inside the timed window), P=8 G=4 L=16, ``--steps`` steps. TRL: ``bench/trl_peer.py``
-(``$SCREL_TRL_PEER`` or ``../shared/bench/trl_peer.py``) at the same shape; its launch -> first step is the
+(``$SCREL_TRL_PEER`` or ``bench/trl_peer.py``) at the same shape; its launch -> first step is the
 subprocess's wall time less its ``trainer.train()`` wall time plus its first step (what follows the last step,
 writing one JSON file, is left in: a few milliseconds). Writes ``bench/results/startup.json`` (``ratio``, also
 under ``first_step_over_trl``: screl's median / TRL's).
@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     env_peer = os.environ.get("SCREL_TRL_PEER")
-    peer = Path(env_peer) if env_peer else REPO.parent / "shared" / "bench" / "trl_peer.py"
+    peer = Path(env_peer) if env_peer else REPO / "bench" / "trl_peer.py"
     if not peer.is_file():
         raise SystemExit(f"startup: the TRL peer is missing at {peer} (set $SCREL_TRL_PEER)")
     screl, trl = [], []

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """screl against TRL's GRPOTrainer on the same model, tokenizer, prompts, reward, batch and completion length.
 
-The TRL side is the peer script ``trl_peer.py`` (``$SCREL_TRL_PEER``, else ``../shared/bench/trl_peer.py``
-next to the repository), run as a subprocess with its own CLI; it defines the model, tokenizer, prompts and
+The TRL side is the peer script ``trl_peer.py`` (``$SCREL_TRL_PEER``, else ``bench/trl_peer.py``, a
+byte-for-byte copy of the shared ``../shared/bench/trl_peer.py``), run as a subprocess with its own CLI; it defines the model, tokenizer, prompts and
 rewards, and screl's ``TinyCausalLM(scale)``, ``build_char_tokenizer``, ``CountLetter``/``Addition`` equal
 them (``tests/models/test_trl_peer_parity.py``). screl runs in sync mode (in_order, lookahead 0) and async
 mode (in_order, lookahead 1). The three sides alternate over ``--reps`` repetitions.
@@ -55,7 +55,7 @@ VLLM_SIDES = ("screl_vllm_sync", "screl_vllm_async")  # --vllm: the same runs on
 
 def find_peer() -> Path:
     env = os.environ.get("SCREL_TRL_PEER")
-    path = Path(env) if env else c.REPO.parent / "shared" / "bench" / "trl_peer.py"
+    path = Path(env) if env else c.REPO / "bench" / "trl_peer.py"  # the shared peer, copied (tests/models)
     if not path.is_file():
         raise SystemExit(
             f"vs_trl: the TRL peer script is missing at {path}. Point $SCREL_TRL_PEER at trl_peer.py "

@@ -13,7 +13,8 @@ _NAMES = {"SPECIAL_TOKENS", "CHARS", "MODEL_KWARGS", "SMALL_KWARGS", "reward_cou
 
 
 def _peer_path() -> Path | None:
-    """``$SCREL_TRL_PEER`` or ``../shared/bench/trl_peer.py`` next to the repository, if present."""
+    """``$SCREL_TRL_PEER``, else the repository's copy ``bench/trl_peer.py`` (kept byte-identical to the shared
+    ``../shared/bench/trl_peer.py`` by ``test_the_repositorys_peer_is_the_shared_one``)."""
     env = os.environ.get("SCREL_TRL_PEER")
     candidates = [Path(env)] if env else []
     repo = Path(__file__).resolve().parents[2]
@@ -45,5 +46,5 @@ def trl_peer() -> dict[str, Any]:
     """The peer's SPECIAL_TOKENS, CHARS, MODEL_KWARGS, SMALL_KWARGS, reward_count_a, reward_add."""
     defs = _peer_definitions()
     if defs is None:
-        pytest.skip("bench/trl_peer.py not found (set SCREL_TRL_PEER to its path)")
+        raise FileNotFoundError("bench/trl_peer.py is missing (or $SCREL_TRL_PEER points nowhere)")
     return defs

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from screl.envs import Addition, CountLetter, arithmetic_prompts
 from screl.models import CHARS, MODEL_SCALES, SPECIAL_TOKENS
@@ -23,3 +26,13 @@ def test_rewards_equal_the_peer_functions(trl_peer: dict[str, Any]) -> None:
     comps = [c for _, c in pairs]
     assert Addition().rewards([p for p, _ in pairs], comps) == trl_peer["reward_add"](comps, a=a, b=b)
     assert CountLetter("a").rewards([p for p, _ in pairs], comps) == trl_peer["reward_count_a"](comps)
+
+
+def test_the_repositorys_peer_is_the_shared_one() -> None:
+    """The tests read ``bench/trl_peer.py`` (so a fresh clone runs them); it must be the project's shared peer,
+    byte for byte, wherever that one is checked out beside the repository."""
+    repo = Path(__file__).resolve().parents[2]
+    shared = repo.parent / "shared" / "bench" / "trl_peer.py"
+    if not shared.is_file():
+        pytest.skip(f"no shared peer at {shared} to compare with (a clone without ../shared)")
+    assert (repo / "bench" / "trl_peer.py").read_bytes() == shared.read_bytes(), "copy ../shared/bench/trl_peer.py"
