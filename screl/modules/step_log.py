@@ -9,6 +9,12 @@ logger connector in one ``log_metrics`` call: the same loggers, the same step an
 logged step in ``metrics.csv``, and ``log_every_n_steps`` obeyed. ``trainer.callback_metrics`` (and the
 progress bar's metrics, for ``prog_bar`` keys) get each value as it is staged, as ``self.log`` gives them, so a
 callback's ``on_train_batch_end`` reads the batch's metrics there.
+
+Lightning has no public API for either write, so this reaches into ``trainer._logger_connector``
+(``_callback_metrics``, ``_progress_bar_metrics``, ``should_update_logs``, ``log_metrics``). Checked on Lightning
+2.6.6 (``constraints.txt``); ``pyproject.toml`` caps Lightning below 2.7 so that an upgrade is a deliberate step,
+and ``tests/test_step_log.py`` fails if an upgrade changes any of it (rows, values, ``callback_metrics`` and the
+progress bar's metrics against what ``self.log`` gives).
 """
 
 from __future__ import annotations
