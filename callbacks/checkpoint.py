@@ -34,6 +34,7 @@ class DataPlaneCheckpoint(Callback):
         self.config = config
         self.store = CheckpointStore(config.checkpoint_dir, config.storage_options or None)
         self.last_saved: int | None = None
+        self._metric: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -65,6 +66,7 @@ class DataPlaneCheckpoint(Callback):
         dm: Any = trainer.datamodule  # type: ignore[attr-defined]
         if dm is None:
             return
+        self._metric = self._ranking_metric(trainer, step)  # before anything is written: a missing one fails here
         if trainer.world_size > 1:
             if not self._save_ranks(trainer, dm, step):
                 return
@@ -108,6 +110,19 @@ class DataPlaneCheckpoint(Callback):
                     writer.abort()
             raise
 
+    def _ranking_metric(self, trainer: Trainer, step: int) -> dict[str, Any] | None:
+        """``checkpointing.metric_name``'s value at this step, for the manifest (None without one)."""
+        name = self.config.metric_name
+        if name is None:
+            return None
+        key = name.split(":", 1)[1]
+        logged = trainer.callback_metrics
+        found = next((k for k in (key, f"train/{key}") if k in logged), None)
+        if found is None:
+            raise ValueError(f"checkpointing.metric_name={name!r}: step {step} logged neither {key!r} nor "
+                             f"'train/{key}' (it logged {sorted(logged)}); nothing was saved for this step")
+        return {"name": name, "key": found, "value": float(logged[found])}
+
     def _write_rollout_side(self, writer: Any, dm: Any, tmp: str) -> None:
         """The controller state and the data plane, captured under one barrier, and the manifest (rank 0)."""
         dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
@@ -121,12 +136,13 @@ class DataPlaneCheckpoint(Callback):
         writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
                        "mode": "authoritative" if dp_dir is not None else "shadow",
                        "replay_digest": state["replay_index"]["digest"],
-                       "groups": len(state["replay_index"]["groups"])})
+                       "groups": len(state["replay_index"]["groups"]),
+                       **({"metric": self._metric} if self._metric is not None else {})})
 
     def _published(self, trainer: Trainer, step: int) -> None:
         self.last_saved = step
         if not trainer.is_global_zero:
             return
         if self.config.keep_top_k is not None:
-            self.store.retain(self.config.keep_top_k)
+            self.store.retain(self.config.keep_top_k, self.config.metric_name, self.config.higher_is_better)
         log.info("screl: checkpoint step_%d published to %s", step, self.store.url(f"step_{step}"))

@@ -322,11 +322,15 @@ class CheckpointingConfig:
     save_data_plane: bool = True
     """Include the TransferQueue snapshot and replay index so buffered rollouts survive a restart."""
     keep_top_k: int | None = 3
-    """Keep the newest K bundles (None: keep all)."""
+    """Keep K bundles (None: keep all): the newest K, or with ``metric_name`` the best K plus the newest."""
     save_optimizer: bool = True
     """Include optimizer state."""
     metric_name: str | None = None
-    """Metric to rank bundles by: null or ``train:<metric>`` (there is no validation loop)."""
+    """Rank bundles by a training metric for ``keep_top_k``: ``train:<metric>``, the step's logged value of
+    ``<metric>`` (``train:reward``) or of ``train/<metric>`` (``train:loss``), recorded in each bundle's manifest.
+    A save whose step did not log it fails, naming the keys it did log. None: keep the newest."""
+    higher_is_better: bool = True
+    """With ``metric_name``: a larger value is better (false for a loss)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for ``checkpoint_dir`` (e.g. ``{client_kwargs: {endpoint_url: http://...}}`` for S3)."""
 

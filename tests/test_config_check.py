@@ -464,3 +464,13 @@ def test_the_vllm_backend_without_vllm_installed_fails_check(tmp_path: Path,
     assert rc != 0
     assert "data.init_args.generation.backend = 'vllm': vLLM is not installed in this environment" in out, out
     assert "bash .ci/vllm-venv" in out
+
+
+def test_metric_name_needs_keep_top_k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo.yaml")
+    cfg["checkpointing"].update(metric_name="train:reward", keep_top_k=None)
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 2 and "checkpointing.metric_name" in out and "ranks bundles for keep_top_k" in out, out
+    cfg["checkpointing"]["keep_top_k"] = 2
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out

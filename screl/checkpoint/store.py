@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import uuid
@@ -399,8 +400,10 @@ class CheckpointStore:
                 f" the manifest says {part.size} bytes, sha256 {part.sha256[:12]}…)"
             )
 
-    def retain(self, keep_top_k: int) -> list[str]:
-        """Keep the newest ``keep_top_k`` complete bundles; delete older ones and leftovers.
+    def retain(self, keep_top_k: int, metric_name: str | None = None, higher_is_better: bool = True) -> list[str]:
+        """Keep ``keep_top_k`` complete bundles, delete the others and leftovers: the newest ones, or with
+        ``metric_name`` the best by the value each bundle's metadata records for it (``metadata["metric"]``), plus
+        the newest bundle, which resume needs; a bundle without the value ranks last.
 
         Leftovers are temporary/trash directories and incomplete ``step_<n>`` directories whose step is not
         newer than the newest complete bundle (newer ones may belong to a save in progress). The newest
@@ -412,8 +415,21 @@ class CheckpointStore:
         latest = found.latest
         if latest is None:
             return []
+        if metric_name is None:
+            drop = list(found.complete[:-keep_top_k])
+        else:
+            def rank(bundle: BundleInfo) -> tuple[int, float, int]:
+                recorded = bundle.metadata.get("metric")
+                value = recorded.get("value") if isinstance(recorded, dict) and recorded.get("name") == metric_name \
+                    else None
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                    return (1, 0.0, -bundle.step)  # no value: after every bundle that has one, newest first
+                return (0, -value if higher_is_better else value, -bundle.step)
+
+            best = {b.relpath for b in sorted(found.complete, key=rank)[:keep_top_k]} | {latest.relpath}
+            drop = [b for b in found.complete if b.relpath not in best]
         removed: list[str] = []
-        for bundle in found.complete[:-keep_top_k]:
+        for bundle in drop:
             self.remove_published(bundle.relpath, f"trash_step_{bundle.step}_{uuid.uuid4().hex}")
             removed.append(bundle.relpath)
         for name in found.temporaries:

@@ -48,9 +48,12 @@ def checkpoint_rules(c: RuleContext) -> None:
     if keep is not None and keep < 1:
         c.bad("checkpointing.keep_top_k", keep, "must be >= 1 or null (keep all)", "set keep_top_k >= 1")
     metric = ck.get("metric_name")
-    if metric is not None and not str(metric).startswith("train:"):
-        c.bad("checkpointing.metric_name", metric, "there is no validation loop to produce it",
-              "set it to null or a `train:<metric>` name")
+    if metric is not None and (not str(metric).startswith("train:") or not str(metric)[len("train:"):]):
+        c.bad("checkpointing.metric_name", metric, "bundles are ranked by a metric the training step logs",
+              "set it to null or a `train:<metric>` name, e.g. train:reward")
+    if metric is not None and "keep_top_k" in ck and keep is None:
+        c.bad("checkpointing.metric_name", metric, "ranks bundles for keep_top_k, which is null (keep all)",
+              "set keep_top_k, or metric_name: null")
 
 
 def snapshot_rules(c: RuleContext) -> None:

@@ -176,6 +176,23 @@ def test_reads_verify_the_checksum(store: CheckpointStore) -> None:
         store.read_bytes(1, "nope")
 
 
+@pytest.mark.parametrize(("higher", "kept"), [(True, [2, 4, 6]), (False, [1, 6])])
+def test_retain_by_metric_keeps_the_best_k_and_the_newest(store: CheckpointStore, higher: bool,
+                                                          kept: list[int]) -> None:
+    """checkpointing.metric_name: the best K by the value each manifest records, plus the newest bundle (resume
+    needs it) whatever its value; a bundle without the value (5), or with another metric's (3), ranks last."""
+    values: dict[int, Any] = {1: 0.1, 2: 0.9, 3: ("train:loss", 0.01), 4: 0.8, 5: None, 6: 0.3}
+    for step, value in values.items():
+        if value is None:
+            _save(store, step)
+        else:
+            name, v = value if isinstance(value, tuple) else ("train:reward", value)
+            _save(store, step, metric={"name": name, "key": name.split(":")[1], "value": v})
+    removed = store.retain(keep_top_k=2, metric_name="train:reward", higher_is_better=higher)
+    assert [b.step for b in store.scan().complete] == kept
+    assert sorted(removed) == sorted(f"step_{s}" for s in values if s not in kept)
+
+
 def test_retain_keeps_top_k_and_sweeps_old_leftovers(store: CheckpointStore) -> None:
     for step in (1, 2, 3, 4):
         _save(store, step)

@@ -135,6 +135,9 @@ def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) ->
 def test_crash_and_resume_on_s3(tmp_path: Path, s3_options: dict[str, Any]) -> None:
     url = f"s3://screl-ckpt-tests/{uuid.uuid4().hex}/bundles"
     config = recovery_config(tmp_path, url, steps=5, sampler=IN_ORDER, storage_options=s3_options)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["checkpointing"].update(metric_name="train:reward", keep_top_k=2)  # the best 2 by reward, and the newest
+    config.write_text(yaml.safe_dump(cfg))
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     store = CheckpointStore(url, s3_options)
     proc = start_fit(config, tmp_path / "fit.log", env=env)
@@ -153,6 +156,11 @@ def test_crash_and_resume_on_s3(tmp_path: Path, s3_options: dict[str, Any]) -> N
     assert report.ok, report.format()
     latest = store.latest()
     assert latest is not None and latest.step == 5
+    kept = store.scan().complete
+    assert 1 <= len(kept) <= 3 and kept[-1].step == 5
+    for bundle in kept:  # the value the step logged, recorded in the manifest for ranking
+        metric = bundle.metadata["metric"]
+        assert metric["name"] == "train:reward" and metric["key"] == "reward" and 0.0 <= metric["value"] <= 1.0
 
 
 _SNAPSHOT_MID_STEP = """
