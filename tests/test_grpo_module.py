@@ -11,6 +11,7 @@ import torch
 
 from screl.algos import ClippedPGLoss
 from screl.datamodule import collate_chunk
+from screl.envs import CountLetter, PromptRecord
 from screl.models import TinyCausalLM
 from screl.modules.grpo import GRPO, token_logprobs, whole_row_on_policy
 from screl.rollout import GenerationRequest, SamplingParams
@@ -235,6 +236,42 @@ def test_overlong_filtering_masks_truncated_rows_from_the_loss_only() -> None:
     filtered = _module()
     filtered.algo.overlong_filtering = True
     assert torch.equal(filtered._chunk_tensors(batch).advantages, plain)
+
+
+class _MaskLetter(CountLetter):
+    """Count-a, whose ``masked`` flags every completion holding a 'q' (a rule on the text, as a verifier's)."""
+
+    def masked(self, prompt: PromptRecord, completion: str) -> bool:
+        return "q" in completion
+
+
+def test_task_masked_samples_reach_the_trainer_through_the_workflow() -> None:
+    """Task.masked, single turn: the real engine generates, SingleTurnWorkflow scores and flags, the rows collate,
+    and the GRPO step reports exactly the flagged share as train/masked_fraction."""
+    import asyncio
+
+    from screl.envs import decode_completion
+    from screl.rollout.workflow import RolloutItem, SingleTurnWorkflow
+
+    engine, tok, task = TorchGenerationEngine(SPEC, seed=0), SPEC.build_tokenizer(), _MaskLetter()
+    items = [RolloutItem(f"p{p.prompt_id}_g{s}", p, tuple(tok(p.text, add_special_tokens=False)["input_ids"]),
+                         SamplingParams(max_new_tokens=8, min_new_tokens=8, temperature=1.0, seed=11 * i + s))
+             for i, p in enumerate(task.prompts()[:4]) for s in range(G)]
+
+    async def generate(requests: list[Any]) -> list[Any]:
+        return engine.generate(requests)
+
+    out = asyncio.run(SingleTurnWorkflow(task, tok).run(items, generate))
+    assert all(o.status == "sealed" for o in out)
+    texts = [decode_completion(tok, o.row["input_ids"][int(o.row["prompt_len"][0]):].tolist()) for o in out]
+    flags = [t.__contains__("q") for t in texts]
+    assert [float(o.row["sample_mask"][0]) for o in out] == [0.0 if f else 1.0 for f in flags]
+    assert 0 < sum(flags) < len(flags), texts  # the seeds give both kinds
+    data = ROW_SCHEMA.merge([o.row for o in out])
+    meta = {"keys": [i.attempt for i in items], "trainer_version": 0, "step_groups": 4, "last_chunk": True,
+            "start_weight": [0] * len(items)}
+    cap = _fit(_module(), [collate_chunk(meta, data, pad_id=0)])
+    assert cap.metrics[0]["train/masked_fraction"] == pytest.approx(sum(flags) / len(flags), abs=1e-6)
 
 
 def test_a_step_whose_every_sample_is_filtered_fails_and_never_steps() -> None:

@@ -43,8 +43,9 @@ class CalculatorEnv:
     observation_role = "tool"
 
     def __init__(self, syntax: str = "compact", call_reward: float = 0.25, unaided_reward: float = 0.5,
-                 answer_reward: float = 0.0) -> None:
+                 answer_reward: float = 0.0, mask_malformed_calls: bool = False) -> None:
         self.syntax = syntax
+        self.mask_malformed_calls = mask_malformed_calls
         self.answer_reward = answer_reward
         self.call_reward = call_reward
         self.unaided_reward = unaided_reward
@@ -77,8 +78,8 @@ class CalculatorEnv:
         if action.tool_calls:
             call = action.tool_calls[0]
             value = evaluate_sum(str(call.arguments.get("expression", ""))) if call.name == "calculator" else None
-            if value is None:
-                return StepResult("error", 0.0, False)
+            if value is None:  # a call of another tool, unparsable JSON or no sum: the protocol is broken
+                return StepResult("error", 0.0, False, mask=self.mask_malformed_calls)
             reward = self.call_reward if not self.results else 0.0
             self.results.append(value)
             return StepResult(str(value), reward, False)
@@ -100,14 +101,17 @@ class CalculatorTask(EnvTask):
         answer_reward: Reward for a wrong answer given after a tool result (shaping: answering beats calling
             again).
         holdout: Prompts kept back for validation.
+        mask_malformed_calls: A conversation with a malformed tool call (unparsable JSON, an unknown tool, no
+            sum) stays in its group but trains nothing (the environment flags it: ``StepResult.mask``).
     """
 
     def __init__(self, max_operand: int = 9, syntax: str = "compact", call_reward: float = 0.25,
-                 unaided_reward: float = 0.5, answer_reward: float = 0.0, holdout: int = 0) -> None:
+                 unaided_reward: float = 0.5, answer_reward: float = 0.0, holdout: int = 0,
+                 mask_malformed_calls: bool = False) -> None:
         if syntax not in ("compact", "json"):
             raise ValueError(f"CalculatorTask(syntax={syntax!r}) must be 'compact' or 'json'")
         self.syntax, self.call_reward, self.unaided_reward = syntax, call_reward, unaided_reward
-        self.answer_reward = answer_reward
+        self.answer_reward, self.mask_malformed_calls = answer_reward, mask_malformed_calls
         n = max_operand + 1
         records = [PromptRecord(a * n + b, f"{a}+{b}", {"a": a, "b": b, "task_source": "calculator"})
                    for a in range(n) for b in range(n)]
@@ -120,7 +124,8 @@ class CalculatorTask(EnvTask):
         return list(self._held)
 
     def make_env(self, prompt: PromptRecord) -> Environment:
-        return CalculatorEnv(self.syntax, self.call_reward, self.unaided_reward, self.answer_reward)
+        return CalculatorEnv(self.syntax, self.call_reward, self.unaided_reward, self.answer_reward,
+                             self.mask_malformed_calls)
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """A single-turn completion (validation): the unaided reward for the right sum."""

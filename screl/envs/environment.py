@@ -46,6 +46,9 @@ class StepResult:
     """The next message's content (empty when ``done``)."""
     reward: float
     done: bool
+    mask: bool = False
+    """Flag the conversation: it stays a row (its group keeps G siblings) but trains nothing (``sample_mask`` 0),
+    for a malformed tool call or a broken protocol the reward should not teach from. Any flagged step masks it."""
 
 
 @runtime_checkable

@@ -5,7 +5,8 @@ task (an :class:`~screl.envs.environment.EnvTask`) and calls the worker's engine
 prompt is the chat template's rendering with the past turns' tokens spliced in verbatim
 (:func:`screl.rollout.chat.chat_prompt_ids`), each reply is parsed for tool calls and stepped through the
 environment, until it is done, ``max_turns`` replies were made, or the conversation reaches
-``max_total_tokens``. The row (:func:`screl.rollout.trajectory.build_row`) trains on the model's tokens only.
+``max_total_tokens``. The row (:func:`screl.rollout.trajectory.build_row`) trains on the model's tokens only;
+a step the environment flags (``StepResult.mask``) masks the whole conversation (``sample_mask`` 0).
 
 A sibling is sealed when its conversation ends, as a single-turn one is: ``sibling`` recovery keeps finished
 conversations and redispatches unfinished ones from the start.
@@ -65,7 +66,7 @@ class MultiTurnWorkflow:
         try:
             messages = [{"role": "user", "content": await env.call("reset", item.prompt)}]
             turns: list[Turn] = []
-            reward, prefix = 0.0, None
+            reward, prefix, flagged = 0.0, None, False
             for t in range(self.max_turns):
                 prompt_ids = chat_prompt_ids(self.tokenizer, messages, prefix)
                 budget = self.max_total_tokens - len(prompt_ids)
@@ -82,12 +83,13 @@ class MultiTurnWorkflow:
                 calls = await env.call("parse_tool_calls", text)
                 step: StepResult = await env.call("step", Action(text, tuple(calls)))
                 reward += float(step.reward)
+                flagged = flagged or bool(getattr(step, "mask", False))
                 if step.done:
                     break
                 messages += [{"role": "assistant", "content": text},
                              {"role": env.observation_role, "content": step.observation}]
                 prefix = [*result.prompt_token_ids, *result.token_ids]
-            row = build_row(turns, reward, self.schema)
+            row = build_row(turns, reward, self.schema, sample_mask=0.0 if flagged else 1.0)
         except (TrajectoryError, ValueError, KeyError, TypeError, RuntimeError) as err:
             return RolloutOutcome(item.attempt, "data_error", detail=repr(err)[:200])
         finally:

@@ -177,3 +177,40 @@ def test_the_direct_workflow_captures_every_turn_of_every_conversation() -> None
 def test_the_multi_turn_workflow_needs_an_environment_task() -> None:
     with pytest.raises(TypeError, match="MultiTurnWorkflow needs an EnvTask"):
         MultiTurnWorkflow(task=CountLetter(), tokenizer=TOK)
+
+
+class _Scripted:
+    """The engine edge, scripted: each conversation (by attempt id) replies its lines in order, each ended by <eos>,
+    on the prompt it is given (so the workflow's splice and the row are real)."""
+
+    def __init__(self, replies: dict[str, list[str]]) -> None:
+        self.replies = {k: list(v) for k, v in replies.items()}
+
+    async def __call__(self, requests: list[Any]) -> list[Any]:
+        from screl.rollout.engine import GenerationResult
+
+        out = []
+        for r in requests:
+            ids = [*encode_text(TOK, self.replies[r.request_id].pop(0)), TOK.eos_token_id]
+            out.append(GenerationResult(r.request_id, list(r.prompt_token_ids), ids, [-0.5] * len(ids), "stop",
+                                        [0] * len(ids), 0, 0, TOK.eos_token_id, "eos"))
+        return out
+
+
+@pytest.mark.parametrize("mask_malformed", [True, False])
+def test_a_conversation_the_environment_flags_trains_nothing(mask_malformed: bool) -> None:
+    """The tool task with ``mask_malformed_calls``: a conversation with a malformed call ('=+' is no sum) keeps
+    its row and reward but its sample_mask is 0; a well-formed one ('=3+4') is unmasked. Without the knob, both
+    train."""
+    task = CalculatorTask(syntax="compact", mask_malformed_calls=mask_malformed)
+    by_text = {p.text: p for p in task.prompts()}
+    items = [RolloutItem("bad", by_text["3+4"], (), SamplingParams(max_new_tokens=8, seed=0)),
+             RolloutItem("good", by_text["3+4"], (), SamplingParams(max_new_tokens=8, seed=1))]
+    generate = _Scripted({"bad": ["=+", "7"], "good": ["=3+4", "7"]})
+    out = asyncio.run(MultiTurnWorkflow(task, TOK, max_turns=4, max_total_tokens=200).run(items, generate))
+    bad, good = out
+    assert bad.status == good.status == "sealed"
+    assert float(bad.row["sample_mask"][0]) == (0.0 if mask_malformed else 1.0)
+    assert float(good.row["sample_mask"][0]) == 1.0
+    assert bad.reward == 0.5 and good.reward == 1.25  # the rewards stand either way: unaided; call + answer
+    assert int(bad.row["loss_mask"].sum()) == len("=+") + 1 + len("7") + 1  # the model's tokens of both turns
