@@ -325,7 +325,8 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"sampler              {sampler.name} {knobs}",
         f"lookahead/staleness  {staleness}",
         f"buffer capacity      required {run.required_capacity}, configured {run.max_buffered_rollouts} groups"
-        " (max_buffered_rollouts)",
+        + (" (max_buffered_rollouts)" if run.async_rl.max_buffered_rollouts is not None else
+           " (default: room for the in-flight bound; set max_buffered_rollouts to change it)"),
         f"in-flight bound      {run.max_inflight_prompts} prompt groups (max_inflight_prompts)",
         f"streaming            >= {run.min_groups} groups per chunk, up to {chunks} chunk(s) per step",
         f"IS correction        {_correction_line(loss_args)}",

@@ -276,7 +276,8 @@ class AsyncRLConfig:
     max_inflight_prompts: int | None = None
     """Concurrent prompt groups in generation (None: num_prompts_per_step x (window + 1))."""
     max_buffered_rollouts: int | None = None
-    """Hard cap on unconsumed groups in the data plane (None: the sampler's required capacity)."""
+    """Hard cap on groups holding data-plane room, in flight, ready or claimed (None: the larger of the sampler's
+    required capacity and ``max_inflight_prompts``, so dispatch can run as far ahead as the in-flight bound allows)."""
     recompute_kv_cache_after_weight_updates: bool = False
     """After a refit, recompute the KV cache of in-flight requests with the new weights."""
     in_flight_weight_updates: bool = True
@@ -439,8 +440,11 @@ class RunConfig:
 
     @property
     def max_buffered_rollouts(self) -> int:
+        """``async_rl.max_buffered_rollouts``, or by default room for everything the in-flight bound lets generate
+        (and never below the sampler's required capacity): the buffer counts in-flight groups too, so a default of
+        the bare minimum (one streaming chunk for ``windowed``) would gate a sampler whose dispatch is ungated."""
         m = self.async_rl.max_buffered_rollouts
-        return self.required_capacity if m is None else m
+        return max(self.required_capacity, self.max_inflight_prompts) if m is None else m
 
     @property
     def max_inflight_prompts(self) -> int:

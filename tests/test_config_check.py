@@ -410,7 +410,7 @@ def test_help_describes_the_knobs() -> None:
     fit = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert fit.returncode == 0
-    assert "Hard cap on unconsumed groups in the data plane" in fit.stdout  # async_rl.max_buffered_rollouts
+    assert "Hard cap on groups holding data-plane room" in fit.stdout  # async_rl.max_buffered_rollouts
     assert "--async_rl.sampler" in fit.stdout and "over_sampling_ratio" in fit.stdout
     grpo = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--grpo.help", "GRPOConfig"],
                           capture_output=True, text=True, timeout=120)
@@ -474,3 +474,22 @@ def test_metric_name_needs_keep_top_k(tmp_path: Path, capsys: pytest.CaptureFixt
     cfg["checkpointing"]["keep_top_k"] = 2
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0, out
+
+
+def test_the_default_buffer_lets_windowed_dispatch_run_ahead(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """windowed needs one streaming chunk of buffer, but the buffer counts in-flight groups too: a default of that
+    minimum would gate its ungated dispatch. The default is room for the in-flight bound, and the plan says so."""
+    cfg = _load("samplers/windowed.yaml")
+    cfg["async_rl"].pop("max_buffered_rollouts", None)
+    cfg["async_rl"].pop("max_inflight_prompts", None)
+    cfg["async_rl"]["min_groups_for_streaming_train"] = 4
+    cfg["async_rl"]["sampler"].update(max_staleness_versions=2, over_sampling_ratio=None)
+    groups = cfg["grpo"]["num_prompts_per_step"]
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert f"in-flight bound      {3 * groups} prompt groups" in out
+    assert (f"buffer capacity      required 4, configured {3 * groups} groups (default: room for the in-flight "
+            "bound") in out
+    cfg["async_rl"]["max_buffered_rollouts"] = 5  # an explicit value is the user's
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0 and "required 4, configured 5 groups (max_buffered_rollouts)" in out, out
