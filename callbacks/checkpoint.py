@@ -134,7 +134,7 @@ class DataPlaneCheckpoint(Callback):
             writer.adopt(DATA_PLANE, new_only=True)  # the shares TransferQueue actors on other nodes uploaded
         write_controller_parts(writer, state)
         writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
-                       "mode": "authoritative" if dp_dir is not None else "shadow",
+                       "mode": state.get("mode", "authoritative") if dp_dir is not None else "shadow",
                        "replay_digest": state["replay_index"]["digest"],
                        "groups": len(state["replay_index"]["groups"]),
                        **({"metric": self._metric} if self._metric is not None else {})})

@@ -27,7 +27,12 @@ from screl.data.sampler_config import (
     WindowedSamplerConfig,
     parse_sampler_config,
 )
-from screl.data.sampler_factory import required_buffer_capacity, sampler_rules
+from screl.data.sampler_factory import (
+    _import_sampler_class,
+    required_buffer_capacity,
+    sampler_rules,
+    sampler_supports_buffer_checkpoint,
+)
 from screl.data.watchdog import WatchdogConfig
 
 __all__ = [
@@ -433,6 +438,20 @@ class RunConfig:
     def sampler_rules(self) -> StalenessSampler:
         """The configured sampler's rule hooks (capacity, in-flight bound, IS need, thread hint, description)."""
         return sampler_rules(self.sampler, self.groups_per_step)
+
+    @property
+    def shadow_checkpoints(self) -> bool:
+        """Checkpoints cannot restore buffered groups: a custom sampler that does not declare
+        ``supports_buffer_checkpoint = True`` on its own class (bundles are written in shadow mode: the
+        data-plane snapshot kept, no authoritative replay index; a resume restores no buffered or unfinished
+        group, and their prompts are skipped this epoch)."""
+        cfg = self.sampler
+        if not isinstance(cfg, CustomSamplerConfig):
+            return False
+        try:
+            return not sampler_supports_buffer_checkpoint(_import_sampler_class(cfg.target))
+        except (ImportError, TypeError, ValueError):  # screl check reports a target that does not import
+            return True
 
     @property
     def required_capacity(self) -> int:

@@ -226,6 +226,12 @@ class RolloutDataModule(LightningDataModule):
             if task is not None:
                 task.prepare(policy, run_dir)
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
+        if self.run.checkpointing.enabled and self.run.shadow_checkpoints:
+            log.warning("screl: checkpoints in SHADOW MODE: the %s sampler does not declare "
+                        "supports_buffer_checkpoint = True, so bundles keep the data-plane snapshot but no replay "
+                        "index, and a resume restores no buffered or unfinished group (their prompts are skipped "
+                        "this epoch; docs/checkpointing.md)",
+                        self.run.sampler.target if hasattr(self.run.sampler, "target") else self.run.sampler.name)
         restore = None
         if self.resume is not None:
             restore = (self.resume.controller_state, self.resume.data_plane_dir, self.resume.data_plane_remote)

@@ -21,3 +21,10 @@ class NoClaims(InOrderSampler):
 
     supports_buffer_checkpoint = True
     supports_training_claims = False
+
+
+class NoReplay(InOrderSampler):
+    """Declares that it cannot restore buffered groups: its checkpoints are written in shadow mode."""
+
+    supports_buffer_checkpoint = False
+    supports_training_claims = False

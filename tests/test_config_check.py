@@ -493,3 +493,17 @@ def test_the_default_buffer_lets_windowed_dispatch_run_ahead(tmp_path: Path, cap
     cfg["async_rl"]["max_buffered_rollouts"] = 5  # an explicit value is the user's
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0 and "required 4, configured 5 groups (max_buffered_rollouts)" in out, out
+
+
+def test_the_plan_warns_of_shadow_mode_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpointed run whose custom sampler cannot restore buffered groups: valid, and the plan says what its
+    bundles will and will not hold (the built-in samplers and a declaring custom one: no such line)."""
+    cfg = _load("grpo.yaml")
+    cfg["async_rl"]["sampler"] = {"name": "custom", "target": "tests.sampler_plugins:NoReplay",
+                                  "max_lookahead_versions": 1}
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "SHADOW MODE: custom sampler does not declare supports_buffer_checkpoint = True" in out
+    cfg["async_rl"]["sampler"]["target"] = "tests.sampler_plugins:DeclaresCheckpoint"
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0 and "SHADOW MODE" not in out, out

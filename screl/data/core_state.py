@@ -17,6 +17,7 @@ from screl.data.buffer import ReplayBuffer
 from screl.data.core_types import ControllerState, Effects, GroupRun, replay_digest
 from screl.data.events import CheckpointEvent, ReserveEvent, RestoreEvent, SnapshotEvent
 from screl.data.ledger import GroupState, RolloutLedger
+from screl.data.sampler_factory import sampler_supports_buffer_checkpoint
 
 if TYPE_CHECKING:
     from screl.data.core import RolloutCore
@@ -37,7 +38,9 @@ def capture(core: RolloutCore, open_step: str) -> tuple[ControllerState, Effects
     if core.step_claims and open_step != "rollback":
         raise RuntimeError("a trainer checkpoint is captured between steps: the open step still holds claims")
     rollback = open_step == "rollback"
-    replay = replay_index(core, with_claims=rollback)
+    authoritative = sampler_supports_buffer_checkpoint(type(core.sampler))  # its own declaration, not a base's
+    # shadow mode: no authoritative replay index (the data-plane snapshot is kept, nothing is re-offered from it)
+    replay = replay_index(core, with_claims=rollback) if authoritative else []
     state = ControllerState(
         train_steps=core.train_steps, trainer_version=core.trainer_version, epoch=core.epoch,
         batch_index=core.batch_index, admitted=[list(a) for a in core.admitted],
@@ -48,7 +51,7 @@ def capture(core: RolloutCore, open_step: str) -> tuple[ControllerState, Effects
         rolled_back_groups=len(core.step_claims), in_flight={g: r.info() for g, r in core.runs.items()},
         shortfall={str(k): v for k, v in core.shortfall.items()}, skipped_prompts=core.skipped_prompts,
         mutation_version=core.mutation_version, replacement_reserve=core.reserve.state_dict(),
-        mode="authoritative" if getattr(core.sampler, "supports_buffer_checkpoint", False) is True else "shadow",
+        mode="authoritative" if authoritative else "shadow",
     )
     kind = SnapshotEvent if rollback else CheckpointEvent
     event = kind(step=core.train_steps, mutation_version=core.mutation_version,

@@ -304,3 +304,29 @@ def test_workers_lost_with_their_node_fail_the_run_without_blaming_restarts() ->
     assert str(d.error).endswith("which left the Ray cluster); add capacity and resume the run from its last "
                                  "checkpoint")
     assert "max_worker_restarts" not in str(d.error)
+
+
+def test_a_sampler_without_buffer_checkpoints_captures_in_shadow_mode() -> None:
+    """A custom sampler declaring ``supports_buffer_checkpoint = False``: the capture writes no replay index (mode
+    shadow), and a restore re-offers nothing and warns; the dispatch cursor and counters carry over (the buffered
+    groups' prompts are skipped this epoch, as the spec's shadow mode drops them)."""
+    block = {"name": "custom", "target": "tests.sampler_plugins:NoReplay", "max_lookahead_versions": 1}
+    d = Driver(make_core(block), block=block)
+    d.pump()
+    d.seal_all()
+    d.train()
+    d.pump()
+    d.seal_all()  # completed, untrained groups in the buffer
+    assert d.core.buffer.num_ready > 0
+    state, _ = d.core.capture()
+    assert state.mode == "shadow" and state.replay_index["groups"] == []
+    authoritative = Driver(make_core())
+    authoritative.pump()
+    authoritative.seal_all()
+    assert authoritative.core.capture()[0].mode == "authoritative"  # the built-in in_order sampler
+    fresh = make_core(block)
+    eff, summary = fresh.restore(ControllerState.from_dict(state.to_dict()), set(d.rows))
+    assert any("does not support buffer checkpoints" in w for w in summary["warnings"])
+    assert fresh.buffer.num_live == 0 and fresh.runs == {}
+    assert eff.clear == []  # nothing of the snapshot is expected (the controller does not even load it)
+    assert fresh.batch_index == d.core.batch_index and fresh.train_steps == d.core.train_steps
