@@ -342,9 +342,23 @@ class GRPO(LightningModule):
             if trained == 0:
                 raise AllFilteredStepError(int(batch["trainer_version"]), batch)
         grad_norm = self._optimizer_step(opt) if stepped else None
+        means = self._chunk_means(batch)  # every replica: a collective when the chunk is sharded
         if rows > 0:
-            self._log_chunk(batch, loss_total, metrics_acc, t0, stepped, grad_norm)
+            self._log_chunk(batch, loss_total, metrics_acc, t0, stepped, grad_norm, means)
         return loss_total
+
+    def _chunk_means(self, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """``reward``, ``staleness`` and ``train/response_length`` over the whole chunk: summed over the data-parallel
+        replicas that each hold a shard of it (one all-reduce of four numbers), so rank 0 logs the chunk's means,
+        not its own shard's. Every replica calls it, a replica with no rows too."""
+        version = int(batch["trainer_version"])
+        sums = torch.stack([
+            batch["rewards"].float().sum(), (version - batch["start_weight"]).float().sum(),
+            batch["token_mask"].float().sum(), torch.tensor(float(batch["input_ids"].shape[0])),
+        ]).to(self.device)
+        sums = self._sum_over_shards(sums, batch)
+        rows = sums[3].clamp(min=1.0)
+        return {"reward": sums[0] / rows, "staleness": sums[1] / rows, "train/response_length": sums[2] / rows}
 
     def _step_trained_rows_everywhere(self, batch: dict[str, Any]) -> float:
         """Rows of the step the loss saw, over every data-parallel shard (all ranks then agree to raise)."""
@@ -486,16 +500,16 @@ class GRPO(LightningModule):
 
     def _log_chunk(
         self, batch: dict[str, Any], loss: Tensor, metrics: dict[str, list[Tensor]], t0: float, stepped: bool,
-        grad_norm: Tensor | None = None,
+        grad_norm: Tensor | None = None, means: dict[str, Tensor] | None = None,
     ) -> None:
-        """Stage the chunk's metrics (progress bar, the rest); they are written once at the batch's end."""
-        version = int(batch["trainer_version"])
-        staleness = (version - batch["start_weight"]).float()
-        resp_len = batch["token_mask"].float().sum(-1)
-        bar: dict[str, Any] = {"reward": batch["rewards"].float().mean(), "staleness": staleness.mean()}
+        """Stage the chunk's metrics (progress bar, the rest); they are written once at the batch's end. ``means``:
+        the whole chunk's (:meth:`_chunk_means`); the other figures are this replica's shard's."""
+        means = means if means is not None else self._chunk_means(batch)
+        staleness = (int(batch["trainer_version"]) - batch["start_weight"]).float()
+        bar: dict[str, Any] = {"reward": means["reward"], "staleness": means["staleness"]}
         logs: dict[str, Any] = {
             "train/loss": loss,
-            "train/response_length": resp_len.mean(),
+            "train/response_length": means["train/response_length"],
             "train/staleness_max": staleness.max(),
             **mask_metrics(batch, self.algo.overlong_filtering),
         }
