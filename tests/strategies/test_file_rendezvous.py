@@ -15,6 +15,9 @@ from screl.strategies.launch import INIT_FILE_ENV
 
 def test_every_launch_names_a_fresh_rendezvous_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INIT_FILE_ENV, "/tmp/screl-pg-a-used-one")  # left by an earlier trainer of this process
+    # LOCAL_RANK, which an in-process trainer earlier in this test worker may have left, makes Lightning take the
+    # ranks for externally started ones (no launch at all): this test is about the process that launches them
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     seen = []
     for _ in range(2):
         Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(), logger=False, enable_checkpointing=False)
