@@ -40,7 +40,12 @@ def test_two_grpo_steps_of_the_demo_config_change_the_weights(smollm2: SmolLM2, 
     rows = metrics(run_fit(cfg, tmp_path, callbacks=[probe]))
     assert set(probe.final) == set(before)
     moved = max((probe.final[k] - before[k]).abs().max().item() for k in before)
-    assert moved > 0.0, "two optimizer steps left the weights where they were"
+    # AdamW's update is normalized: its first step moves every weight with a gradient by exactly lr, and no step
+    # moves one by much more than lr (at most ~1.0 x lr for beta1 0.9, beta2 0.999), so two steps move the
+    # farthest weight by between lr and ~2 lr
+    lr = cfg["model"]["init_args"]["learning_rate"]
+    assert 0.99 * lr <= moved <= 2.05 * lr, (moved, lr)
     mismatch = [r["train/logprob_mismatch"] for r in rows if "train/logprob_mismatch" in r]
-    # step 0 trains version 0's own tokens; step 1 has on-policy tokens only if the refit landed mid-decode
-    assert 1 <= len(mismatch) <= 2 and max(mismatch) < 0.05, mismatch
+    # step 0 trains version 0's own tokens; step 1 has on-policy rows only if a whole row came after the refit.
+    # fp32 on both sides, the KV cache recomputed at each refit: only the attention's summation order differs
+    assert 1 <= len(mismatch) <= 2 and max(mismatch) < 1e-4, mismatch

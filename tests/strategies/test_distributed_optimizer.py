@@ -4,7 +4,7 @@ Two spawned jobs (``_distributed_optimizer_jobs.py``) train the tiny Qwen2-layou
 state dict on the same global batches with per-token loss, clipping and AdamW (weight decay 0.1): a one-process
 job (the torch AdamW path, then the distributed optimizer at DP=1) and a 2-rank job (DP=2, a checkpoint after 3
 steps resumed at DP=2 and at TP=2, PP=2, and the refusals). Tolerance: float32 rounding of the data-parallel sums
-(1e-6 on weights, 1e-5 on losses and gradient norms); DP=1 equals the torch AdamW to one float32 ulp.
+(1e-6 on weights, 1e-5 on losses and gradient norms); DP=1 equals the torch AdamW to 1e-8.
 """
 
 from __future__ import annotations
@@ -56,16 +56,15 @@ def test_knob_and_ddp_config_must_agree() -> None:
 @pytest.mark.slow
 def test_dp1_distributed_optimizer_is_the_torch_adamw(one_process: dict[str, Any]) -> None:
     """At DP=1 megatron's optimizer steps as the torch AdamW it replaces (same elementwise math): the losses are
-    identical, every weight equal to within one float32 ulp of itself (eps x |w|). The ulp: with clipping active,
-    megatron's clip factor comes from its own reduction of the gradient norm, whose last bit can round otherwise
-    than torch's clip_grad_norm_ (CI once saw 7.45e-9 on a weight near 0.1, and 0 in other runs)."""
+    identical and the weights equal to 1e-8 (100 x tighter than the DP=2 comparisons). Not bit for bit: with
+    clipping active, megatron's clip factor comes from its own reduction of the gradient norm and its AdamW runs
+    over its own buffers, so last bits round otherwise than torch's (runs here saw 0, 7.5e-9 and a few ulps on
+    many weights)."""
     torch_path, dp1 = one_process["torch"], one_process["dp1"]
     assert max(torch_path["grad_norm"]) > jobs.MAX_GRAD_NORM  # clipping is active
     assert dp1["loss"] == torch_path["loss"]
     for mine, theirs in zip(dp1["weights"], torch_path["weights"], strict=True):
-        eps = torch.finfo(torch.float32).eps
-        off = {k: float(((mine[k] - v).abs() - eps * v.abs()).max()) for k, v in theirs.items()}
-        assert max(off.values()) <= 0.0, {k: d for k, d in off.items() if d > 0}
+        assert djobs.weights_close(mine, theirs) <= 1e-8
     shards = one_process["dp1_shards"]
     assert shards["main"] == shards["exp_avg"] == shards["model"]  # one replica holds everything
     assert shards["main_dtypes"] == ["torch.float32"]
