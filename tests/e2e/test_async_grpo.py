@@ -97,8 +97,11 @@ def test_sampler_mode_end_to_end(mode: str, tmp_path: Path) -> None:
         assert any(abs(w - 1.0) > 1e-3 for w in w_min + w_max)  # stale tokens get real IS weights
 
 
-def test_tiny_default_config_reward_rises(tmp_path: Path) -> None:
-    """The README's main job, shortened: the mean reward of the last 10 steps beats the first 10."""
+def test_tiny_default_config_reward_rises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The README's main job, shortened: the mean reward of the last 10 steps beats the first 10, and the run
+    warns about none of its own settings (the advantage warning fired at step 3 before std_floor: 0.1)."""
+    import logging
+
     import yaml
 
     from .conftest import ROOT
@@ -106,11 +109,16 @@ def test_tiny_default_config_reward_rises(tmp_path: Path) -> None:
     cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
     cfg["trainer"].update(max_steps=40, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False)
     cfg["grpo"]["max_num_steps"] = 40
-    run_dir = run_fit(cfg, tmp_path)
-    rewards = column(metrics(run_dir), "reward")
+    with caplog.at_level(logging.WARNING, logger="screl"):
+        run_dir = run_fit(cfg, tmp_path)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("screl")] \
+        == []
+    rows = metrics(run_dir)
+    rewards = column(rows, "reward")
     assert len(rewards) == 40
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.3, (first, last)
+    assert max(column(rows, "train/advantage_abs_max")) <= 10.0  # std_floor 0.1 bounds |A| by 10 x the reward gap
     assert check_events(run_dir, cfg["async_rl"]["sampler"]).ok
 
 
