@@ -126,6 +126,18 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_the_same_and_another_layo
     assert saved["param_state_sharding_type"] == "fully_reshardable", sorted(saved)
 
 
+def _resume(base: Path, config: Path, bundle_step: int) -> dict[int, tuple[float, ...]]:
+    """Run ``config`` (the run under ``base``) to its end: it must resume from ``step_<bundle_step>`` and pass the
+    event audit. Returns its per-step figures."""
+    log = base / "resume.log"
+    proc = start_fit(config, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert f"resuming from {base / 'bundles'}/step_{bundle_step}" in log.read_text()
+    report = check_events(base / "run", SYNC)
+    assert report.ok, report.format()
+    return per_step(base / "root")
+
+
 def _kill_and_resume(
     tmp_path: Path, config: Path, other_layout: str, reference: dict[int, tuple[float, ...]], seed: str,
 ) -> None:
@@ -146,13 +158,7 @@ def _kill_and_resume(
     other = tmp_path / other_layout
     resumes = [(cut, config), (other, _relayout(_copy_run(cut, other, config), LAYOUTS[other_layout]))]
     for base, cfg in resumes:
-        log = base / "resume.log"
-        proc = start_fit(cfg, log)
-        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-        assert f"resuming from {base / 'bundles'}/step_{bundle.step}" in log.read_text()
-        report = check_events(base / "run", SYNC)
-        assert report.ok, report.format()
-        resumed = per_step(base / "root")
+        resumed = _resume(base, cfg, bundle.step)
         assert set(range(bundle.step, STEPS)) <= set(resumed)
         for step in range(bundle.step, STEPS):  # the whole chunk's loss, reward and grad norm at either layout
             assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), (base.name, step)
@@ -191,12 +197,7 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     assert "lightning.ckpt" in bundle.parts, sorted(bundle.parts)  # one file: every rank holds the same state
     alone = tmp_path / "alone"
     one = _copy_run(cut, alone, config)  # the killed job's bundles, resumed by one process below
-    proc = start_fit(config, cut / "resume.log")
-    assert proc.wait(timeout=600) == 0, (cut / "resume.log").read_text()[-3000:]
-    assert f"resuming from {cut / 'bundles'}/step_{bundle.step}" in (cut / "resume.log").read_text()
-    report = check_events(cut / "run", SYNC)
-    assert report.ok, report.format()
-    trained = per_step(cut / "root")
+    trained = _resume(cut, config, bundle.step)
     assert sorted(trained) == list(range(STEPS))
     for step in range(STEPS):  # loss, reward and grad norm are the whole chunk's (rank 0 logs the reduced means)
         assert trained[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), step
@@ -207,12 +208,7 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     cfg["trainer"]["devices"] = 1
     del cfg["trainer"]["strategy"]
     one.write_text(yaml.safe_dump(cfg))
-    proc = start_fit(one, alone / "resume.log")
-    assert proc.wait(timeout=600) == 0, (alone / "resume.log").read_text()[-3000:]
-    assert f"resuming from {alone / 'bundles'}/step_{bundle.step}" in (alone / "resume.log").read_text()
-    report = check_events(alone / "run", SYNC)
-    assert report.ok, report.format()
-    resumed = per_step(alone / "root")
+    resumed = _resume(alone, one, bundle.step)
     assert set(range(bundle.step, STEPS)) <= set(resumed)
     assert max(reference[s][2] for s in range(STEPS)) > 0.0  # the steps really moved the weights
     for step in range(bundle.step, STEPS):
