@@ -47,6 +47,17 @@ class DataPlaneCheckpoint(Callback):
                                "written once the step is closed and the workers refit")
 
     @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """``save_optimizer: false``: keep each optimizer's hyperparameters and parameter groups, drop its state (the
+        moments), so the bundle is smaller and a resume loads a fresh optimizer through Lightning as usual."""
+        if self.config.save_optimizer:
+            return
+        checkpoint["optimizer_states"] = [
+            {**opt, "state": {}} if isinstance(opt, dict) and "state" in opt else opt
+            for opt in checkpoint.get("optimizer_states", [])
+        ]
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -136,7 +147,7 @@ class DataPlaneCheckpoint(Callback):
         writer.commit({"trainer_version": state["trainer_version"], "train_steps": state["train_steps"],
                        "mode": state.get("mode", "authoritative") if dp_dir is not None else "shadow",
                        "replay_digest": state["replay_index"]["digest"],
-                       "groups": len(state["replay_index"]["groups"]),
+                       "groups": len(state["replay_index"]["groups"]), "optimizer": self.config.save_optimizer,
                        **({"metric": self._metric} if self._metric is not None else {})})
 
     def _published(self, trainer: Trainer, step: int) -> None:

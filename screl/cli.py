@@ -219,6 +219,12 @@ class ScrelCLI(LightningCLI):
             extra_excluded_paths=list(rc.extra_fingerprint_excluded_paths), storage_options=ck.storage_options,
             rollout_side=rank in ("0", "0_0"),
         )
+        if resume is not None and not resume.optimizer_saved and not ck.resume_without_optimizer:
+            raise ValueError(
+                f"{resume.source_url} was written with checkpointing.save_optimizer: false: it has no optimizer "
+                "state, and resuming would restart AdamW's moments from zero. Set "
+                "checkpointing.resume_without_optimizer: true to accept that, or resume from a bundle with it. "
+                "Nothing was modified.")
         if resume is not None:
             self.datamodule.resume = resume
             if resume.ckpt_path is not None:

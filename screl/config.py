@@ -330,7 +330,10 @@ class CheckpointingConfig:
     keep_top_k: int | None = 3
     """Keep K bundles (None: keep all): the newest K, or with ``metric_name`` the best K plus the newest."""
     save_optimizer: bool = True
-    """Include optimizer state."""
+    """Include the optimizer's state (AdamW's moments: twice the weights). False keeps its hyperparameters only:
+    a resume then starts the moments from zero, and refuses to unless ``resume_without_optimizer``."""
+    resume_without_optimizer: bool = False
+    """Resume from a bundle written with ``save_optimizer: false`` (the optimizer's moments start from zero)."""
     metric_name: str | None = None
     """Rank bundles by a training metric for ``keep_top_k``: ``train:<metric>``, the step's logged value of
     ``<metric>`` (``train:reward``) or of ``train/<metric>`` (``train:loss``), recorded in each bundle's manifest.

@@ -41,6 +41,8 @@ class Resume:
     data_plane_remote: dict[str, Any] | None = None
     """The published ``data_plane/`` (``url``, ``storage_options``, ``digests``: relative path -> SHA-256), for
     TransferQueue actors on other nodes to fetch their own copy (``screl.dataplane.snapshot``)."""
+    optimizer_saved: bool = True
+    """False when the bundle was written with ``checkpointing.save_optimizer: false`` (no optimizer moments)."""
 
 
 def fetch_resume(
@@ -92,4 +94,5 @@ def fetch_resume(
         remote = {"url": store.url(f"{rollout.relpath}/{DATA_PLANE}"), "storage_options": store.storage_options,
                   "digests": {name[len(DATA_PLANE) + 1:]: part.sha256 for name, part in rollout.parts.items()
                               if name.startswith(DATA_PLANE + "/")}}
-    return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote)
+    optimizer_saved = plan.bundle is None or plan.bundle.metadata.get("optimizer", True) is not False
+    return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote, optimizer_saved)

@@ -42,6 +42,11 @@ def checkpoint_rules(c: RuleContext) -> None:
         if ck.get("save_data_plane", True) and c.dp_backend != "simple":
             c.bad("data_plane.backend", c.dp_backend, "native data-plane checkpointing supports only the simple "
                   "backend", "set data_plane.backend: simple or checkpointing.save_data_plane: false")
+    strategy = get(c.cfg, "trainer.strategy")
+    megatron = isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("MegatronStrategy")
+    if ck.get("enabled") and ck.get("save_optimizer", True) is False and megatron:
+        c.bad("checkpointing.save_optimizer", False, "MegatronStrategy saves megatron's own (sharded) optimizer "
+              "state, which screl does not strip yet", "set save_optimizer: true, or train without MegatronStrategy")
     if ck.get("save_period", 10) < 1:
         c.bad("checkpointing.save_period", ck.get("save_period"), "must be >= 1", "set save_period >= 1")
     keep = ck.get("keep_top_k")
