@@ -351,11 +351,11 @@ class GRPO(LightningModule):
         """``reward``, ``staleness`` and ``train/response_length`` over the whole chunk: summed over the data-parallel
         replicas that each hold a shard of it (one all-reduce of four numbers), so rank 0 logs the chunk's means,
         not its own shard's. Every replica calls it, a replica with no rows too."""
-        version = int(batch["trainer_version"])
+        version, dev = int(batch["trainer_version"]), self.device
         sums = torch.stack([
-            batch["rewards"].float().sum(), (version - batch["start_weight"]).float().sum(),
-            batch["token_mask"].float().sum(), torch.tensor(float(batch["input_ids"].shape[0])),
-        ]).to(self.device)
+            batch["rewards"].float().sum().to(dev), (version - batch["start_weight"]).float().sum().to(dev),
+            batch["token_mask"].float().sum().to(dev), torch.tensor(float(batch["input_ids"].shape[0]), device=dev),
+        ])
         sums = self._sum_over_shards(sums, batch)
         rows = sums[3].clamp(min=1.0)
         return {"reward": sums[0] / rows, "staleness": sums[1] / rows, "train/response_length": sums[2] / rows}
