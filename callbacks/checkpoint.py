@@ -34,7 +34,6 @@ class DataPlaneCheckpoint(Callback):
         self.config = config
         self.store = CheckpointStore(config.checkpoint_dir, config.storage_options or None)
         self.last_saved: int | None = None
-        self._metric: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -77,9 +76,9 @@ class DataPlaneCheckpoint(Callback):
         dm: Any = trainer.datamodule  # type: ignore[attr-defined]
         if dm is None:
             return
-        self._metric = self._ranking_metric(trainer, step)  # before anything is written: a missing one fails here
+        metric = self._ranking_metric(trainer, step)  # before anything is written: a missing one fails here
         if trainer.world_size > 1:
-            if not self._save_ranks(trainer, dm, step):
+            if not self._save_ranks(trainer, dm, step, metric):
                 return
         elif dm.runtime is None:
             return
@@ -92,10 +91,10 @@ class DataPlaneCheckpoint(Callback):
                         writer.write_dir(LIGHTNING_CKPT, ckpt)
                     else:
                         writer.write_file(LIGHTNING_CKPT, ckpt)
-                    self._write_rollout_side(writer, dm, tmp)
+                    self._write_rollout_side(writer, dm, tmp, metric)
         self._published(trainer, step)
 
-    def _save_ranks(self, trainer: Trainer, dm: Any, step: int) -> bool:
+    def _save_ranks(self, trainer: Trainer, dm: Any, step: int, metric: dict[str, Any] | None) -> bool:
         """Several training processes: every rank writes its own share of the Lightning checkpoint (its model and
         optimizer shards under ``MegatronStrategy``) straight into the unpublished bundle, node by node; then
         rank 0 records those parts, writes the rollout side and publishes. A failure anywhere publishes nothing
@@ -111,7 +110,7 @@ class DataPlaneCheckpoint(Callback):
                 assert writer is not None
                 with writer, tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
                     writer.adopt(LIGHTNING_CKPT)
-                    self._write_rollout_side(writer, dm, tmp)
+                    self._write_rollout_side(writer, dm, tmp, metric)
 
             dm._on_rank_zero(publish)
             return True
@@ -134,8 +133,9 @@ class DataPlaneCheckpoint(Callback):
                              f"'train/{key}' (it logged {sorted(logged)}); nothing was saved for this step")
         return {"name": name, "key": found, "value": float(logged[found])}
 
-    def _write_rollout_side(self, writer: Any, dm: Any, tmp: str) -> None:
-        """The controller state and the data plane, captured under one barrier, and the manifest (rank 0)."""
+    def _write_rollout_side(self, writer: Any, dm: Any, tmp: str, metric: dict[str, Any] | None) -> None:
+        """The controller state and the data plane, captured under one barrier, and the manifest (rank 0), with
+        ``metric`` (:meth:`_ranking_metric`) for retention."""
         dp_dir = os.path.join(tmp, DATA_PLANE) if self.config.save_data_plane else None
         remote = None if dp_dir is None else {"url": writer.staged_url(DATA_PLANE),
                                               "storage_options": writer.store.storage_options}
@@ -148,7 +148,7 @@ class DataPlaneCheckpoint(Callback):
                        "mode": state.get("mode", "authoritative") if dp_dir is not None else "shadow",
                        "replay_digest": state["replay_index"]["digest"],
                        "groups": len(state["replay_index"]["groups"]), "optimizer": self.config.save_optimizer,
-                       **({"metric": self._metric} if self._metric is not None else {})})
+                       **({"metric": metric} if metric is not None else {})})
 
     def _published(self, trainer: Trainer, step: int) -> None:
         self.last_saved = step

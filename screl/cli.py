@@ -23,6 +23,7 @@ from typing import Any
 from jsonargparse import Namespace, set_parsing_settings
 
 from screl.config import (
+    SHADOW_MODE_NOTE,
     AsyncRLConfig,
     CheckpointingConfig,
     DataPlaneConfig,
@@ -311,11 +312,6 @@ def _thread_plan(cfg: dict[str, Any], run: RunConfig) -> ThreadPlan:
     return thread_plan(generation, run, data.get("train_num_threads"))
 
 
-SHADOW_NOTE = ("does not declare supports_buffer_checkpoint = True: bundles keep the data-plane snapshot but no "
-               "replay index, and a resume restores no buffered or unfinished group (their prompts are skipped "
-               "this epoch)")
-
-
 def capacity_plan(cfg: dict[str, Any]) -> str:
     """The human summary ``screl check`` prints for a valid config."""
     run = RunConfig.from_dict(cfg["data"]["init_args"]["run"])
@@ -343,7 +339,8 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"IS correction        {_correction_line(loss_args)}",
         f"max steps            {steps if steps is not None else 'epochs x batches / trainer.max_steps'}",
         f"checkpointing        {'on -> ' + str(ck.checkpoint_dir) if ck.enabled else 'off'}"
-        + (f"; SHADOW MODE: {run.sampler.name} sampler {SHADOW_NOTE}" if ck.enabled and run.shadow_checkpoints else ""),
+        + (f"; SHADOW MODE: {run.sampler.name} sampler {SHADOW_MODE_NOTE}"
+           if ck.enabled and run.shadow_checkpoints else ""),
         f"torch threads        {_thread_plan(cfg, run).describe()}",
         f"generation           {_generation_line(cfg)}",
         f"devices              {_devices_line(cfg)}",

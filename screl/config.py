@@ -27,12 +27,7 @@ from screl.data.sampler_config import (
     WindowedSamplerConfig,
     parse_sampler_config,
 )
-from screl.data.sampler_factory import (
-    _import_sampler_class,
-    required_buffer_capacity,
-    sampler_rules,
-    sampler_supports_buffer_checkpoint,
-)
+from screl.data.sampler_factory import declared_capabilities, required_buffer_capacity, sampler_rules
 from screl.data.watchdog import WatchdogConfig
 
 __all__ = [
@@ -315,6 +310,12 @@ class DataPlaneConfig:
     """Partition rollout rows are written to."""
 
 
+SHADOW_MODE_NOTE = ("does not declare supports_buffer_checkpoint = True: bundles keep the data-plane snapshot but "
+                    "no replay index, and a resume restores no buffered or unfinished group (their prompts are "
+                    "skipped this epoch)")
+"""What shadow-mode checkpoints keep and lose (``RunConfig.shadow_checkpoints``), for ``screl check`` and the log."""
+
+
 @dataclass
 class CheckpointingConfig:
     """Trainer checkpoint bundles (model, optimizer, controller state, data plane)."""
@@ -448,13 +449,7 @@ class RunConfig:
         ``supports_buffer_checkpoint = True`` on its own class (bundles are written in shadow mode: the
         data-plane snapshot kept, no authoritative replay index; a resume restores no buffered or unfinished
         group, and their prompts are skipped this epoch)."""
-        cfg = self.sampler
-        if not isinstance(cfg, CustomSamplerConfig):
-            return False
-        try:
-            return not sampler_supports_buffer_checkpoint(_import_sampler_class(cfg.target))
-        except (ImportError, TypeError, ValueError):  # screl check reports a target that does not import
-            return True
+        return not declared_capabilities(self.sampler)[0]
 
     @property
     def required_capacity(self) -> int:

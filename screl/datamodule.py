@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from typing_extensions import override
 
-from screl.config import GenerationConfig, RunConfig
+from screl.config import SHADOW_MODE_NOTE, GenerationConfig, RunConfig
 from screl.envs import Task
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.threads import ThreadPlan, thread_plan
@@ -227,11 +227,8 @@ class RolloutDataModule(LightningDataModule):
                 task.prepare(policy, run_dir)
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
         if self.run.checkpointing.enabled and self.run.shadow_checkpoints:
-            log.warning("screl: checkpoints in SHADOW MODE: the %s sampler does not declare "
-                        "supports_buffer_checkpoint = True, so bundles keep the data-plane snapshot but no replay "
-                        "index, and a resume restores no buffered or unfinished group (their prompts are skipped "
-                        "this epoch; docs/checkpointing.md)",
-                        self.run.sampler.target if hasattr(self.run.sampler, "target") else self.run.sampler.name)
+            log.warning("screl: checkpoints in SHADOW MODE: the %s sampler %s (docs/checkpointing.md)",
+                        self.run.async_rl.sampler.get("target", self.run.sampler.name), SHADOW_MODE_NOTE)
         restore = None
         if self.resume is not None:
             restore = (self.resume.controller_state, self.resume.data_plane_dir, self.resume.data_plane_remote)

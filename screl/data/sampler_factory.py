@@ -86,6 +86,18 @@ def sampler_supports_training_claims(cls: type) -> bool:
     return cls.__dict__.get("supports_training_claims") is True
 
 
+def declared_capabilities(cfg: SamplerConfig) -> tuple[bool, bool]:
+    """(supports_buffer_checkpoint, supports_training_claims) of a configured sampler: True for the built-ins; a
+    custom class's own declarations (inherited values do not count), both False when its target does not import."""
+    if not isinstance(cfg, CustomSamplerConfig):
+        return True, True
+    try:
+        cls = _import_sampler_class(cfg.target)
+    except SamplerConfigError:
+        return False, False
+    return sampler_supports_buffer_checkpoint(cls), sampler_supports_training_claims(cls)
+
+
 def _missing_protocol_members(obj: object) -> list[str]:
     members = [
         "supports_buffer_checkpoint",

@@ -83,7 +83,7 @@ class MultiTurnWorkflow:
                 calls = await env.call("parse_tool_calls", text)
                 step: StepResult = await env.call("step", Action(text, tuple(calls)))
                 reward += float(step.reward)
-                flagged = flagged or bool(getattr(step, "mask", False))
+                flagged = flagged or step.mask
                 if step.done:
                     break
                 messages += [{"role": "assistant", "content": text},

@@ -10,12 +10,11 @@ from typing import Any
 
 from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
-    CustomSamplerConfig,
     SamplerConfig,
     SamplerConfigError,
     parse_sampler_config,
 )
-from screl.data.sampler_factory import sampler_rules
+from screl.data.sampler_factory import declared_capabilities, sampler_rules
 
 #: Legacy async knobs and where they went (the spec's migration table).
 LEGACY_MIGRATION = (
@@ -116,12 +115,7 @@ def sampler_declares(cls: type, attribute: str) -> bool:
 
 def sampler_capabilities(sampler: SamplerConfig) -> tuple[bool, bool]:
     """(supports_buffer_checkpoint, supports_training_claims) of the configured sampler."""
-    if not isinstance(sampler, CustomSamplerConfig):
-        return True, True
-    cls = import_target(sampler.target)
-    if cls is None:
-        return False, False
-    return sampler_declares(cls, "supports_buffer_checkpoint"), sampler_declares(cls, "supports_training_claims")
+    return declared_capabilities(sampler)
 
 
 def fingerprint_path_problem(path: Any) -> str | None:
