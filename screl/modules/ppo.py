@@ -65,14 +65,8 @@ from typing_extensions import override
 from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, terminal_token_rewards
 from screl.config import PPOConfig, from_dict
 from screl.models import PolicySpec, ValueModel
-from screl.modules.grpo import (
-    GRPO,
-    AllFilteredStepError,
-    behaviour,
-    loss_sample_mask,
-    master_copy,
-    token_logprobs,
-)
+from screl.modules.grpo import GRPO, master_copy, token_logprobs
+from screl.modules.masks import AllFilteredStepError, behaviour, loss_sample_mask
 from screl.modules.megatron_policy import ARCH_FIELDS
 from screl.modules.warm_start import load_critic_weights
 
