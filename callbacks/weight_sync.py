@@ -77,10 +77,12 @@ def _exported_weights(pl_module: LightningModule, dm: Any) -> Any:
     module: Any = pl_module
     if getattr(dm, "broadcasts_weights", False):  # vLLM NCCL transfer: the trainer sends its HF module itself
         return module.model
+    naming = getattr(dm, "refit_naming", "hf")
+    kwargs = {} if naming == "hf" else {"naming": naming}  # the Megatron engine loads Megatron's own names
     if hasattr(module, "iter_export_weights"):  # numpy on the wire: workers read the object store without a copy
-        return map(bucket_to_wire, module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20)))
+        return map(bucket_to_wire, module.iter_export_weights(int(dm.generation.refit_bucket_mb * 2**20), **kwargs))
     if hasattr(module, "export_weights"):
-        return module.export_weights()
+        return module.export_weights(**kwargs)
     raise TypeError(
         f"{type(pl_module).__name__} has neither iter_export_weights() nor export_weights(): WeightSync cannot refit"
     )

@@ -103,7 +103,8 @@ class GenerationConfig:
     backend: str = "torch"
     """Engine: ``torch`` (HF model, CPU or GPU), ``vllm`` (an ``AsyncLLM`` per worker; needs vLLM installed, see
     docs/generation.md), or the class path of your own engine (``package.module.Class`` implementing
-    ``screl.rollout.GenerationEngine``; see docs/extending.md). ``megatron``: planned."""
+    ``screl.rollout.GenerationEngine``; see docs/extending.md), or ``megatron`` (the policy's megatron-core
+    ``GPTModel``; needs ``trainer.strategy`` MegatronStrategy, docs/generation.md)."""
     backend_args: dict[str, Any] = field(default_factory=dict)
     """Backend-specific settings, passed to the backend's ``from_options`` as ``EngineOptions.args``."""
     num_workers: int = 1

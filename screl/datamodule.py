@@ -182,7 +182,7 @@ class RolloutDataModule(LightningDataModule):
         trainer: Any = self.trainer
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
-        weights = {} if self.colocated else module.export_weights()  # a colocated engine decodes with the module
+        weights = {} if self.colocated else self.exported_weights(module)  # a colocated engine decodes with the module
         if trainer.global_rank == 0:
             self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights, module))
         else:
@@ -313,6 +313,17 @@ class RolloutDataModule(LightningDataModule):
         trainer: Any = self.trainer
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    @property
+    def refit_naming(self) -> str:
+        """The names the engines load: Megatron's own for the Megatron engine, else Hugging Face's."""
+        return "megatron" if self.generation.backend == "megatron" else "hf"
+
+    def exported_weights(self, module: Any) -> dict[str, torch.Tensor]:
+        """The module's full weights as the engines load them (a collective under a model-parallel strategy)."""
+        if self.refit_naming == "hf":  # a user module's export_weights() need not take a naming
+            return module.export_weights()  # type: ignore[no-any-return]
+        return module.export_weights(naming=self.refit_naming)  # type: ignore[no-any-return]
 
     @property
     def colocated(self) -> bool:

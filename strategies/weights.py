@@ -31,7 +31,8 @@ from megatron.core.transformer.module import MegatronModule
 from screl.strategies.provider import UNPADDED_VOCAB_ATTR
 from torch import Tensor
 
-__all__ = ["Naming", "export_weights", "iter_export_buckets", "load_hf_weights"]
+__all__ = ["Naming", "export_weights", "iter_export_buckets", "load_hf_weights", "load_megatron_bucket",
+           "megatron_parameter_names"]
 
 Naming = Literal["hf", "megatron"]
 
@@ -383,3 +384,42 @@ def load_hf_weights(module: MegatronModule, state_dict: Mapping[str, Tensor], st
         unused = sorted(set(state_dict) - used - {"lm_head.weight"}) if pp == 1 else []
         if missing or unused:
             raise KeyError(f"load_hf_weights: missing keys {missing[:5]}, unexpected keys {unused[:5]}.")
+
+
+def load_megatron_bucket(module: MegatronModule, bucket: Mapping[str, Tensor]) -> list[str]:
+    """Copy a bucket of :func:`iter_export_buckets`' ``naming="megatron"`` output (full tensors in the
+    tensor-parallel-size-1 layout, global layer indices, vocabulary unpadded) into this rank's shard, in place;
+    returns the names it loaded. No collectives: each rank slices its own shard (the Megatron generation engine's
+    refit, :mod:`screl.rollout.megatron_engine`).
+
+    Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a tensor whose shape does not
+    give this rank's shard; nothing of the bucket is copied then.
+    """
+    layout = _layout(module)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    params = {meta.name: (meta, param) for meta, param in _local_params(module)}
+    unknown = sorted(set(bucket) - set(params))
+    if unknown:
+        raise KeyError(f"load_megatron_bucket: names the model does not have: {unknown[:5]} ({len(unknown)} in all); "
+                       "the engine loads Megatron's own names (iter_export_buckets(naming='megatron'))")
+    local: list[tuple[Tensor, Tensor]] = []
+    for name, full in bucket.items():
+        meta, param = params[name]
+        if meta.name in _VOCAB and layout.vocab_size and full.shape[0] != layout.vocab_size:
+            raise ValueError(f"load_megatron_bucket: {name} has {full.shape[0]} vocabulary rows, the model "
+                             f"{layout.vocab_size}")
+        piece = _local_slice(meta, full, layout, tp, tp_rank)
+        if tuple(piece.shape) != meta.local_shape:
+            raise ValueError(f"load_megatron_bucket: {name} of shape {tuple(full.shape)} gives {tuple(piece.shape)} "
+                             f"on this rank, expected {meta.local_shape}")
+        local.append((param, piece))
+    with torch.no_grad():
+        for param, piece in local:
+            param.copy_(piece)
+    return list(bucket)
+
+
+def megatron_parameter_names(module: MegatronModule) -> list[str]:
+    """The names :func:`load_megatron_bucket` takes, one per parameter of this rank (global layer indices)."""
+    return [meta.name for meta, _ in _local_params(module)]

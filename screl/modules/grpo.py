@@ -239,21 +239,31 @@ class GRPO(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
 
-    def export_weights(self) -> dict[str, Tensor]:
-        """Full policy weights in the generation engine's (Hugging Face) naming, on CPU, in one dict.
+    def export_weights(self, naming: str = "hf") -> dict[str, Tensor]:
+        """Full policy weights in the generation engine's naming, on CPU, in one dict: Hugging Face's (``hf``), or
+        Megatron's own in the tensor-parallel-size-1 layout (``megatron``: the Megatron engine's; only under
+        ``MegatronStrategy``).
 
         Under ``MegatronStrategy`` a collective that gathers the shards: call it on every rank.
         """
-        return merge_buckets(self.iter_export_weights())
+        return merge_buckets(self.iter_export_weights(naming=naming))
 
-    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20) -> Iterator[dict[str, Tensor]]:
+    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20, naming: str = "hf") -> Iterator[dict[str, Tensor]]:
         """The same weights bucket by bucket (what a refit sends): one CPU bucket of about ``bucket_bytes`` at a
         time, so exporting never holds a second full copy. Under ``MegatronStrategy`` its own bucketed export
         (``export_bucket_bytes``), a collective every rank must consume to the end."""
+        yield from self._export_module(None, bucket_bytes, naming)
+
+    def _export_module(self, path: str | None, bucket_bytes: int, naming: str) -> Iterator[dict[str, Tensor]]:
+        if naming not in ("hf", "megatron"):
+            raise ValueError(f"export naming {naming!r}: expected 'hf' or 'megatron'")
         if self._megatron_strategy is not None:
-            for bucket in self._megatron_strategy.iter_export_weights():
+            for bucket in self._megatron_strategy.iter_export_weights(path, naming=naming):  # type: ignore[arg-type]
                 yield {k: self._engine_cast(v.detach().to("cpu")) for k, v in bucket.items()}
             return
+        if naming == "megatron":
+            raise ValueError("the Megatron engine's weights (data.init_args.generation.backend: megatron) come from a "
+                             "policy trained under trainer.strategy: screl.strategies.MegatronStrategy")
         yield from iter_buckets(((k, self._engine_cast(v)) for k, v in self.model.state_dict().items()), bucket_bytes)
 
     def _engine_cast(self, tensor: Tensor) -> Tensor:

@@ -284,13 +284,9 @@ class PPO(GRPO):
         self.critic = MegatronValueModel.from_hf(trunk, hf_critic.trunk.state_dict(), hf_critic.head)
 
     @override
-    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20) -> Iterator[dict[str, Tensor]]:
+    def iter_export_weights(self, bucket_bytes: int = 64 * 2**20, naming: str = "hf") -> Iterator[dict[str, Tensor]]:
         """The policy's weights for the refit (never the critic's); see ``GRPO.iter_export_weights``."""
-        if self._megatron_strategy is None:
-            yield from super().iter_export_weights(bucket_bytes)
-            return
-        for bucket in self._megatron_strategy.iter_export_weights(POLICY):
-            yield {k: self._engine_cast(v.detach().to("cpu")) for k, v in bucket.items()}
+        yield from self._export_module(POLICY if self._megatron_strategy is not None else None, bucket_bytes, naming)
 
     def export_critic_weights(self) -> dict[str, Tensor]:
         """The critic's full weights on CPU in ``ValueModel``'s naming (under MegatronStrategy a collective)."""

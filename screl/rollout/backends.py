@@ -24,12 +24,11 @@ KEY = "data.init_args.generation.backend"
 BUILTIN_BACKENDS = {
     "torch": "screl.rollout.torch_engine.TorchGenerationEngine",
     "vllm": "screl.rollout.vllm_engine.VLLMGenerationEngine",
+    "megatron": "screl.rollout.megatron_engine.MegatronGenerationEngine",
 }
 
 #: Names the spec uses whose engines this build does not have yet, and where they are tracked.
-PLANNED_BACKENDS = {
-    "megatron": "Megatron generation is not in this build yet: use backend: torch or vllm",
-}
+PLANNED_BACKENDS: dict[str, str] = {}
 
 _REQUIRED = ("from_options", "generate", "update_weights", "set_version", "abort", "pause", "resume", "version")
 

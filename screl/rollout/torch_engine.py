@@ -78,7 +78,7 @@ class _Batch:
     stop_mask: torch.Tensor
     uniforms: torch.Tensor  # [rows, steps]: each row's draws, padded with its last
     cache: Any = None
-    static: StaticDecoder | None = None
+    static: Any = None  # the static-cache path's decoder (StaticDecoder, or the Megatron engine's)
     attn: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
     dropped: bool = False  # the KV cache was freed in a stand-down: re-prefill before the next step
@@ -156,15 +156,20 @@ class TorchGenerationEngine:
             self.model.to(self.device)  # transformers' wrapped .to
             self.model.eval()
             self.model.requires_grad_(False)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.stop_tokens: StopTokens = stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None),
-                                                   self.model.config)
-        self.eos_token_ids = self.stop_tokens.ids  # the one stop rule (screl.rollout.stop_tokens)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.decode_path = self._decode_path(decode)
+        self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
+                         stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
+                         seed, version)
+
+    def _init_state(self, vocab_size: int, stops: StopTokens, seed: int | None, version: int) -> None:
+        """The vocabulary, the stop rule, the seeds and the request/pause/refit state (every engine on this loop)."""
+        self.vocab_size = vocab_size
+        self.stop_tokens: StopTokens = stops
+        self.eos_token_ids = self.stop_tokens.ids  # the one stop rule (screl.rollout.stop_tokens)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._version = version
         self._torn_refit: str | None = None  # why the weights mix two versions (a refit failed midway)
@@ -342,7 +347,7 @@ class TorchGenerationEngine:
         with self._cond:
             if self._pause_mode == "keep":
                 if self._stood_down and batch is not None:
-                    batch.cache = batch.static = batch.attn = batch.next_pos = None
+                    self._release(batch)
                     batch.dropped = True
                 self._active -= 1
                 self._cond.notify_all()
@@ -392,6 +397,12 @@ class TorchGenerationEngine:
         if all(r.finish is not None for r in rows):
             return
         batch = self._batch_params(rows)
+        try:
+            self._decode_batch(rows, batch)
+        finally:
+            self._release(batch)
+
+    def _decode_batch(self, rows: list[_Row], batch: _Batch) -> None:
         with self._forwarding():
             version = self._version
             logits = self._prefill(rows, batch)
@@ -411,6 +422,14 @@ class TorchGenerationEngine:
                     cache_version = version
                 else:
                     logits = self._decode(rows, batch)
+
+    def _release(self, batch: _Batch) -> None:
+        """A batch is done (finished, aborted or failed): drop its KV cache."""
+        batch.cache = batch.static = batch.attn = batch.next_pos = None
+
+    def _new_decoder(self) -> Any:
+        """The decoder of a batch on the static-cache path (``start``/``step``, :class:`StaticDecoder`)."""
+        return StaticDecoder(self.model)
 
     @contextlib.contextmanager
     def _forwarding(self) -> Iterator[None]:
@@ -443,8 +462,8 @@ class TorchGenerationEngine:
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             attn[i, width - len(s) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        if self.decode_path == "static":
-            batch.static = StaticDecoder(self.model)
+        if self.decode_path != "hf":  # a decoder of its own (static, megatron)
+            batch.static = self._new_decoder()
             capacity = width + max(r.sampling.max_new_tokens - len(r.tokens) for r in rows)
             return batch.static.start(ids, attn, capacity)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
