@@ -18,6 +18,10 @@ from screl.config import CheckpointingConfig
 log = logging.getLogger(__name__)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint bundle could not be written; nothing of it was published and the run stops."""
+
+
 class DataPlaneCheckpoint(Callback):
     """Every ``save_period`` steps (and at the end), after ``WeightSync`` closed the step, write the bundle
     ``<checkpoint_dir>/step_<n>/``: the Lightning checkpoint (model, optimizer, loops), the native
@@ -73,10 +77,25 @@ class DataPlaneCheckpoint(Callback):
             self.save(trainer, step)
 
     def save(self, trainer: Trainer, step: int) -> None:
+        """Write and publish bundle ``step_<step>``. A save that fails (the object store unreachable, a full disk)
+        publishes nothing and stops the run with :class:`CheckpointSaveError`, naming the bundle, the cause and the
+        bundle a resume will use: a run that cannot checkpoint would train on unprotected."""
         dm: Any = trainer.datamodule  # type: ignore[attr-defined]
         if dm is None:
             return
         metric = self._ranking_metric(trainer, step)  # before anything is written: a missing one fails here
+        try:
+            self._save(trainer, dm, step, metric)
+        except Exception as err:
+            if isinstance(err, CheckpointSaveError):
+                raise
+            last = f"step_{self.last_saved}" if self.last_saved is not None else "the newest bundle before it"
+            raise CheckpointSaveError(  # not listing the store here: it may be what is unreachable
+                f"checkpoint bundle step_{step} could not be saved to {self.store.url()}: {type(err).__name__}: "
+                f"{err}. Nothing of it was published, and the run stops. Once the store is writable again (space, "
+                f"credentials, endpoint), run the same command: it resumes from {last}.") from err
+
+    def _save(self, trainer: Trainer, dm: Any, step: int, metric: dict[str, Any] | None) -> None:
         if trainer.world_size > 1:
             if not self._save_ranks(trainer, dm, step, metric):
                 return

@@ -12,7 +12,7 @@ from screl.checkpoint.fingerprint import (
     validate_excluded_paths,
     write_bootstrap_anchor,
 )
-from screl.checkpoint.restore import RestorePlan, bundle_trainer_version, select_restore
+from screl.checkpoint.restore import NoUsableBundleError, RestorePlan, bundle_trainer_version, select_restore
 from screl.checkpoint.snapshots import (
     BOOTSTRAP_ANCHOR,
     MissingAnchorError,
@@ -34,6 +34,7 @@ from screl.checkpoint.store import (
     BundleScan,
     BundleWriter,
     CheckpointStore,
+    CorruptPartError,
     IncompleteError,
     PartInfo,
     PublishedDir,
@@ -47,9 +48,11 @@ __all__ = [
     "BundleScan",
     "BundleWriter",
     "CheckpointStore",
+    "CorruptPartError",
     "FingerprintMismatchError",
     "IncompleteError",
     "MissingAnchorError",
+    "NoUsableBundleError",
     "PartInfo",
     "PublishedDir",
     "RestorePlan",

@@ -27,6 +27,7 @@ __all__ = [
     "TRASH_STEP_RE",
     "BundleInfo",
     "BundleScan",
+    "CorruptPartError",
     "IncompleteError",
     "PartInfo",
     "PublishedDir",
@@ -54,6 +55,18 @@ ATOMIC_TMP_PREFIX = ".tmp_"
 
 class IncompleteError(FileNotFoundError):
     """A published directory is missing, has no valid manifest, or lacks a listed part."""
+
+
+class CorruptPartError(ValueError):
+    """A part of a published directory failed its size or SHA-256 check against the manifest as it was read.
+
+    ``relpath`` is the published directory (``step_3``, ``step_3/rollout_snapshots/snapshot_000002``), ``part``
+    the file within it, ``check`` ``"size"`` or ``"sha256"``: a resume refuses that directory and falls back.
+    """
+
+    def __init__(self, message: str, relpath: str, part: str, check: str) -> None:
+        super().__init__(message)
+        self.relpath, self.part, self.check = relpath, part, check
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,20 @@ The rules (``rollout_checkpointing.restore_mode``):
   * ``latest``: the bootstrap anchor is validated against the configuration's fingerprint (mismatch:
     :class:`~screl.checkpoint.fingerprint.FingerprintMismatchError`), then the newest compatible bootstrap
     snapshot (step 0, version 0, this fingerprint) is restored; with none, a fresh start in that lineage;
-* otherwise a fresh start.
+* otherwise a fresh start, unless a published bundle was skipped or refused (a part truncated, missing or failing
+  its SHA-256, an unreadable manifest, an unknown schema): then :class:`NoUsableBundleError` names each one and the
+  check it failed, and nothing starts. A ``step_<n>`` without ``manifest.json`` was never published (an
+  interrupted object-store publish) and does not count.
+
+``refused`` (relative path -> reason) takes bundles and snapshots out of the choice: a resume that found a corrupt
+part while reading the chosen one (:class:`~screl.checkpoint.layout.CorruptPartError`) selects again without it.
 
 Selection never writes or deletes anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,7 +37,7 @@ from screl.checkpoint.fingerprint import (
     validate_bootstrap_anchor,
     validate_excluded_paths,
 )
-from screl.checkpoint.layout import ATOMIC_TMP_PREFIX
+from screl.checkpoint.layout import ATOMIC_TMP_PREFIX, MANIFEST_NAME
 from screl.checkpoint.snapshots import (
     BOOTSTRAP_ANCHOR,
     SnapshotInfo,
@@ -39,10 +46,15 @@ from screl.checkpoint.snapshots import (
 )
 from screl.checkpoint.store import BundleInfo, CheckpointStore
 
-__all__ = ["RestoreMode", "RestorePlan", "RestoreSource", "bundle_trainer_version", "select_restore"]
+__all__ = ["NoUsableBundleError", "RestoreMode", "RestorePlan", "RestoreSource", "bundle_trainer_version",
+           "select_restore"]
 
 RestoreMode = Literal["latest", "trainer_checkpoint"]
 RestoreSource = Literal["fresh", "trainer_checkpoint", "snapshot", "bootstrap_snapshot"]
+
+
+class NoUsableBundleError(ValueError):
+    """Published bundles exist but none passes its checks: a resume stops instead of starting afresh over them."""
 
 
 @dataclass(frozen=True)
@@ -84,17 +96,29 @@ def select_restore(
     config: Mapping[str, Any],
     extra_excluded_paths: Iterable[str] = (),
     storage_options: Mapping[str, Any] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> RestorePlan:
     """Decide what a starting run restores (read-only); see the module docstring for the rules."""
     if restore_mode not in ("latest", "trainer_checkpoint"):
         raise ValueError(f"restore_mode must be 'latest' or 'trainer_checkpoint', got {restore_mode!r}")
     extras = validate_excluded_paths(extra_excluded_paths)
     store = root if isinstance(root, CheckpointStore) else CheckpointStore(root, storage_options)
+    refused = dict(refused or {})
     found = store.scan()
     notes = [f"skipped bundle {name}: {reason}" for name, reason in found.skipped]
-    bundle = found.latest
-    if bundle is not None:
-        return _from_bundle(store, bundle, restore_mode, snapshots_enabled, notes)
+    notes += [f"refused {relpath}: {reason}" for relpath, reason in refused.items()]
+    usable = [b for b in found.complete if b.relpath not in refused]
+    if usable:
+        return _from_bundle(store, usable[-1], restore_mode, snapshots_enabled, notes, refused)
+    bad = [(name, reason) for name, reason in found.skipped if store.exists(f"{name}/{MANIFEST_NAME}")]
+    bad += [(b.relpath, refused[b.relpath]) for b in found.complete if b.relpath in refused]
+    if bad:
+        listed = "\n".join(f"  {name}: {reason}" for name, reason in sorted(bad))
+        raise NoUsableBundleError(
+            f"no usable checkpoint bundle in {store.url()}: every published bundle failed a check, and screl does"
+            f" not start afresh over them:\n{listed}\nRestore those files from a copy, or move the directories"
+            " away (or choose a new checkpointing.checkpoint_dir) to start from scratch. Nothing was modified."
+        )
 
     # A killed anchor write leaves only its staging file: no rollout state, and no lineage yet.
     bootstrap_exists = any(not n.startswith(ATOMIC_TMP_PREFIX) for n in store.children(BOOTSTRAP_ANCHOR))
@@ -123,7 +147,7 @@ def select_restore(
             " cannot be checked. Choose a new checkpointing.checkpoint_dir (or remove that directory if its"
             " state is not needed). Existing state was not modified."
         )
-    snapshot = _resolve(store, BOOTSTRAP_ANCHOR, 0, 0, fingerprint, notes)
+    snapshot = _resolve(store, BOOTSTRAP_ANCHOR, 0, 0, fingerprint, notes, refused)
     source: RestoreSource = "bootstrap_snapshot" if snapshot is not None else "fresh"
     return RestorePlan(
         source, snapshot=snapshot, bootstrap=anchor, fingerprint=fingerprint, notes=tuple(notes)
@@ -136,12 +160,13 @@ def _from_bundle(
     restore_mode: RestoreMode,
     snapshots_enabled: bool,
     notes: list[str],
+    refused: Mapping[str, str],
 ) -> RestorePlan:
     version = bundle_trainer_version(bundle)
     if restore_mode == "trainer_checkpoint" or not snapshots_enabled:
         return RestorePlan("trainer_checkpoint", bundle=bundle, trainer_version=version, notes=tuple(notes))
     anchor = trainer_anchor(bundle.step)
-    snapshot = _resolve(store, anchor, bundle.step, version, None, notes)
+    snapshot = _resolve(store, anchor, bundle.step, version, None, notes, refused)
     if snapshot is None:
         return RestorePlan("trainer_checkpoint", bundle=bundle, trainer_version=version, notes=tuple(notes))
     return RestorePlan(
@@ -150,10 +175,15 @@ def _from_bundle(
 
 
 def _resolve(
-    store: CheckpointStore, anchor: str, step: int, version: int, fingerprint: str | None, notes: list[str]
+    store: CheckpointStore, anchor: str, step: int, version: int, fingerprint: str | None, notes: list[str],
+    refused: Mapping[str, str],
 ) -> SnapshotInfo | None:
-    """``resolve_latest_snapshot``, noting the newer snapshots that were skipped on the way."""
+    """``resolve_latest_snapshot`` less the ``refused`` snapshots, noting the newer ones skipped on the way."""
     found = scan_snapshots(store, anchor, step, version, fingerprint)
+    if refused:
+        found = dataclasses.replace(found, good=tuple(s for s in found.good if s.relpath not in refused))
+        if not found.good and not found.skipped:
+            return None  # every candidate was refused by the resume: the anchor itself (or a fresh lineage)
     chosen = found.choose()
     notes += [
         f"skipped snapshot {anchor}/{name}: {reason}"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
 from screl.checkpoint.pickle_scan import check_pickles_under
-from screl.checkpoint.restore import select_restore
-from screl.checkpoint.store import CheckpointStore, PublishedDir
+from screl.checkpoint.restore import RestorePlan, select_restore
+from screl.checkpoint.store import CheckpointStore, CorruptPartError, PublishedDir
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,45 @@ def fetch_resume(
     progress); a bootstrap snapshot gives the rollout state of a run that never finished a step.
     ``rollout_side=False`` (training ranks other than 0): only the Lightning checkpoint is downloaded, whole
     (a sharded one is a directory: each rank reads its shards from its own copy, no shared disk needed).
+
+    Every part of the chosen bundle is read and checked against the manifest's size and SHA-256 before anything
+    loads, on every rank (so all ranks make the same choice). A part that fails refuses that bundle (or snapshot):
+    a warning names the file and the check, and the selection runs again without it, down to the previous
+    published bundle; with none left, :class:`~screl.checkpoint.restore.NoUsableBundleError` lists every refusal.
+    A part that passes its checks but holds more than tensors (a tampered bundle) is refused without fallback.
     """
     store = CheckpointStore(checkpoint_dir, storage_options or None)
-    plan = select_restore(
-        store, restore_mode, snapshots_enabled, config or {}, extra_excluded_paths or ()  # type: ignore[arg-type]
-    )
-    for note in plan.notes:
-        log.warning("screl resume: %s", note)
-    if plan.source == "fresh":
-        log.warning("screl: nothing to resume in %s: a fresh start", store.url())
-        return None
+    refused: dict[str, str] = {}
+    while True:
+        plan = select_restore(
+            store, restore_mode, snapshots_enabled, config or {}, extra_excluded_paths or (),  # type: ignore[arg-type]
+            refused=refused,
+        )
+        if plan.source == "fresh":
+            for note in plan.notes:
+                log.warning("screl resume: %s", note)
+            log.warning("screl: nothing to resume in %s: a fresh start", store.url())
+            return None
+        step = plan.bundle.step if plan.bundle is not None else 0
+        local = os.path.join(local_root, f"step_{step}" + ("_snapshot" if plan.snapshot is not None else ""))
+        try:
+            resume = _fetch(store, plan, local, rollout_side)
+        except CorruptPartError as err:
+            shutil.rmtree(local, ignore_errors=True)
+            refused[err.relpath] = str(err)
+            log.warning("screl resume: refusing %s (%s failed its %s check); looking for an older one: %s",
+                        store.url(err.relpath), err.part, err.check, err)
+            continue
+        for note in plan.notes:
+            log.warning("screl resume: %s", note)
+        return resume
+
+
+def _fetch(store: CheckpointStore, plan: RestorePlan, local: str, rollout_side: bool) -> Resume:
+    """Download and check what ``plan`` names (CorruptPartError: a part failed its size or SHA-256)."""
     rollout: PublishedDir | None = plan.snapshot if plan.snapshot is not None else plan.bundle
     assert rollout is not None
     step = plan.bundle.step if plan.bundle is not None else 0
-    local = os.path.join(local_root, f"step_{step}" + ("_snapshot" if plan.snapshot is not None else ""))
     os.makedirs(local, exist_ok=True)
     ckpt: str | None = None
     if plan.bundle is not None:
@@ -84,6 +110,12 @@ def fetch_resume(
             store.download_dir(plan.bundle, LIGHTNING_CKPT, ckpt)
         else:
             store.download_file(plan.bundle, LIGHTNING_CKPT, ckpt)
+        # the rest of the bundle (optimizer shards, controller state, data plane, replay index, ledger, reserve):
+        # every rank checks all of it, so that a refusal is the same decision on every rank
+        skip = [n for n in plan.bundle.parts if n == LIGHTNING_CKPT or n.startswith(LIGHTNING_CKPT + "/")]
+        if rollout_side and rollout is plan.bundle:
+            skip += [n for n in plan.bundle.parts if n == CONTROLLER_STATE or n.startswith(DATA_PLANE + "/")]
+        store.verify(plan.bundle, skip)
     state = store.read_torch(rollout, CONTROLLER_STATE) if rollout_side else {}
     dp_dir: str | None = None
     remote: dict[str, Any] | None = None
@@ -94,5 +126,8 @@ def fetch_resume(
         remote = {"url": store.url(f"{rollout.relpath}/{DATA_PLANE}"), "storage_options": store.storage_options,
                   "digests": {name[len(DATA_PLANE) + 1:]: part.sha256 for name, part in rollout.parts.items()
                               if name.startswith(DATA_PLANE + "/")}}
+    if rollout_side and plan.snapshot is not None:
+        store.verify(plan.snapshot, [n for n in plan.snapshot.parts
+                                     if n == CONTROLLER_STATE or n.startswith(DATA_PLANE + "/")])
     optimizer_saved = plan.bundle is None or plan.bundle.metadata.get("optimizer", True) is not False
     return Resume(step, ckpt, state, dp_dir, rollout.url, plan.source, remote, optimizer_saved)

@@ -28,11 +28,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import fsspec
@@ -50,6 +51,7 @@ from screl.checkpoint.layout import (
     TRASH_STEP_RE,
     BundleInfo,
     BundleScan,
+    CorruptPartError,
     IncompleteError,
     PartInfo,
     PublishedDir,
@@ -60,6 +62,8 @@ from screl.checkpoint.layout import (
 )
 from screl.checkpoint.writer import BundleWriter, StagedWriter, fsync_path
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "BUNDLE_KIND",
     "BUNDLE_SCHEMA_VERSION",
@@ -69,6 +73,7 @@ __all__ = [
     "BundleScan",
     "BundleWriter",
     "CheckpointStore",
+    "CorruptPartError",
     "IncompleteError",
     "PartInfo",
     "PublishedDir",
@@ -94,6 +99,13 @@ def safe_torch_load(raw: bytes, what: str) -> Any:
             f"{what} holds more than tensors and plain containers ({why}); screl loads checkpoints with "
             "weights_only=True so that a bundle cannot run code. Resume only from bundles screl wrote."
         ) from None
+
+
+class _Discard:
+    """A sink for :meth:`CheckpointStore.verify`: the bytes are hashed, not kept."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
 
 
 class CheckpointStore:
@@ -260,6 +272,7 @@ class CheckpointStore:
             if size != part.size:
                 raise IncompleteError(
                     f"{self.url(relpath)}: part {part.name!r} has {size} bytes, the manifest says {part.size}"
+                    " (size check: truncated or overwritten)"
                 )
         return manifest, parts, empty_dirs
 
@@ -273,9 +286,17 @@ class CheckpointStore:
         return BundleWriter(self, step, tmp)
 
     def _refuse_complete(self, step: int) -> None:
+        """A complete ``step_<step>`` is never overwritten, unless a part fails its SHA-256: a resume refused it
+        (and fell back to an older bundle), so the run is saving that step again; the corrupt one goes."""
         try:
-            self.open(step)
+            info = self.open(step)
         except IncompleteError:
+            return
+        try:
+            self.verify(info)
+        except CorruptPartError as err:
+            log.warning("screl checkpoint: replacing %s, which a resume refused: %s", info.url, err)
+            self.remove_published(info.relpath, f"trash_step_{step}_{uuid.uuid4().hex}")
             return
         raise FileExistsError(f"{self.url(f'step_{step}')} is already a complete bundle")
 
@@ -385,20 +406,35 @@ class CheckpointStore:
                 os.makedirs(os.path.join(local_dir, *d[len(prefix) :].split("/")), exist_ok=True)
         return names
 
+    def verify(self, target: int | PublishedDir, skip: Iterable[str] = ()) -> int:
+        """Read every part of a bundle or published directory (less ``skip``) and check its size and SHA-256
+        against the manifest (:class:`CorruptPartError` names the first that fails). Returns the parts read."""
+        published = self._resolve(target)
+        skipped = set(skip)
+        names = [n for n in sorted(published.parts) if n not in skipped]
+        for name in names:
+            self._copy_out(published, published.parts[name], _Discard())
+        return len(names)
+
     def _copy_out(self, published: PublishedDir, part: PartInfo, out: Any) -> None:
         digest = hashlib.sha256()
         size = 0
-        with self.fs.open(self.path(f"{published.relpath}/{part.name}"), "rb") as f:
+        try:
+            f = self.fs.open(self.path(f"{published.relpath}/{part.name}"), "rb")
+        except FileNotFoundError as err:
+            raise CorruptPartError(f"{published.url}: part {part.name!r} is missing (the manifest lists it)",
+                                   published.relpath, part.name, "missing") from err
+        with f:
             while chunk := f.read(CHUNK_BYTES):
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
         if size != part.size or digest.hexdigest() != part.sha256:
-            raise ValueError(
-                f"{published.url}: part {part.name!r} is corrupt ({size} bytes,"
-                f" sha256 {digest.hexdigest()[:12]}…;"
-                f" the manifest says {part.size} bytes, sha256 {part.sha256[:12]}…)"
-            )
+            check = "size" if size != part.size else "sha256"
+            raise CorruptPartError(
+                f"{published.url}: part {part.name!r} is corrupt: it failed its {check} check ({size} bytes,"
+                f" sha256 {digest.hexdigest()[:12]}…; the manifest says {part.size} bytes, sha256"
+                f" {part.sha256[:12]}…)", published.relpath, part.name, check)
 
     def retain(self, keep_top_k: int, metric_name: str | None = None, higher_is_better: bool = True) -> list[str]:
         """Keep ``keep_top_k`` complete bundles, delete the others and leftovers: the newest ones, or with

@@ -43,7 +43,7 @@ from screl.data.core_types import (
     RolloutFailure,
     SiblingReport,
 )
-from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent
+from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent, open_event_log
 from screl.data.ledger import RecoveryPolicy
 from screl.data.reserve import ReservePolicy
 from screl.data.watchdog import StallWatchdog
@@ -125,9 +125,11 @@ class RolloutController:
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self._log_had_history = os.path.exists(self.events_path) and os.path.getsize(self.events_path) > 0
         self._restored_from: int | None = None
-        self._events: TextIO | None = (
-            open(self.events_path, "a", encoding="utf-8") if run.async_rl.event_log else None  # noqa: SIM115
-        )
+        self._events: TextIO | None = None
+        if run.async_rl.event_log:  # a torn last line (a killed writer) is cut first, and the cut is reported
+            self._events, torn_note = open_event_log(self.events_path)
+            if torn_note is not None:
+                log.warning("screl: %s", torn_note)
         self._writer = EventLogWriter(self._events, clock=time.time) if self._events is not None else None
         self.validation: ValidationRunner | None = None
         if val_prompt_ids:

@@ -481,7 +481,12 @@ def check_events(
         items: Iterable[tuple[int, str | Event]] = read_events(source)
     else:
         items = enumerate(source, 1)
+    unparsed: tuple[int, str, str] | None = None  # (line, text, error) of a line that did not parse
     for n, item in items:
+        if unparsed is not None:  # another line follows it: not a torn last line
+            checker.line = unparsed[0]
+            checker.flag("parse", unparsed[2])
+            unparsed = None
         checker.line = n
         checker.report.events += 1
         if isinstance(item, str):
@@ -490,8 +495,17 @@ def check_events(
             try:
                 item = parse_event(item)
             except ValueError as exc:
-                checker.flag("parse", str(exc))
+                unparsed = (n, item, str(exc))
                 continue
         getattr(checker, _HANDLERS[type(item)])(item)
+    if unparsed is not None:
+        checker.line = unparsed[0]
+        if unparsed[1].endswith("\n") or not isinstance(source, (str, os.PathLike)):
+            checker.flag("parse", unparsed[2])
+        else:  # no newline: the writer was killed mid-line, and no later incarnation appended after it
+            checker.report.events -= 1
+            checker.report.notes.append(
+                f"line {unparsed[0]} is torn ({len(unparsed[1])} characters, no newline: a writer killed mid-write);"
+                " ignored. A resumed run cuts it before appending")
     checker.finish(final)
     return checker.report

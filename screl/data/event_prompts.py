@@ -38,6 +38,8 @@ class EventCheckReport:
     """Prompt accounting: admitted, held as spares, replacements, dropped unreserved, spares unused."""
     sampler: str | None = None
     restores: int = 0
+    notes: list[str] = field(default_factory=list)
+    """What the check tolerated and why (a torn last line left by a killed writer)."""
 
     @property
     def ok(self) -> bool:
@@ -50,6 +52,7 @@ class EventCheckReport:
         lines = [head, "groups: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items()) if v)]
         if any(self.prompts.values()):
             lines.append("prompts: " + ", ".join(f"{k} {v}" for k, v in self.prompts.items() if v))
+        lines += [f"note: {note}" for note in self.notes]
         if self.ok:
             lines.append("OK: no violations")
         else:

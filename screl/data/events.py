@@ -335,6 +335,42 @@ def read_events(source: str | os.PathLike[str] | Iterable[str]) -> Iterator[tupl
     yield from ((n, line) for n, line in enumerate(source, 1) if line.strip())
 
 
+def torn_tail(path: str | os.PathLike[str]) -> bytes:
+    """The unterminated last line of a log file (a writer killed mid-write), or ``b""`` when it ends cleanly."""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        tail = b""
+        while size > 0:  # read backwards to the last newline
+            step = min(size, 65536)
+            size -= step
+            fh.seek(size)
+            tail = fh.read(step) + tail
+            if b"\n" in tail:
+                return tail.rsplit(b"\n", 1)[1]
+        return tail
+
+
+def repair_torn_tail(path: str | os.PathLike[str]) -> str | None:
+    """Cut an unterminated last line (left by a writer killed mid-write) off the log, so that the next event starts
+    a line of its own instead of merging into it; returns a note saying what was cut, or None (nothing to do)."""
+    if not os.path.exists(path):
+        return None
+    torn = torn_tail(path)
+    if not torn:
+        return None
+    size = os.path.getsize(path)
+    os.truncate(path, size - len(torn))
+    return (f"{path}: cut a torn last line ({len(torn)} bytes, {torn[:80]!r}...) left by a writer that was killed "
+            "mid-write; the events before it are intact")
+
+
+def open_event_log(path: str | os.PathLike[str]) -> tuple[IO[str], str | None]:
+    """Open a run's event log for appending, first cutting a torn last line (:func:`repair_torn_tail`); returns the
+    stream and the repair's note (None when the log ended cleanly)."""
+    note = repair_torn_tail(path)
+    return open(path, "a", encoding="utf-8"), note  # noqa: SIM115 - the caller owns the stream
+
+
 class EventLogWriter:
     """Appends events to an open text stream, one line each, flushed at once.
 
