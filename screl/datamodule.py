@@ -145,6 +145,8 @@ class RolloutDataModule(LightningDataModule):
         self._pad_id = 0
         self.events_path: str | None = None
         self._started = False  # the weights went out and (on rank 0) the rollout side started
+        self._decode_link: Any = None  # colocated Megatron under tensor parallelism: rank 0's engine leads
+        self._follower: tuple[Any, Any] | None = None  # the other ranks: (their GPTModel shard, autocast dtype)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @override
@@ -183,11 +185,49 @@ class RolloutDataModule(LightningDataModule):
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
         weights = {} if self.colocated else self.exported_weights(module)  # a colocated engine decodes with the module
+        if self.colocated and self.generation.backend == "megatron" and self._world_size() > 1:
+            self._link_ranks(module)
         if trainer.global_rank == 0:
             self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights, module))
         else:
             self._on_rank_zero(lambda: None)
         self._started = True
+
+    def _link_ranks(self, module: Any) -> None:
+        """Every rank: the decode link of a colocated Megatron engine across the tensor-parallel ranks (a gloo group
+        of its own, so its broadcasts never meet the trainer's collectives); rank 0's engine leads it."""
+        import torch.distributed as dist
+
+        from screl.rollout.megatron_decode import DecodeLink
+        from screl.rollout.megatron_engine import inner_gpt_model
+
+        self._decode_link = DecodeLink(dist.new_group(list(range(self._world_size())), backend="gloo"), src=0)
+        self._follower = (inner_gpt_model(module.model), self._engine_autocast(module))
+
+    @staticmethod
+    def _engine_autocast(module: Any) -> torch.dtype | None:
+        dtype = getattr(module, "engine_dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+    def _with_engine(self, fn: Callable[[], _T]) -> _T:
+        """:meth:`_on_rank_zero` while the colocated engine may generate: with a decode link the other ranks follow
+        its forward passes until rank 0 is done (it releases them, error or not), then take its result."""
+        if self._decode_link is None:
+            return self._on_rank_zero(fn)
+        if self._global_rank() == 0:
+            def lead() -> _T:
+                try:
+                    return fn()
+                finally:
+                    if self.runtime is not None:
+                        self.runtime.release_followers()
+            return self._on_rank_zero(lead)
+        from screl.rollout.megatron_decode import eval_no_grad, serve_decode
+
+        assert self._follower is not None
+        model, autocast = self._follower
+        serve_decode(self._decode_link, model, lambda: eval_no_grad(model, autocast))
+        return self._on_rank_zero(lambda: None)  # type: ignore[return-value]  # rank 0's result
 
     def _world_size(self) -> int:
         trainer: Any = self.trainer
@@ -235,8 +275,7 @@ class RolloutDataModule(LightningDataModule):
         self.runtime = runtime
         colocated: dict[str, Any] = {}
         if self.colocated:
-            dtype = getattr(module, "engine_dtype", None)
-            colocated = {"model": module.model, "autocast": dtype if dtype in (torch.bfloat16, torch.float16) else None}
+            colocated = {"model": module.model, "autocast": self._engine_autocast(module), "link": self._decode_link}
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
                       config_dict=self.config_dict, val_task=self.val_task, **colocated)
         self.events_path = runtime.events_path
@@ -300,7 +339,7 @@ class RolloutDataModule(LightningDataModule):
             batch["wait_s"] = time.perf_counter() - t0
             return batch
 
-        chunk = self._on_rank_zero(fetch)
+        chunk = self._with_engine(fetch)
         shards, shard = self._data_parallel()
         if chunk is None or shards == 1:
             return chunk
@@ -355,7 +394,12 @@ class RolloutDataModule(LightningDataModule):
         ``{"version", "metrics"}`` (called by WeightSync on every rank)."""
         if self.val_task is None or not self._started:
             return []
-        return self._on_rank_zero(lambda: self.runtime.finish_validation())
+        def finish() -> list[dict[str, Any]]:
+            if self.colocated:  # the last validation decodes on the colocated engine
+                self.runtime.wake()
+            return self.runtime.finish_validation()  # type: ignore[no-any-return]
+
+        return self._with_engine(finish)
 
 
 def _held_out(task: Task, val_task: Task | None, algo: Any, key: str) -> Task | None:

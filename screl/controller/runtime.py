@@ -128,16 +128,26 @@ def sampling_params(g: GenerationConfig) -> SamplingParams:
 
 def start_host(controller: Any, policy: PolicySpec, g: GenerationConfig, run: RunConfig, seed: int,
                model: Any, autocast: torch.dtype | None, dataplane: Any, worker_kwargs: dict[str, Any],
-               timeout_s: float) -> ColocatedHost:
-    """The colocated engine: a worker in this process whose torch engine decodes with ``model`` (the trainer's
-    module, in the trainer's threads), served to the controller through its mailbox."""
-    from screl.rollout.torch_engine import TorchGenerationEngine
-
+               timeout_s: float, link: Any = None) -> ColocatedHost:
+    """The colocated engine: a worker in this process whose engine decodes with ``model`` (the trainer's module,
+    in the trainer's threads), served to the controller through its mailbox. ``backend: megatron``: the Megatron
+    engine on the trainer's ``GPTModel`` shard, the other tensor-parallel ranks following through ``link``."""
     options = engine_options(g, run, seed)
-    engine = TorchGenerationEngine(
-        policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
-        recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-        decode=str(g.backend_args.get("decode", "auto")), model=model, autocast=autocast)
+    engine: Any
+    if g.backend == "megatron":
+        from screl.rollout.megatron_engine import MegatronGenerationEngine
+
+        engine = MegatronGenerationEngine(
+            policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
+            recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+            model=model, link=link, autocast=autocast)
+    else:
+        from screl.rollout.torch_engine import TorchGenerationEngine
+
+        engine = TorchGenerationEngine(
+            policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
+            recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+            decode=str(g.backend_args.get("decode", "auto")), model=model, autocast=autocast)
     worker = GenerationWorker(policy, options=dataclasses.replace(options, num_threads=None), engine=engine,
                               **worker_kwargs)
     return ColocatedHost(controller, 0, worker, dataplane, stand_down_timeout_s=timeout_s)
@@ -165,16 +175,19 @@ class RolloutRuntime:
         self.colocated = generation.colocated.enabled
         """The engine decodes with the trainer's module in this process (:mod:`screl.rollout.colocated`)."""
         self.host: Any = None  # the colocated engine's ColocatedHost
+        self.link: Any = None  # a colocated Megatron engine's DecodeLink to the other tensor-parallel ranks
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         restore: tuple[dict[str, Any], str | None, dict[str, Any] | None] | None = None,
         config_dict: dict[str, Any] | None = None, val_task: Task | None = None,
-        model: torch.nn.Module | None = None, autocast: torch.dtype | None = None,
+        model: torch.nn.Module | None = None, autocast: torch.dtype | None = None, link: Any = None,
     ) -> None:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir, the published
         snapshot for TQ actors on other nodes), the controller resumes from it before its pump starts. Colocated
-        generation decodes with ``model`` (the trainer's module; its forward passes compute in ``autocast``)."""
+        generation decodes with ``model`` (the trainer's module; its forward passes compute in ``autocast``; under
+        tensor parallelism the other ranks follow each forward through ``link``)."""
+        self.link = link
         if self.colocated and model is None:
             raise ValueError("colocated generation needs the trainer's module (RolloutRuntime.start(model=...))")
         rc = self.run.ray
@@ -245,7 +258,7 @@ class RolloutRuntime:
         self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
         if self.colocated:
             self.host = start_host(self.controller, policy, g, self.run, seed, model, autocast,
-                                   self.dataplane, worker_kwargs, self.timeout_s)
+                                   self.dataplane, worker_kwargs, self.timeout_s, link=self.link)
         if g.expose_http_server:
             self._start_server(policy)
         if self.colocated:
@@ -263,7 +276,7 @@ class RolloutRuntime:
         g, hs = self.generation, self.generation.http_server
         self.server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(
             self.workers, policy, host=hs.host, port=hs.port, api_key=hs.api_key, model_name=hs.model_name,
-            max_tokens=g.max_new_tokens, temperature=g.temperature)
+            max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser)
         self.server_url = self._wait(self.server.start.remote(), "start the policy server", self.timeout_s)
         self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers],
                    "attach the policy server", self.timeout_s)
@@ -307,8 +320,17 @@ class RolloutRuntime:
         (``changed``: the policy was updated, not a PPO critic warmup); then the engine wakes."""
         info = self._wait(self.controller.complete_step.remote(None, self.timeout_s, in_place=changed),
                           "relabel the colocated engine")
-        self.host.wake()
+        if self.link is None:  # with followers the engine wakes when they serve it (the next fetch)
+            self.host.wake()
         return info  # type: ignore[no-any-return]
+
+    def release_followers(self) -> None:
+        """Colocated Megatron under tensor parallelism: the engine stands down, then the other ranks leave their
+        decode loop (they go on to the chunk's broadcast)."""
+        if self.link is None or self.host is None:
+            return
+        self.host.stand_down()
+        self.host.worker.engine.end_followers()
 
     def complete_step(self, weights: WeightSource | None) -> dict[str, Any]:
         """Retire the open step and refit the workers with ``weights`` (a state dict, or an iterable of buckets

@@ -143,6 +143,12 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         stops: StopTokens = stop_tokens(self.tokenizer, generation_config, config)
         self._init_state(unpadded_vocab_size(self.model), stops, seed, version)
 
+    def end_followers(self) -> None:
+        """Colocated under tensor parallelism: send the other ranks back to training (between forward passes)."""
+        if self.link is not None:
+            with self._model_lock:
+                self.link.end()
+
     # -- the torch engine's hooks ----------------------------------------------------------------------
     def _new_decoder(self) -> MegatronDecoder:
         return MegatronDecoder(self.model, self.vocab_size, link=self.link)

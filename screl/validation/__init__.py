@@ -21,6 +21,7 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
+from screl.validation.megatron_generation_rules import megatron_backend_rules
 from screl.validation.model_rules import model_memory_rules, precision_rules
 from screl.validation.optimizer_rules import distributed_optimizer_rules
 from screl.validation.placement_rules import placement_rules
@@ -60,6 +61,7 @@ RULES = (
     failure_rules,
     batch_rules,
     generation_rules,
+    megatron_backend_rules,
     colocated_rules,
     placement_rules,
     agent_rules,
