@@ -83,6 +83,10 @@ class HttpServerConfig:
     """When set, every ``/v1`` request must send ``Authorization: Bearer <api_key>`` (401 otherwise)."""
     model_name: str = "screl-policy"
     """The model id ``/v1/models`` lists."""
+    tool_parser: str = "auto"
+    """How replies become ``tool_calls``: ``hermes`` (``<tool_call>`` JSON: Hermes, Qwen), ``compact`` (the
+    character tokenizer's ``=args``), ``auto`` (compact for the character tokenizer, else hermes), or a class path
+    (``screl.rollout.tool_calls.ToolParser``)."""
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

@@ -384,6 +384,8 @@ class RolloutRuntime:
 
     def shutdown(self) -> None:
         """Stop the controller, workers and data plane (and Ray, if started here). Idempotent."""
+        if self.link is not None:  # the followers are gone or going: a decode woken by the close must not wait on them
+            self.link.close()
         if self.host is not None:
             self.host.close()
             self.host = None

@@ -12,11 +12,17 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=?"
 """Ordinary characters, ids 3.. in this order."""
 PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID = 0, 1, 2
 CHAR_CHAT_TEMPLATE = (
-    "<bos>{% for m in messages %}{{ m['role'] }} {{ m['content'] }}<eos>{% endfor %}"
+    "<bos>{% if tools %}tools{% for t in tools %} {{ (t['function'] if t['function'] is defined else t)['name'] }}"
+    "{% endfor %}<eos>{% endif %}"
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}={% if tools and tools | length > 1 %}{{ c['function']['name'] }} "
+    "{% endif %}{{ c['function']['arguments'].values() | join(' ') }}{% endfor %}<eos>{% endfor %}"
     "{% if add_generation_prompt %}assistant {% endif %}"
 )
-"""The chat template: ``<bos>``, then ``<role> <content><eos>`` per message, then ``assistant `` for the reply
-(roles and contents must keep to ``CHARS``: other characters become ``<pad>``)."""
+"""The chat template: ``<bos>``, then ``tools <name> <name><eos>`` when the request offers tools, then
+``<role> <content><eos>`` per message (an assistant's tool calls as the compact parser reads them,
+``=<arguments>``), then ``assistant `` for the reply (roles and contents must keep to ``CHARS``: other
+characters become ``<pad>``)."""
 
 
 def char_vocab() -> dict[str, int]:

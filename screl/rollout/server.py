@@ -3,13 +3,16 @@
 One Ray actor, :class:`PolicyServer`, serves FastAPI through uvicorn and forwards every request to a
 generation worker's engine (the same ``generate`` the rollouts use, so requests batch with them):
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``;
+* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+  (:mod:`screl.rollout.responses_api`), ``GET /v1/models``, ``GET /health``;
+* function calling: ``tools`` rendered by the chat template, replies parsed into ``tool_calls``
+  (:mod:`screl.rollout.tool_calls`); ``stream: true`` on both completion routes (:mod:`screl.rollout.openai_stream`);
 * a ``session_id`` (body field or ``X-Session-Id`` header) routes every request of a conversation to one
   worker, and the server records the conversation's turns (prompt and sampled tokens, logprobs, versions,
   the ``rollout`` tags) for :class:`~screl.rollout.agent.AgentWorkflow` to turn into a training row;
 * chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.chat`);
 * stop strings of one token stop the engine; longer ones cut the completion where they appear;
-* a client that disconnects mid-request gets its engine request aborted;
+* a client that disconnects mid-request (or mid-stream) gets its engine request aborted;
 * it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``: every ``/v1`` request
   must then carry ``Authorization: Bearer <key>`` (401 otherwise).
 """
@@ -18,26 +21,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import json
 import logging
+import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from screl.config_generation import bind_problem
-from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
+from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text, message_text
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.openai_api import (
+    IGNORED_FIELDS,
     ChatRequest,
     CompletionRequest,
+    Reply,
+    RequestError,
     api_error,
     chat_response,
     completion_response,
+    parse_tool_choice,
+    parse_tools,
 )
+from screl.rollout.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
+from screl.rollout.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
 from screl.rollout.trajectory import turn_of
 
 log = logging.getLogger(__name__)
@@ -69,18 +85,40 @@ def apply_stops(tokenizer: Any, result: GenerationResult, stops: Sequence[str]) 
     return cut, text[:at], True
 
 
+@dataclass
+class _Job:
+    """A request made ready to generate: its prompts, engine requests (``n`` per prompt) and tool handling."""
+
+    session: str | None
+    prompts: list[list[int]]
+    requests: list[GenerationRequest]
+    n: int = 1
+    stops: list[str] = field(default_factory=list)
+    tools: list[ToolSpec] = field(default_factory=list)
+    choice: ToolChoice = field(default_factory=ToolChoice)
+    opener: str = ""
+    parallel: bool = True
+    rollout: dict[str, Any] | None = None
+
+
 class PolicyServer:
     """The server actor. ``start()`` binds and returns the base URL (``http://host:port/v1``)."""
 
+    MAX_STORED_RESPONSES = 4096
+    """Responses kept for ``previous_response_id`` outside sessions (a session's go when it is taken)."""
+
     def __init__(self, workers: Sequence[Any], policy: Any, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, tool_parser: str = "auto") -> None:
         check_bind(host, api_key)
         self.workers = list(workers)
         self.tokenizer = policy.build_tokenizer()
+        self.parser = resolve_tool_parser(tool_parser, self.tokenizer)
         self.host, self.port, self.api_key = host, port, api_key
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         self.sessions: dict[str, list[dict[str, Any]]] = {}
+        self.replies: dict[str, dict[str, Any]] = {}  # session -> its last reply as the client got it
+        self.responses: OrderedDict[str, dict[str, Any]] = OrderedDict()  # response id -> session, messages
         self.sticky: dict[str, int] = {}
         self.inflight: dict[str, list[str]] = {}  # session -> its engine requests now generating
         self.cancelled: set[str] = set()
@@ -88,6 +126,7 @@ class PolicyServer:
         self.stats = {"requests": 0, "disconnect_aborts": 0, "errors": 0}
         self.aborted: list[dict[str, Any]] = []
         self._server: Any = None
+        self._background: set[asyncio.Future[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -119,8 +158,11 @@ class PolicyServer:
 
     # -- recorded conversations -------------------------------------------------------------------------
     async def take_session(self, session_id: str) -> tuple[list[dict[str, Any]], bool]:
-        """The turns recorded for ``session_id`` and whether it was aborted (both forgotten afterwards)."""
+        """The turns recorded for ``session_id`` and whether it was aborted (all of it forgotten afterwards)."""
         self.sticky.pop(session_id, None)
+        self.replies.pop(session_id, None)
+        for rid in [r for r, v in self.responses.items() if v["session"] == session_id]:
+            del self.responses[rid]
         aborted = session_id in self.cancelled
         self.cancelled.discard(session_id)
         return self.sessions.pop(session_id, []), aborted
@@ -145,7 +187,12 @@ class PolicyServer:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
             self.stats["errors"] += 1
-            return JSONResponse(api_error(f"{param}: {first.get('msg')}", param=param), status_code=400)
+            if first.get("type") == "extra_forbidden":
+                message = (f"{param}: the field is not supported by screl's policy server (accepted and ignored: "
+                           f"{', '.join(IGNORED_FIELDS)})")
+            else:
+                message = f"{param}: {first.get('msg')}"
+            return JSONResponse(api_error(message, param=param), status_code=400)
 
         async def auth(request: Request) -> None:
             if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
@@ -166,60 +213,128 @@ class PolicyServer:
 
         @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
         async def chat(body: ChatRequest, request: Request) -> Any:
-            return await self._serve(body, request, chat=True)
+            return await self._guard(self._chat(body, request), "messages")
 
         @app.post("/v1/completions", dependencies=[Depends(auth)])
         async def completions(body: CompletionRequest, request: Request) -> Any:
-            return await self._serve(body, request, chat=False)
+            return await self._guard(self._completions(body, request), "prompt")
+
+        @app.post("/v1/responses", dependencies=[Depends(auth)])
+        async def responses(body: ResponsesRequest, request: Request) -> Any:
+            return await self._guard(self._responses(body, request), "input")
 
         return app
 
-    async def _serve(self, body: ChatRequest | CompletionRequest, request: Request, chat: bool) -> Any:
+    async def _guard(self, handler: Any, param: str) -> Any:
         self.stats["requests"] += 1
-        session = body.session_id or request.headers.get("x-session-id")
         try:
-            prompt = self._prompt(body, session)
+            return await handler
+        except RequestError as err:
+            self.stats["errors"] += 1
+            return JSONResponse(api_error(str(err), param=err.param), status_code=400)
         except (SpliceError, ValueError) as err:
             self.stats["errors"] += 1
-            return JSONResponse(api_error(str(err), param="messages" if chat else "prompt"), status_code=400)
-        if session is not None and body.n > 1:
-            return JSONResponse(api_error("n > 1 within a session_id cannot be recorded as one conversation",
-                                          param="n"), status_code=400)
-        if session in self.cancelled:
-            return JSONResponse(api_error(f"session {session!r} was aborted (its rollout left the sampler's window "
-                                          "or ran past its deadline)", code="session_aborted"), status_code=409)
-        requests = self._requests(body, prompt)
-        worker = self._route(session)
-        if session is not None:
-            self.inflight[session] = [r.request_id for r in requests]
-        try:
-            results = await self._generate(worker, requests, request)
-        finally:
-            if session is not None:
-                self.inflight.pop(session, None)
-        if results is None:
-            return Response(status_code=499)
-        choices = [apply_stops(self.tokenizer, r, body.stops) for r in results]
-        if session is not None:
-            turns = self.sessions.setdefault(session, [])
-            tags = {**(body.rollout or {}), "turn": len(turns), "session": session}
-            turns.append(turn_of(choices[0][0], tags).as_dict())
-        logprobs = bool(body.logprobs is not None and body.logprobs is not False)
-        build = chat_response if chat else completion_response
-        return build(self.model_name, self.tokenizer, prompt, choices, logprobs)
+            return JSONResponse(api_error(str(err), param=param), status_code=400)
+        except _SessionAborted as err:
+            return JSONResponse(api_error(f"session {err.args[0]!r} was aborted (its rollout left the sampler's "
+                                          "window or ran past its deadline)", code="session_aborted"),
+                                status_code=409)
 
-    def _prompt(self, body: ChatRequest | CompletionRequest, session: str | None) -> list[int]:
-        if isinstance(body, CompletionRequest):
-            if isinstance(body.prompt, list):
-                return [int(t) for t in body.prompt]
-            return encode_text(self.tokenizer, body.prompt)
-        return chat_prompt_ids(self.tokenizer, body.messages, self._prefix(body.messages, session))
+    # -- the routes -------------------------------------------------------------------------------------
+    async def _chat(self, body: ChatRequest, request: Request) -> Any:
+        session = body.session_id or request.headers.get("x-session-id")
+        tools = parse_tools(body.tools)
+        choice = parse_tool_choice(body.tool_choice, tools)
+        job = self._job(session, body.messages, tools, choice, body.n, body.parallel_tool_calls, body.rollout,
+                        body.stops, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p,
+                        body.top_k, body.min_tokens, body.seed)
+        [prompt] = job.prompts
+        if body.stream:
+            rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
+                return chat_chunks(rid, created, self.model_name, self.tokenizer, prompt, replies, body.logprobs,
+                                   body.include_usage)
+
+            return self._stream(job, sse(role_chunk(rid, created, self.model_name, body.n, body.include_usage)),
+                                chunks)
+        replies = await self._replies(job, request)
+        if replies is None:
+            return Response(status_code=499)
+        return chat_response(self.model_name, self.tokenizer, prompt, replies, body.logprobs)
+
+    async def _completions(self, body: CompletionRequest, request: Request) -> Any:
+        session = body.session_id or request.headers.get("x-session-id")
+        prompts = [list(map(int, p)) if isinstance(p, list) else encode_text(self.tokenizer, p) for p in body.prompts]
+        if session is not None and len(prompts) > 1:
+            raise RequestError("a batch of prompts within a session_id cannot be recorded as one conversation",
+                               "prompt")
+        self._admit(session, body.n)
+        sampling = self._sampling(body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p,
+                                  body.top_k, body.min_tokens, body.stops)
+        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, body.seed), body.n, body.stops,
+                   rollout=body.rollout)
+        logprobs = body.logprobs is not None
+        if body.stream:
+            rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
+                return completion_chunks(rid, created, self.model_name, self.tokenizer, prompts, replies, body.n,
+                                         logprobs, body.include_usage)
+
+            return self._stream(job, OPEN, chunks)
+        replies = await self._replies(job, request)
+        if replies is None:
+            return Response(status_code=499)
+        return completion_response(self.model_name, self.tokenizer, prompts, replies, logprobs)
+
+    async def _responses(self, body: ResponsesRequest, request: Request) -> Any:
+        session = body.session_id or request.headers.get("x-session-id")
+        messages = input_messages(body.input)
+        if body.previous_response_id is not None:
+            stored = self.responses.get(body.previous_response_id)
+            if stored is None or stored["session"] != session:
+                whose = "" if stored is None else " (it belongs to another session)"
+                raise RequestError(f"previous_response_id: {body.previous_response_id!r} is not a response of this "
+                                   f"session{whose}", "previous_response_id")
+            messages = [*stored["messages"], *messages]
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        tools = parse_tools(body.tools, flat=True)
+        choice = parse_tool_choice(body.tool_choice, tools, flat=True)
+        job = self._job(session, [*system, *messages], tools, choice, 1, body.parallel_tool_calls, body.rollout,
+                        [], body.max_output_tokens, body.temperature, body.top_p, None, 0, body.seed)
+        replies = await self._replies(job, request)
+        if replies is None:
+            return Response(status_code=499)
+        [reply] = replies
+        out = response_object(self.model_name, body, job.prompts[0], reply, choice)
+        self.responses[out["id"]] = {"session": session, "messages": [*messages, _assistant(reply)]}
+        while len(self.responses) > self.MAX_STORED_RESPONSES:
+            self.responses.popitem(last=False)
+        return out
+
+    # -- preparing a request ----------------------------------------------------------------------------
+    def _job(self, session: str | None, messages: list[dict[str, Any]], tools: list[ToolSpec], choice: ToolChoice,
+             n: int, parallel: bool | None, rollout: dict[str, Any] | None, stops: list[str], max_tokens: int | None,
+             temperature: float | None, top_p: float | None, top_k: int | None, min_tokens: int,
+             seed: int | None) -> _Job:
+        opener = self.parser.opener(tools, choice.name) if choice.mode == "required" else ""
+        prefix = self._prefix(messages, session)
+        prompt = chat_prompt_ids(self.tokenizer, messages, prefix, [t.as_chat_tool() for t in tools], opener)
+        self._admit(session, n)
+        sampling = self._sampling(max_tokens, temperature, top_p, top_k, min_tokens, stops)
+        return _Job(session, [prompt], self._requests([prompt], sampling, n, seed), n, stops, tools, choice, opener,
+                    parallel is not False, rollout)
+
+    def _admit(self, session: str | None, n: int) -> None:
+        if session is not None and n > 1:
+            raise RequestError("n > 1 within a session_id cannot be recorded as one conversation", "n")
+        if session in self.cancelled:
+            raise _SessionAborted(session)
 
     def _prefix(self, messages: list[dict[str, Any]], session: str | None) -> list[int] | None:
         """The past tokens to splice: the last assistant message's own ids, else the session's last turn when
         that message is its reply; a session whose past cannot be matched is refused (SpliceError)."""
-        from screl.envs import decode_completion
-
         assistant = [m for m in messages if m.get("role") == "assistant"]
         if not assistant:
             return None
@@ -228,27 +343,28 @@ class PolicyServer:
             return [*map(int, last["prompt_token_ids"]), *map(int, last["generation_token_ids"])]
         turns = self.sessions.get(session or "", [])
         if turns:
-            prev = turns[-1]
-            if decode_completion(self.tokenizer, prev["token_ids"]) == str(last.get("content") or ""):
+            if _same_reply(last, self.replies.get(session or "")):
+                prev = turns[-1]
                 return [*prev["prompt_token_ids"], *prev["token_ids"]]
             raise SpliceError(f"session {session!r}: the last assistant message is not the reply this session "
-                              "recorded; send it back unchanged (or with its prompt_token_ids and "
-                              "generation_token_ids)")
+                              "recorded; send it back unchanged, its content and tool_calls (or with its "
+                              "prompt_token_ids and generation_token_ids)")
         return None
 
-    def _requests(self, body: ChatRequest | CompletionRequest, prompt: list[int]) -> list[GenerationRequest]:
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.max_tokens
-        one_token = [ids[0] for s in body.stops if len(ids := encode_text(self.tokenizer, s)) == 1]
-        temperature = self.temperature if body.temperature is None else body.temperature
-        reqs = []
-        for i in range(body.n):
-            sampling = SamplingParams(
-                max_new_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
-                min_new_tokens=min(body.min_tokens, max_tokens),
-                seed=None if body.seed is None else body.seed + i, stop_token_ids=tuple(one_token),
-            )
-            reqs.append(GenerationRequest(f"srv-{uuid.uuid4().hex[:12]}", list(prompt), sampling))
-        return reqs
+    def _sampling(self, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+                  min_tokens: int, stops: list[str]) -> SamplingParams:
+        max_tokens = max_tokens or self.max_tokens
+        one_token = [ids[0] for s in stops if len(ids := encode_text(self.tokenizer, s)) == 1]
+        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature if temperature is None
+                              else temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k,
+                              min_new_tokens=min(min_tokens, max_tokens), stop_token_ids=tuple(one_token))
+
+    @staticmethod
+    def _requests(prompts: list[list[int]], sampling: SamplingParams, n: int,
+                  seed: int | None) -> list[GenerationRequest]:
+        return [GenerationRequest(f"srv-{uuid.uuid4().hex[:12]}", list(p),
+                                  dataclasses.replace(sampling, seed=None if seed is None else seed + i))
+                for p in prompts for i in range(n)]
 
     def _route(self, session: str | None) -> int:
         if session is None:
@@ -256,6 +372,48 @@ class PolicyServer:
         if session not in self.sticky:
             self.sticky[session] = next(self._next) % len(self.workers)
         return self.sticky[session]
+
+    # -- generating -------------------------------------------------------------------------------------
+    async def _replies(self, job: _Job, request: Any) -> list[Reply] | None:
+        """The replies; None when the client went away (its requests are aborted in the engine)."""
+        worker = self._route(job.session)
+        self._inflight(job, True)
+        try:
+            results = await self._generate(worker, job.requests, request)
+        finally:
+            self._inflight(job, False)
+        return None if results is None else self._finish(job, results)
+
+    def _inflight(self, job: _Job, on: bool) -> None:
+        if job.session is not None:
+            if on:
+                self.inflight[job.session] = [r.request_id for r in job.requests]
+            else:
+                self.inflight.pop(job.session, None)
+
+    def _finish(self, job: _Job, results: list[GenerationResult]) -> list[Reply]:
+        """Stop strings, tool calls, and the session's record of the turn."""
+        replies = []
+        for i, r in enumerate(results):
+            cut, text, stopped = apply_stops(self.tokenizer, r, job.stops)
+            replies.append(Reply(cut, text, stopped, self._parse(job, text), prompt=job.prompts[i // job.n]))
+        if job.session is not None:
+            turns = self.sessions.setdefault(job.session, [])
+            tags = {**(job.rollout or {}), "turn": len(turns), "session": job.session}
+            turns.append(turn_of(replies[0].result, tags).as_dict())
+            self.replies[job.session] = _record(replies[0])
+        return replies
+
+    def _parse(self, job: _Job, text: str) -> ParsedReply | None:
+        if not job.tools or job.choice.mode == "none":
+            return None
+        parsed = self.parser.parse(job.opener + text, job.tools)
+        if job.choice.name is not None and any(c.name != job.choice.name for c in parsed.calls):
+            return ParsedReply(job.opener + text, error=f"tool_choice names {job.choice.name!r} but the reply "
+                                                        "calls another tool")
+        if not job.parallel and len(parsed.calls) > 1:
+            return ParsedReply(parsed.content, parsed.calls[:1], parsed.error)
+        return parsed
 
     async def _generate(self, index: int, requests: list[GenerationRequest], request: Any) -> list[GenerationResult] | None:
         """The worker's results; None when the client went away (its requests are aborted in the engine)."""
@@ -268,10 +426,79 @@ class PolicyServer:
             if await request.is_disconnected():
                 await worker.abort.remote([r.request_id for r in requests])
                 self.stats["disconnect_aborts"] += 1
-                results = await task
-                self.aborted += [{"request_id": r.request_id, "finish_reason": r.finish_reason,
-                                  "tokens": len(r.token_ids)} for r in results]
+                self._note_aborted(await task)
                 return None
+
+    def _note_aborted(self, results: list[GenerationResult]) -> None:
+        self.aborted += [{"request_id": r.request_id, "finish_reason": r.finish_reason, "tokens": len(r.token_ids)}
+                         for r in results]
+
+    def _aborted_stream(self, done: asyncio.Future[Any]) -> None:
+        self._background.discard(done)
+        if not done.cancelled() and done.exception() is None:
+            self._note_aborted(done.result())
+
+    def _stream(self, job: _Job, opening: str, chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
+        """A server-sent event stream (:mod:`screl.rollout.openai_stream`); a client that goes away mid-stream
+        cancels it, and its requests are aborted in the engine."""
+        index = self._route(job.session)
+        worker = self.workers[index]
+
+        async def events() -> AsyncIterator[str]:
+            yield opening
+            self._inflight(job, True)
+            ref = worker.generate.remote(job.requests)
+            try:
+                results = await ref
+            except asyncio.CancelledError:  # the client went away (Starlette cancels the stream on disconnect)
+                worker.abort.remote([r.request_id for r in job.requests])
+                self.stats["disconnect_aborts"] += 1
+                done = asyncio.ensure_future(_await(ref))
+                self._background.add(done)
+                done.add_done_callback(self._aborted_stream)
+                raise
+            finally:
+                self._inflight(job, False)
+            for chunk in chunks(self._finish(job, results)):
+                yield sse(chunk)
+            yield DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class _SessionAborted(Exception):
+    pass
+
+
+def _assistant(reply: Reply) -> dict[str, Any]:
+    """The reply as the assistant message a conversation continues from."""
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        msg["tool_calls"] = reply.tool_calls
+    return msg
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for c in message.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        args = fn.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out.append((str(fn.get("name")), args))
+    return out
+
+
+def _record(reply: Reply) -> dict[str, Any]:
+    return {"content": reply.content or "", "calls": _calls(_assistant(reply))}
+
+
+def _same_reply(message: Mapping[str, Any], recorded: Mapping[str, Any] | None) -> bool:
+    """Whether the client sent the session's last reply back as it got it (text and tool calls)."""
+    return recorded is not None and message_text(message.get("content")) == recorded["content"] and \
+        _calls(message) == recorded["calls"]
 
 
 async def _await(ref: Any) -> Any:
