@@ -120,6 +120,12 @@ class DecodeLink:
     def __init__(self, group: Any, src: int, device: torch.device | str = "cpu") -> None:
         self.group, self.src, self.device = group, src, torch.device(device)
         self._ids = itertools.count(1)
+        self.closed = False
+
+    def close(self) -> None:
+        """Leader, at shutdown: no follower serves any more; a later decode call fails at once instead of waiting
+        for one (a dropped cache needs no call)."""
+        self.closed = True
 
     def new_batch_id(self) -> int:
         return next(self._ids)
@@ -127,6 +133,10 @@ class DecodeLink:
     def send(self, op: int, batch_id: int, ids: Tensor | None = None, mask: Tensor | None = None,
              capacity: int = 0) -> None:
         """Leader: one call (``ids``/``mask`` as the followers must see them)."""
+        if self.closed:
+            if op in (_FREE, _END):
+                return
+            raise RuntimeError("the colocated engine's decode link is closed (the run is shutting down)")
         rows, width = (ids.shape[0], ids.shape[-1]) if ids is not None else (0, 0)
         header = torch.tensor([op, batch_id, rows, width, capacity, 0], dtype=torch.long, device=self.device)
         dist.broadcast(header, self.src, group=self.group)
