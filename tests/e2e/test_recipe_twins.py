@@ -34,6 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 import yaml
 from _fit_env import fit_env
 from lightning.pytorch import Callback
@@ -114,9 +115,12 @@ def twin_config(recipe: str, tmp_path: Path, *, layout: str, template: str | Non
     elif "syntax" in task:
         task["syntax"] = "compact"  # the character tokenizer cannot write <tool_call>{...}</tool_call>
     gen = data["generation"]
+    colocated = bool(gen.get("colocated", {}).get("enabled", False))
     for key in ("colocated", "backend_args", "num_gpus_per_worker", "resources", "device"):
         gen.pop(key, None)
-    gen.update(backend="torch", num_workers=1, max_new_tokens=8, min_new_tokens=0)
+    if gen.get("backend") != "megatron":  # Megatron generation runs on a CPU; vLLM is replaced by the torch engine
+        gen["backend"] = "torch"
+    gen.update(num_workers=1, max_new_tokens=8, min_new_tokens=0, colocated={"enabled": colocated})
     data["step_timeout_s"] = 120
     scale = NPS / cfg[algo]["num_prompts_per_step"]
     cfg[algo].update(num_prompts_per_step=NPS, num_generations_per_prompt=GENS, max_num_steps=STEPS,
@@ -197,12 +201,30 @@ def test_grpo_llama31_8b_streaming_twin(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("ray_cluster")
 def test_grpo_qwen3_agent_twin(tmp_path: Path) -> None:
-    """Qwen3-0.6B's shape (QK norm, head width 2 x hidden/heads, tied), the recipe's agent over the policy server,
-    token capture, the calculator task (compact tool syntax: the character tokenizer has no '<' or '{')."""
+    """Qwen3-0.6B's shape (QK norm, head width 2 x hidden/heads, tied), the recipe's agent over the policy server
+    in front of a Megatron generation worker (TP=1, refitted in Megatron's names), token capture, the calculator task
+    (compact tool syntax: the character tokenizer has no '<' or '{')."""
     cfg = twin_config("grpo_qwen3_0.6b_agent.yaml", tmp_path, layout="", head_dim=16)
-    assert cfg["data"]["init_args"]["generation"]["workflow"] == "screl.rollout.AgentWorkflow"
-    _, rows, _ = _fit_in_process(cfg, tmp_path)
+    gen = cfg["data"]["init_args"]["generation"]
+    assert (gen["workflow"], gen["backend"], gen["expose_http_server"]) == ("screl.rollout.AgentWorkflow", "megatron",
+                                                                           True)
+    _, rows, strategy = _fit_in_process(cfg, tmp_path)
+    assert strategy == "MegatronStrategy", strategy
     assert all(t > 0 for t in column(rows, "train/num_valid_tokens")), rows
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_grpo_1b_megatron_colocated_twin(tmp_path: Path) -> None:
+    """Llama-3.2-1B's shape, Megatron TP=1 with colocated Megatron generation in the trainer's process (no worker),
+    whole-step chunks with one step of lookahead, MathVerify over OpenMathInstruct-2's columns."""
+    cfg = twin_config("grpo_1b_megatron_colocated.yaml", tmp_path, layout="openmathinstruct2", template="{problem} =")
+    gen = cfg["data"]["init_args"]["generation"]
+    assert (gen["backend"], gen["colocated"]["enabled"]) == ("megatron", True)
+    assert cfg["async_rl"]["min_groups_for_streaming_train"] == NPS  # colocated: whole steps
+    _, rows, strategy = _fit_in_process(cfg, tmp_path)
+    assert strategy == "MegatronStrategy", strategy
+    assert [a for a in ray.util.list_named_actors(all_namespaces=True) if "generation" in str(a)] == []
+    assert max(column(rows, "train/logprob_mismatch")) < 1e-5  # the engine decodes with the trainer's module
 
 
 def test_grpo_math_1b_megatron_twin_at_tp2(tmp_path: Path) -> None:
