@@ -141,6 +141,18 @@ class ScrelCLI(LightningCLI):
                               apply_on="instantiate")
 
     # -- validation before anything starts ---------------------------------------------------------
+    @override
+    def _set_seed(self) -> None:
+        """Lightning seeds numpy too, which takes [0, 2**32 - 1]: refuse another seed naming the key (was a
+        traceback from inside ``seed_everything``; found by tests/test_config_fuzz.py)."""
+        seed = self._get(self.config, "seed_everything")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
+            from screl.validation import Problem
+
+            raise ConfigError([Problem("seed_everything", seed, "numpy's seed range is [0, 4294967295]",
+                                       "pick a seed in that range, or true for a random one")])
+        super()._set_seed()
+
     def current_config(self) -> Namespace:
         cfg = self.config
         if self.subcommand is not None and self.subcommand in cfg:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import string
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,13 +51,62 @@ def _load(path: str, split: str, data_files: Any, revision: str | None, name: st
         if split != "train" and data_files is None:
             raise ValueError(f"{KEY}.split={split!r}: a single file has only the 'train' split; set split: train,"
                              " or give data_files: {split: file, ...}")
-        return datasets.load_dataset(_FORMATS[suffix], data_files=data_files or {"train": path}, **kwargs)
+        if data_files is None:
+            _check_text_file(path, _FORMATS[suffix])
+        try:
+            return datasets.load_dataset(_FORMATS[suffix], data_files=data_files or {"train": path}, **kwargs)
+        except datasets.exceptions.DatasetGenerationError as err:  # its message is only "An error occurred..."
+            cause = err.__cause__ or err.__context__ or err
+            raise ValueError(f"{KEY}.path={path!r} cannot be read as {_FORMATS[suffix]}: {type(cause).__name__}:"
+                             f" {cause}") from err
     if not os.path.exists(path) and (path.startswith((".", "/")) or os.path.splitext(path)[1] in _FORMATS):
         raise FileNotFoundError(f"{KEY}.path={path!r} does not exist (a local file or folder, or a hub name)")
     try:
         return datasets.load_dataset(path, name, data_files=data_files, **kwargs)
     except ValueError as err:  # an unknown split: name the key
         raise ValueError(f"{KEY}.split={split!r} cannot be read from {path!r}: {err}") from err
+
+
+def _check_text_file(path: str, fmt: str) -> None:
+    """A local JSON Lines or CSV file, line by line, before ``datasets`` parses it (its errors name neither the file
+    nor the row): empty, bytes that are not UTF-8, a JSON line that does not parse. ValueError names the line."""
+    if fmt not in ("json", "csv") or path.lower().endswith(".json"):
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"{KEY}.path={path!r} is empty (0 bytes): no prompts to train on")
+        return
+    rows = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{KEY}.path={path!r}: line {number} is not UTF-8 (byte {raw[err.start]:#04x} at"
+                                 f" column {err.start + 1}); re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            rows += 1
+            if fmt == "json":
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{KEY}.path={path!r}: line {number} (row {rows - 1}) is not JSON ({err.msg} at"
+                                     f" column {err.colno}): {line.strip()[:80]!r}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{KEY}.path={path!r}: line {number} (row {rows - 1}) is a JSON"
+                                     f" {type(row).__name__}, not an object of columns: {line.strip()[:80]!r}")
+    if rows == 0 or (fmt == "csv" and rows == 1):
+        raise ValueError(f"{KEY}.path={path!r} has no rows" + (" (only a header)" if rows else " (it is empty)")
+                         + ": no prompts to train on")
+
+
+def _context_positions(policy: PolicySpec) -> int | None:
+    """The model's context (``max_position_embeddings``) when its spec tells it without loading the model."""
+    try:
+        config = policy.build_config()
+    except Exception:  # noqa: BLE001 - a spec that cannot tell: no check here (the engine's own limit applies)
+        return None
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class DatasetTask(Task):
@@ -165,14 +215,14 @@ class DatasetTask(Task):
             if column is not None and column not in columns:
                 raise KeyError(f"{KEY}.{knob}={column!r} is not a column of {self.path!r} ({key}={split!r});"
                                f" its columns: {sorted(columns)}")
-        records, seen = [], set()
+        records, seen = [], {}
         for index, row in enumerate(ds):
             pid = self._id(row, index, split)
             if pid in seen:
                 raise ValueError(f"{KEY}.id_column={self.id_column!r}: id {pid} appears twice in {self.path!r}"
-                                 f" ({key}={split!r}); ids must be unique")
-            seen.add(pid)
-            records.append(self._record(pid, row, split))
+                                 f" ({key}={split!r}): rows {seen[pid]} and {index}; ids must be unique")
+            seen[pid] = index
+            records.append(self._record(pid, row, split, index))
         if not records:
             raise ValueError(f"{KEY}.{key}={split!r} of {self.path!r} has no rows")
         return records
@@ -186,8 +236,22 @@ class DatasetTask(Task):
                             " ids must be integers; use a column of ints, or null for the row index")
         return value
 
-    def _record(self, pid: int, row: Mapping[str, Any], split: str) -> PromptRecord:
+    def _record(self, pid: int, row: Mapping[str, Any], split: str, index: int = 0) -> PromptRecord:
         meta = dict(row)
+        where = f"row {index} of {self.path!r} (split {split!r})"
+        used = ([self.messages_column] if self.messages_column is not None else
+                [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f]
+                if self.prompt_template is not None else [str(self.prompt_column)])
+        for column in used:
+            name = column.split(".")[0].split("[")[0]
+            value = row.get(name)
+            if name not in row:
+                continue  # a column the dataset lacks: named below (prompt_template) or above (the others)
+            if value is None or (isinstance(value, str) and not value.strip() and column == self.prompt_column):
+                knob = ("messages_column" if self.messages_column is not None else
+                        "prompt_template" if self.prompt_template is not None else "prompt_column")
+                raise ValueError(f"{where} has {'no' if value is None else 'an empty'} {column!r} (the prompt,"
+                                 f" {KEY}.{knob}): every row needs one; fix or remove that row")
         if self.messages_column is not None:
             chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in meta.pop(self.messages_column)]
             self._chats[(split, pid)] = chat
@@ -211,7 +275,10 @@ class DatasetTask(Task):
         """With ``chat_template``: render every prompt with the policy tokenizer's chat template. With
         ``max_prompt_tokens``: drop the prompts longer than that (as the policy tokenizes them), log the counts
         and write them to ``<run_dir>/dataset_filter.json``. Idempotent for one policy."""
-        if self._prepared_for == policy or not (self.chat_template or self.max_prompt_tokens is not None):
+        if self._prepared_for == policy:
+            return
+        limit = _context_positions(policy)
+        if not (self.chat_template or self.max_prompt_tokens is not None or limit is not None):
             return
         if self.chat_template and getattr(policy, "chat_template", False):
             raise ValueError(f"{KEY}.chat_template and model.init_args.policy.init_args.chat_template are both"
@@ -228,6 +295,9 @@ class DatasetTask(Task):
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, FILTER_REPORT), "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)
+        if limit is not None:
+            for records, split in ((self._train, self.split), (self._held, val_split)):
+                self._check_context(policy, tokenizer, records, split, limit)
         self.__dict__.pop("_by_id", None)
         self._prepared_for = policy
 
@@ -237,6 +307,18 @@ class DatasetTask(Task):
             chat = [{"role": "system", "content": self.system_prompt}, *chat]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         return PromptRecord(record.prompt_id, str(text), record.metadata)
+
+    def _check_context(self, policy: PolicySpec, tokenizer: Any, records: list[PromptRecord], split: str,
+                       limit: int) -> None:
+        """A prompt that fills the model's whole context leaves no room to generate: refused before the run
+        starts, naming it (the id is the row index without ``id_column``)."""
+        for r in records:
+            n = len(policy.prompt_token_ids(tokenizer, r.text))
+            if n >= limit:
+                raise ValueError(f"{KEY}: prompt id {r.prompt_id} of {self.path!r} (split {split!r}) is {n} tokens"
+                                 f" under the policy's tokenizer, and the model's context is {limit} positions"
+                                 " (max_position_embeddings): nothing could be generated. Set"
+                                 f" {KEY}.max_prompt_tokens to drop such prompts, or shorten it")
 
     def _filter(self, policy: PolicySpec, tokenizer: Any, records: list[PromptRecord],
                 split: str) -> tuple[list[PromptRecord], dict[str, Any]]:

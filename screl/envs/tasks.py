@@ -117,19 +117,42 @@ class JsonlTask(Task):
         return list(self._records)
 
     def _read(self) -> list[PromptRecord]:
+        """Every row, checked as it is read: ValueError/KeyError name the file's line (1-based) and the fix."""
         records: list[PromptRecord] = []
-        seen: set[int] = set()
-        with open(self.path, encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.strip()]
-        for i, line in enumerate(lines):
-            row = json.loads(line)
-            if self.text_key not in row:
-                raise KeyError(f"JsonlTask: line {i} of {self.path} has no text_key={self.text_key!r}.")
+        seen: dict[int, int] = {}
+        with open(self.path, "rb") as f:
+            raw_lines = list(f)
+        i = -1
+        for number, raw in enumerate(raw_lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"JsonlTask: line {number} of {self.path} is not UTF-8 (byte {raw[err.start]:#04x} at"
+                                 f" column {err.start + 1}); re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            i += 1
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"JsonlTask: line {number} of {self.path} is not JSON ({err.msg} at column"
+                                 f" {err.colno}): {line.strip()[:80]!r}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"JsonlTask: line {number} of {self.path} is a JSON {type(row).__name__}, not an"
+                                 " object")
+            if self.text_key not in row or row[self.text_key] is None:
+                raise KeyError(f"JsonlTask: line {number} of {self.path} has no text_key={self.text_key!r}.")
+            if self.id_key is not None and not isinstance(row.get(self.id_key), int):
+                raise ValueError(f"JsonlTask: line {number} of {self.path} has {self.id_key}="
+                                 f"{row.get(self.id_key)!r}: every row needs an integer id (id_key={self.id_key!r}).")
             pid = int(row.pop(self.id_key)) if self.id_key is not None else i
             if pid in seen:
-                raise ValueError(f"JsonlTask: duplicate prompt id {pid} in {self.path}.")
-            seen.add(pid)
+                raise ValueError(f"JsonlTask: duplicate prompt id {pid} in {self.path}: lines {seen[pid]} and"
+                                 f" {number}; ids must be unique.")
+            seen[pid] = number
             records.append(PromptRecord(prompt_id=pid, text=str(row.pop(self.text_key)), metadata=row))
+        if not records:
+            raise ValueError(f"JsonlTask: {self.path} has no rows (it is empty): no prompts to train on.")
         return records
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:

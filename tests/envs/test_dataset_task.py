@@ -203,3 +203,79 @@ def test_the_dataset_identity_is_in_the_bootstrap_fingerprint(tmp_path: Path) ->
     with pytest.raises(FingerprintMismatchError,
                        match=r'data\.init_args\.task\.init_args\.path: "data/gsm8k\.parquet" -> "data/other\.parquet"'):
         validate_bootstrap_anchor(store, _config(path="data/other.parquet"))
+
+
+# -- bad input files (issue 40, item 3): a clear error at load, naming the file and the row, before any work ---------
+BAD_FILES: list[tuple[str, str, bytes, str]] = [
+    ("empty_jsonl", "jsonl", b"", r"path='.*bad\.jsonl' has no rows \(it is empty\)"),
+    ("blank_lines", "jsonl", b"\n  \n", r"has no rows \(it is empty\)"),
+    ("empty_csv", "csv", b"", r"has no rows \(it is empty\)"),
+    ("header_only_csv", "csv", b"question,answer\n", r"has no rows \(only a header\)"),
+    ("empty_parquet", "parquet", b"", r"path='.*bad\.parquet' is empty \(0 bytes\)"),
+    ("non_utf8_jsonl", "jsonl", b'{"question": "1+1=", "answer": "2"}\n{"question": "\xff\xfe", "answer": "3"}\n',
+     r"line 2 is not UTF-8 \(byte 0xff at column 15\); re-encode"),
+    ("non_utf8_csv", "csv", b"question,answer\n1+1=,2\n\xe9t\xe9,3\n", r"line 3 is not UTF-8 \(byte 0xe9"),
+    ("broken_json_line", "jsonl", b'{"question": "1+1=", "answer": "2"}\n{"question": "2+2=",\n',
+     r"line 2 \(row 1\) is not JSON"),
+    ("json_array_line", "jsonl", b'{"question": "1+1=", "answer": "2"}\n[1, 2]\n', r"line 2 \(row 1\) is a JSON list"),
+    ("row_without_the_prompt", "jsonl", b'{"question": "1+1=", "answer": "2"}\n{"answer": "3"}\n',
+     rf"row 1 of .*bad\.jsonl' \(split 'train'\) has no 'question' \(the prompt, {KEY}\.prompt_column\)"),
+    ("null_prompt", "jsonl", b'{"question": "1+1=", "answer": "2"}\n{"question": null, "answer": "3"}\n',
+     r"row 1 of .* has no 'question'"),
+    ("empty_prompt", "csv", b'question,answer\n1+1=,2\n"",3\n', r"row 1 of .* has (no|an empty) 'question'"),
+    ("duplicate_ids", "jsonl", b'{"question": "a", "answer": "1", "uid": 4}\n{"question": "b", "answer": "2", "uid": 4}\n',
+     rf"{KEY}\.id_column='uid': id 4 appears twice .*: rows 0 and 1; ids must be unique"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "content", "match"), [case[1:] for case in BAD_FILES],
+                         ids=[case[0] for case in BAD_FILES])
+def test_a_bad_dataset_file_is_a_clear_error_at_load_naming_the_row(tmp_path: Path, fmt: str, content: bytes,
+                                                                      match: str) -> None:
+    path = tmp_path / f"bad.{fmt}"
+    path.write_bytes(content)
+    id_column = "uid" if b"uid" in content else None
+    with pytest.raises(ValueError, match=match):
+        DatasetTask(str(path), prompt_column="question", id_column=id_column, reward_fn=FN)
+
+
+def test_a_template_over_a_null_column_names_the_row(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"q": "1+1=", "answer": "2"}\n{"q": null, "answer": "3"}\n')
+    with pytest.raises(ValueError, match=rf"row 1 of .* has no 'q' \(the prompt, {KEY}\.prompt_template\)"):
+        DatasetTask(str(path), prompt_template="what is {q}", reward_fn=FN)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    policy = TinyCausalLM()
+    context = policy.build_config().max_position_embeddings
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1" * (context + 5), "answer": "1"}]
+    path = write(tmp_path, rows, "jsonl")
+    task = DatasetTask(path, reward_fn=FN)
+    with pytest.raises(ValueError, match=rf"{KEY}: prompt id 1 of .* is {context + 5} tokens .* context is {context}"
+                                         rf" positions .* Set {KEY}\.max_prompt_tokens"):
+        task.prepare(policy, str(tmp_path / "run"))
+    capped = DatasetTask(path, max_prompt_tokens=context // 2, reward_fn=FN)  # the knob the error names
+    capped.prepare(policy, str(tmp_path / "run"))
+    assert [p.prompt_id for p in capped.prompts()] == [0]
+
+
+def test_jsonl_task_names_the_bad_line(tmp_path: Path) -> None:
+    from screl.envs import JsonlTask
+
+    path = tmp_path / "p.jsonl"
+    cases = [(b"", r"has no rows"), (b'{"prompt": "a"}\n\xff\n', r"line 2 of .* is not UTF-8"),
+             (b'{"prompt": "a"}\n{"prompt": \n', r"line 2 of .* is not JSON"),
+             (b'{"prompt": "a", "id": 0}\n{"prompt": "b", "id": 1}\n{"prompt": "c", "id": 1}\n', None)]
+    for content, match in cases:
+        path.write_bytes(content)
+        if match is None:
+            path.write_bytes(content.replace(b', "id": 0', b""))
+            with pytest.raises(ValueError, match=r"line 1 of .* has id=None: every row needs an integer id"):
+                JsonlTask(str(path), reward_fn=FN, id_key="id").prompts()
+            path.write_bytes(content)
+            with pytest.raises(ValueError, match=r"duplicate prompt id 1 .*: lines 2 and 3"):
+                JsonlTask(str(path), reward_fn=FN, id_key="id").prompts()
+            continue
+        with pytest.raises(ValueError, match=match):
+            JsonlTask(str(path), reward_fn=FN).prompts()

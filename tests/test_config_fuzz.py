@@ -1,0 +1,122 @@
+"""``screl check`` under hypothesis-driven mutations of every shipped config (issue 40, item 3): wrong types,
+out-of-range numbers, unknown and missing keys, blocks from the other algorithm. It never crashes with a traceback:
+it accepts the config, or exits 2 listing the problems, naming the key.
+
+Seeded (``derandomize``) and bounded: the same examples on every run, ~40 s on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from screl.cli import check
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml"))
+LOADED = {str(p.relative_to(ROOT / "configs")): yaml.safe_load(p.read_text()) for p in CONFIGS}
+NAMES = sorted(LOADED)
+PPO_BLOCK = LOADED["ppo_tiny.yaml"]["ppo"]
+GRPO_BLOCK = LOADED["grpo_tiny.yaml"]["grpo"]
+
+WRONG_VALUES: list[Any] = ["not-a-number", -1, 0, 10**12, -(10**12), 1.5, -0.5, math.inf, True, None, [], {},
+                          [1, "x"], {"unexpected": 1}]
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path into ``node`` (dict keys and list indices), parents before children."""
+    out: list[tuple[Any, ...]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        out.append((*prefix, key))
+        out += _paths(value, (*prefix, key))
+    return out
+
+
+def _parent(cfg: Any, path: tuple[Any, ...]) -> Any:
+    for key in path[:-1]:
+        cfg = cfg[key]
+    return cfg
+
+
+@st.composite
+def mutations(draw: st.DrawFn) -> tuple[str, dict[str, Any], str, str]:
+    """(config name, mutated config, kind of mutation, the dotted path it touched)."""
+    name = draw(st.sampled_from(NAMES))
+    cfg = copy.deepcopy(LOADED[name])
+    kind = draw(st.sampled_from(["wrong_value", "unknown_key", "missing_key", "other_algorithm"]))
+    paths = _paths(cfg)
+    if kind == "other_algorithm":
+        if "ppo" in cfg:
+            cfg["grpo"] = copy.deepcopy(GRPO_BLOCK)
+            touched = "grpo"
+        else:
+            cfg["ppo"] = copy.deepcopy(PPO_BLOCK)
+            touched = "ppo"
+        return name, cfg, kind, touched
+    if kind == "unknown_key":
+        dicts = [()] + [p for p in paths if isinstance(_parent(cfg, (*p, None)), dict)]
+        where = draw(st.sampled_from(dicts))
+        _parent(cfg, (*where, None))["zz_unknown_knob"] = 1
+        return name, cfg, kind, ".".join(map(str, (*where, "zz_unknown_knob")))
+    path = draw(st.sampled_from(paths))
+    parent = _parent(cfg, path)
+    if kind == "missing_key":
+        if isinstance(parent, list):
+            parent.pop(path[-1])
+        else:
+            del parent[path[-1]]
+    else:
+        parent[path[-1]] = copy.deepcopy(draw(st.sampled_from(WRONG_VALUES)))
+    return name, cfg, kind, ".".join(map(str, path))
+
+
+def run_check(cfg: dict[str, Any], path: Path) -> tuple[int, str]:
+    """``screl check`` in-process: (exit code, everything it printed). A parse error (jsonargparse) exits through
+    SystemExit(2), as on the command line; any other exception propagates: that is the crash this test looks for."""
+    path.write_text(yaml.safe_dump(cfg))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = check(["--config", str(path)])
+        except SystemExit as exit_:
+            rc = exit_.code if isinstance(exit_.code, int) else 1
+    return rc, out.getvalue() + err.getvalue()
+
+
+_KEYLIKE = re.compile(r"[A-Za-z_][\w]*\.[A-Za-z_][\w.]*")
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(mutation=mutations())
+def test_check_never_crashes_on_a_mutated_shipped_config(mutation: tuple[str, dict[str, Any], str, str],
+                                                         tmp_path: Path) -> None:
+    name, cfg, kind, touched = mutation
+    rc, out = run_check(cfg, tmp_path / "mutated.yaml")
+    assert "Traceback" not in out, f"{name}, {kind} at {touched}:\n{out[-3000:]}"
+    assert rc in (0, 2), f"{name}, {kind} at {touched}: exit {rc}\n{out[-3000:]}"
+    if rc == 0:
+        assert "the config is valid" in out
+    else:  # the problems are listed, each naming a dotted key
+        named = _KEYLIKE.search(out) or re.search(rf"\b{re.escape(touched.split('.')[0])}\b", out)
+        assert named, f"{name}, {kind} at {touched}: no key named in\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny.yaml", "ppo_tiny.yaml"])
+def test_a_block_of_the_other_algorithm_is_refused_naming_it(name: str, tmp_path: Path) -> None:
+    cfg = copy.deepcopy(LOADED[name])
+    other = "grpo" if "ppo" in cfg else "ppo"
+    cfg[other] = copy.deepcopy(GRPO_BLOCK if other == "grpo" else PPO_BLOCK)
+    rc, out = run_check(cfg, tmp_path / "cfg.yaml")
+    assert rc == 2 and other in out, out
