@@ -34,8 +34,8 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     assert proc.returncode == 0, json.dumps(parts, indent=1)[-4000:]
     assert result["ok"] is True and result["mode"] == "cpu"
     assert set(parts) == {"grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory",
-                          "colocated"}
-    for name in ("grpo", "megatron", "ppo_offload", "memory", "colocated"):
+                          "colocated", "megatron_generation"}
+    for name in ("grpo", "megatron", "ppo_offload", "memory", "colocated", "megatron_generation"):
         assert parts[name]["status"] == "passed", (name, parts[name])
     for name in ("nccl_refit", "pipeline"):
         assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"], parts[name]
@@ -53,6 +53,9 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     colocated = parts["colocated"]
     assert colocated["backend"] == "torch" and colocated["steps"] == 3
     assert colocated["refits"] >= 2 and colocated["logprob_mismatch_max"] < 1e-5  # the trainer's own module
+    megatron_generation = parts["megatron_generation"]
+    assert megatron_generation["backend"] == "megatron" and megatron_generation["steps"] == 3
+    assert megatron_generation["logprob_mismatch_max"] < 1e-5  # the trainer's own GPTModel generated
 
     meg = parts["megatron"]
     assert meg["logits_max_abs_diff"] < 1e-3 and meg["export_max_abs_diff"] == 0.0

@@ -25,6 +25,8 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
   the trainer's process, standing down for each train step). GPU: SmolLM2-135M-Instruct, ``bf16-mixed``, 20 steps
   of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
   (its refits are relabels: no weight moves), and no generation worker may appear in the run's log.
+- ``megatron_generation``: the ``colocated`` run with ``generation.backend: megatron`` under ``MegatronStrategy``
+  (TP=1): the trainer's ``GPTModel`` generates with megatron-core's static KV cache. The same figures.
 - ``memory``: ``bench/memory.py``'s step at vocabulary 151,936, chunked logprobs (``after``) against full logits
   (``before``). GPU: 8 x 2048 tokens, ``torch.cuda.max_memory_allocated`` above the allocation before the step.
   CPU: 2 x 256 tokens, peak RSS above idle (``bench.memory.run_side``).
@@ -49,9 +51,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated")
+sys.path.insert(0, str(HERE))
+from acceptance_configs import (  # noqa: E402  (a sibling module of this script)
+    colocated_config,
+    grpo_config,
+    megatron_generation_config,
+    vllm_importable,
+)
+
+PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated",
+         "megatron_generation")
 GPU_TIMEOUT_S = {"grpo": 300, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
-                 "ppo_offload": 90, "memory": 150, "colocated": 240}
+                 "ppo_offload": 90, "memory": 150, "colocated": 240, "megatron_generation": 240}
 CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
 GPU_STEPS, CPU_STEPS = 20, 3
 
@@ -69,53 +80,7 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def vllm_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 # -- grpo ------------------------------------------------------------------------------------------------------
-
-
-def _shipped_config(name: str, run_dir: Path, steps: int) -> dict[str, Any]:
-    """``configs/<name>`` for ``steps`` steps in ``run_dir``: no progress bar, no checkpoints, no validation."""
-    import yaml
-
-    cfg: dict[str, Any] = yaml.safe_load((REPO / "configs" / name).read_text())
-    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
-    grpo = cfg["grpo"]
-    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
-    grpo.pop("validation", None)
-    return cfg
-
-
-def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
-    """The run's config (the YAML as a dict), built from an existing config."""
-
-    if cpu and not vllm_importable():
-        sys.path.insert(0, str(REPO))
-        from bench._common import SAMPLERS, screl_config
-
-        cfg = screl_config(run_dir=run_dir, steps=steps, sampler=SAMPLERS["async_w1"], prompts_per_step=4, group=4,
-                           completion_len=8)
-        cfg["data"]["init_args"]["generation"]["min_new_tokens"] = 0
-        return cfg
-    cfg = _shipped_config("grpo_vllm_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
-    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
-    if cpu:
-        grpo.update(num_prompts_per_step=4, num_generations_per_prompt=4)
-        cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
-        gen.update(max_new_tokens=8)
-    else:
-        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
-        gen.update(backend="vllm", device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32,
-                   backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})  # CUDA graphs: cuda default
-        grpo.update(num_prompts_per_step=8, num_generations_per_prompt=8)
-        cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
-        cfg["data"]["init_args"]["step_timeout_s"] = 120
-    return cfg
 
 
 def _read_run(run_root: Path) -> tuple[list[dict[str, float]], list[dict[str, Any]], Path]:
@@ -144,31 +109,22 @@ def part_grpo(cpu: bool, work: Path) -> dict[str, Any]:
     return _fit_and_read(grpo_config(cpu, run_root, steps), run_root, work / "grpo_config.yaml", steps)[0]
 
 
-def colocated_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
-    """Colocated GRPO: ``configs/grpo_colocated_tiny.yaml`` small on a CPU; SmolLM2 on the one GPU otherwise."""
-    cfg = _shipped_config("grpo_colocated_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
-    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
-    prompts = 4 if cpu else 8
-    grpo.update(num_prompts_per_step=prompts, num_generations_per_prompt=4 if cpu else 8)
-    cfg["async_rl"].update(min_groups_for_streaming_train=prompts, max_inflight_prompts=2 * prompts,
-                           max_buffered_rollouts=2 * prompts)
-    if cpu:
-        gen.update(max_new_tokens=8, min_new_tokens=0)
-    else:
-        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
-        gen.update(backend="torch", device="cuda", num_workers=1, max_new_tokens=32, backend_args={},
-                   colocated={"enabled": True}, num_gpus_per_worker=None)
-        cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
-        cfg["data"]["init_args"]["step_timeout_s"] = 120
-    return cfg
-
-
 def part_colocated(cpu: bool, work: Path) -> dict[str, Any]:
     steps = CPU_STEPS if cpu else GPU_STEPS
     run_root = work / "colocated_run"
     out, log = _fit_and_read(colocated_config(cpu, run_root, steps), run_root, work / "colocated_config.yaml", steps)
     _check("the colocated torch engine" in log and "generation worker(s)" not in log,
            "the run did not start the colocated engine, or started a generation worker")
+    return out
+
+
+def part_megatron_generation(cpu: bool, work: Path) -> dict[str, Any]:
+    steps = CPU_STEPS if cpu else GPU_STEPS
+    run_root = work / "megatron_generation_run"
+    out, log = _fit_and_read(megatron_generation_config(cpu, run_root, steps), run_root,
+                             work / "megatron_generation_config.yaml", steps)
+    _check("the colocated megatron engine" in log and "generation worker(s)" not in log,
+           "the run did not start the colocated Megatron engine, or started a generation worker")
     return out
 
 
@@ -344,9 +300,9 @@ def _gpu_memory_side(bench_memory: Any, side: str, rows: int, length: int, micro
             "max_allocated_above_start_mb": (peak - start) / 2**20, "step_s": step_s, "tokens": rows * length}
 
 
-RUNNERS = {"grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone, "nccl_refit": part_nccl_refit,
-           "megatron": part_megatron, "pipeline": part_pipeline, "ppo_offload": part_ppo_offload,
-           "memory": part_memory}
+RUNNERS = {"grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone,
+           "nccl_refit": part_nccl_refit, "megatron": part_megatron, "pipeline": part_pipeline,
+           "ppo_offload": part_ppo_offload, "memory": part_memory, "megatron_generation": part_megatron_generation}
 
 
 # -- the driver ------------------------------------------------------------------------------------------------

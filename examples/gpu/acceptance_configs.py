@@ -1,0 +1,84 @@
+"""The ``screl fit`` configs the GPU acceptance command's runs use (``examples/gpu/acceptance.py``), each built from a
+shipped config: small on a CPU, SmolLM2-135M-Instruct on the one GPU otherwise."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _shipped_config(name: str, run_dir: Path, steps: int) -> dict[str, Any]:
+    """``configs/<name>`` for ``steps`` steps in ``run_dir``: no progress bar, no checkpoints, no validation."""
+    import yaml
+
+    cfg: dict[str, Any] = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(run_dir), enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    grpo = cfg["grpo"]
+    grpo.update(max_num_steps=steps, val_at_start=False, val_at_end=False, val_period=0)
+    grpo.pop("validation", None)
+    return cfg
+
+
+def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
+    """The run's config (the YAML as a dict), built from an existing config."""
+    if cpu and not vllm_importable():
+        sys.path.insert(0, str(REPO))
+        from bench._common import SAMPLERS, screl_config
+
+        cfg = screl_config(run_dir=run_dir, steps=steps, sampler=SAMPLERS["async_w1"], prompts_per_step=4, group=4,
+                           completion_len=8)
+        cfg["data"]["init_args"]["generation"]["min_new_tokens"] = 0
+        return cfg
+    cfg = _shipped_config("grpo_vllm_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
+    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
+    if cpu:
+        grpo.update(num_prompts_per_step=4, num_generations_per_prompt=4)
+        cfg["async_rl"].update(min_groups_for_streaming_train=4, max_inflight_prompts=8, max_buffered_rollouts=8)
+        gen.update(max_new_tokens=8)
+    else:
+        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
+        gen.update(backend="vllm", device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32,
+                   backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})  # CUDA graphs: cuda default
+        grpo.update(num_prompts_per_step=8, num_generations_per_prompt=8)
+        cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
+        cfg["data"]["init_args"]["step_timeout_s"] = 120
+    return cfg
+
+
+def colocated_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Colocated GRPO: ``configs/grpo_colocated_tiny.yaml`` small on a CPU; SmolLM2 on the one GPU otherwise."""
+    cfg = _shipped_config("grpo_colocated_tiny.yaml" if cpu else "grpo_smollm2.yaml", run_dir, steps)
+    grpo, gen = cfg["grpo"], cfg["data"]["init_args"]["generation"]
+    prompts = 4 if cpu else 8
+    grpo.update(num_prompts_per_step=prompts, num_generations_per_prompt=4 if cpu else 8)
+    cfg["async_rl"].update(min_groups_for_streaming_train=prompts, max_inflight_prompts=2 * prompts,
+                           max_buffered_rollouts=2 * prompts)
+    if cpu:
+        gen.update(max_new_tokens=8, min_new_tokens=0)
+    else:
+        cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
+        gen.update(backend="torch", device="cuda", num_workers=1, max_new_tokens=32, backend_args={},
+                   colocated={"enabled": True}, num_gpus_per_worker=None)
+        cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
+        cfg["data"]["init_args"]["step_timeout_s"] = 120
+    return cfg
+
+
+def megatron_generation_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Colocated Megatron generation under ``MegatronStrategy`` (TP=1): the colocated config with the trainer's
+    ``GPTModel`` generating (megatron-core's static KV cache) instead of the torch engine."""
+    cfg = colocated_config(cpu, run_dir, steps)
+    cfg["trainer"]["strategy"] = {"class_path": "screl.strategies.MegatronStrategy",
+                                  "init_args": {"parallelism": {"tensor_model_parallel_size": 1}}}
+    cfg["data"]["init_args"]["generation"].update(backend="megatron", backend_args={})
+    return cfg
