@@ -164,7 +164,10 @@ class ScrelCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        problems = config_problems(self.config_dict())
+        from screl.validation.shapes import shape_problems
+
+        blocks = {**TOP_LEVEL_BLOCKS, "grpo": GRPOConfig, "ppo": PPOConfig, "trainer": None, "model": None, "data": None}
+        problems = shape_problems(self.config_dict(), blocks) or config_problems(self.config_dict())
         if problems:
             raise ConfigError(problems)
         if not self.check_only:  # before the Trainer (and CUDA) starts: the trainer sees only its GPUs

@@ -120,3 +120,23 @@ def test_a_block_of_the_other_algorithm_is_refused_naming_it(name: str, tmp_path
     cfg[other] = copy.deepcopy(GRPO_BLOCK if other == "grpo" else PPO_BLOCK)
     rc, out = run_check(cfg, tmp_path / "cfg.yaml")
     assert rc == 2 and other in out, out
+
+
+# -- regressions: what the fuzzing found ------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [10**12, -1])
+def test_a_seed_outside_numpys_range_is_a_problem_not_a_traceback(seed: int, tmp_path: Path) -> None:
+    cfg = copy.deepcopy(LOADED["grpo_tiny.yaml"])
+    cfg["seed_everything"] = seed
+    rc, out = run_check(cfg, tmp_path / "cfg.yaml")
+    assert rc == 2 and f"seed_everything = {seed}: numpy's seed range is [0, 4294967295]" in out, out
+
+
+@pytest.mark.parametrize(("path", "value"), [(("async_rl",), 5), (("checkpointing",), [1]),
+                                             (("async_rl", "rollout_failure"), 0),
+                                             (("async_rl", "watchdog"), 7), (("trainer",), [1, "x"])])
+def test_a_scalar_in_place_of_a_block_is_a_problem_naming_it(path: tuple[str, ...], value: Any,
+                                                             tmp_path: Path) -> None:
+    cfg = copy.deepcopy(LOADED["grpo_dynamic.yaml"])
+    _parent(cfg, path)[path[-1]] = value
+    rc, out = run_check(cfg, tmp_path / "cfg.yaml")
+    assert rc == 2 and f"{'.'.join(path)} = {value!r}: must be a block of settings" in out, out
