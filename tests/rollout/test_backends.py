@@ -37,14 +37,24 @@ def test_torch_is_the_builtin_and_a_class_path_names_the_same_class() -> None:
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("megatron", r"generation.backend='megatron': Megatron generation is not in this build yet"),
-        ("no_such.module.Engine", r"neither a built-in backend \(\['torch', 'vllm'\]\) nor an importable class"),
+        ("no_such.module.Engine", r"neither a built-in backend \(\['megatron', 'torch', 'vllm'\]\) nor an importable "
+         r"class"),
         ("screl.envs.CountLetter", r"does not implement the GenerationEngine protocol: missing \['from_options'"),
     ],
 )
 def test_a_backend_that_cannot_be_used_is_named(name: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         resolve_backend(name)
+
+
+def test_megatron_names_the_megatron_engine_which_takes_no_backend_args() -> None:
+    from screl.models import TinyCausalLM
+    from screl.rollout.engine import EngineOptions
+    from screl.rollout.megatron_engine import MegatronGenerationEngine
+
+    assert resolve_backend("megatron") is MegatronGenerationEngine
+    with pytest.raises(ValueError, match=r"backend_args=\{'decode': 'hf'\}: the megatron backend takes none"):
+        MegatronGenerationEngine.from_options(TinyCausalLM(), EngineOptions(args={"decode": "hf"}))
 
 
 def test_the_torch_backend_takes_only_decode_in_backend_args() -> None:

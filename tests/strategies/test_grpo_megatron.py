@@ -142,6 +142,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     workdir = tmp_path_factory.mktemp(f"grpo_megatron_{layout}")
     cfg = run_config(str(workdir / "run"))
     cfg["trainer"]["strategy"]["init_args"]["parallelism"] = dict(LAYOUTS[layout])
+    if layout == "tp2":  # the worker is a Megatron engine (TP=1), refitted in Megatron's names from the TP=2 shards
+        cfg["data"]["init_args"]["generation"]["backend"] = "megatron"
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = jobs.spawn(grpo_job, 2, str(workdir))
     return layout, cfg, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
@@ -190,7 +192,8 @@ def test_grpo_runs_end_to_end(run: Run) -> None:
 @pytest.mark.slow
 def test_workers_generate_with_the_exported_weights(run: Run) -> None:
     """Sync mode: every token is on-policy, so the worker's logprobs must equal the trainer's. At steps
-    1 and 2 the worker holds the full HF-named weights that rank 0 exported after the previous step."""
+    1 and 2 the worker holds the full weights that rank 0 exported after the previous step (HF-named for the torch
+    engine at DP=2 and PP=2; Megatron-named for the Megatron engine at TP=2)."""
     _, _, ranks = run
     mismatch = [step["train/logprob_mismatch"] for step in ranks[0]["steps"]]
     assert len(mismatch) == STEPS
