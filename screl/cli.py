@@ -361,6 +361,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
         f"devices              {_devices_line(cfg)}",
         f"refit                {_refit_line(cfg, run)}",
         f"dropped groups       {_drops_line(run)}",
+        f"recovery             {_recovery_line(run)}",
         f"validation           {_validation_line(run)}",
         f"trainer memory       {trainer_memory_line(cfg)}",
     ]
@@ -385,6 +386,18 @@ def _validation_line(run: RunConfig) -> str:
     how = "greedy" if v.temperature == 0 else f"temperature {v.temperature:g}"
     return (f"{', '.join(when)}: {v.num_samples} sample(s) per held-out prompt, {how}, pass at reward >= "
             f"{v.pass_threshold:g}; the next refit waits for it")
+
+
+def _recovery_line(run: RunConfig) -> str:
+    """What a failed, abandoned or restarted sibling costs its group (``token_capture``, ``rollout_recovery``)."""
+    if not run.token_capture.enabled:
+        return ("token capture off: a failed or restarted sibling regenerates its whole group (prompt_group); no "
+                "finished generation is kept")
+    rr = run.rollout_recovery
+    overrides = len(rr.task_source_granularity_overrides) + len(rr.agent_granularity_overrides)
+    what = {"sibling": "finished siblings are kept, only unfinished ones are generated again",
+            "prompt_group": "a group with an unfinished sibling is generated again whole"}[rr.default_granularity]
+    return f"token capture on: {rr.default_granularity} ({what})" + (f"; {overrides} override(s)" if overrides else "")
 
 
 def _drops_line(run: RunConfig) -> str:

@@ -377,8 +377,12 @@ class RolloutRecoveryConfig:
 class TokenCaptureConfig:
     """Token-level capture of generations (per-sibling staging for recovery)."""
 
-    enabled: bool = False
-    """Stage each finished generation so sibling-level recovery can reuse it."""
+    enabled: bool = True
+    """Stage each finished generation (its tokens and row, kept in the data plane under its attempt) so recovery can
+    reuse it: after a failed or restarted sibling only the unfinished ones are generated again
+    (``rollout_recovery.default_granularity: sibling``). ``false``: no finished generation outlives its group's
+    failure: a data failure, an abandonment or a restart regenerates the whole group from the weights live at
+    redispatch (``prompt_group`` for every group); non-default granularities and periodic snapshots need ``true``."""
 
 
 @dataclass

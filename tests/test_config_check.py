@@ -188,7 +188,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True,
       "data_plane.backend": "mooncake_cpu", "checkpointing.save_data_plane": False},
      "data_plane.backend", "native TransferQueue save/load"),
-    ("snapshots_need_token_capture", "grpo.yaml", {"rollout_checkpointing.snapshot_attempt_interval_s": 60},
+    ("snapshots_need_token_capture", "grpo.yaml", {"rollout_checkpointing.snapshot_attempt_interval_s": 60,
+                                                    "token_capture.enabled": False},
      "token_capture.enabled", "need token capture"),
     ("snapshots_need_claims", "grpo.yaml",
      {"rollout_checkpointing.snapshot_attempt_interval_s": 60, "token_capture.enabled": True,
@@ -256,7 +257,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("save_optimizer_megatron", "grpo_megatron_tiny.yaml",
      {"checkpointing": {"enabled": True, "checkpoint_dir": "runs/x", "save_optimizer": False}},
      "checkpointing.save_optimizer", "megatron's own (sharded) optimizer state"),
-    ("recovery_needs_token_capture", "grpo_tiny.yaml", {"rollout_recovery.default_granularity": "prompt_group"},
+    ("recovery_needs_token_capture", "grpo_tiny.yaml", {"rollout_recovery.default_granularity": "prompt_group",
+                                                        "token_capture.enabled": False},
      "rollout_recovery.default_granularity", "token capture"),
     ("backoff_order", "grpo_tiny.yaml", {"async_rl.rollout_failure": {"backoff_base_s": 5.0, "max_backoff_s": 1.0}},
      "async_rl.rollout_failure.max_backoff_s", "below backoff_base_s"),
@@ -507,6 +509,15 @@ def test_the_default_buffer_lets_windowed_dispatch_run_ahead(tmp_path: Path, cap
     cfg["async_rl"]["max_buffered_rollouts"] = 5  # an explicit value is the user's
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0 and "required 4, configured 5 groups (max_buffered_rollouts)" in out, out
+
+
+def test_the_plan_says_what_a_failed_sibling_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0 and "recovery             token capture on: sibling (finished siblings are kept" in out, out
+    cfg["token_capture"] = {"enabled": False}
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0 and "token capture off: a failed or restarted sibling regenerates its whole group" in out, out
 
 
 def test_the_plan_warns_of_shadow_mode_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

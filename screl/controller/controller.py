@@ -82,7 +82,11 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
 
 
 def recovery_policy(run: RunConfig) -> RecoveryPolicy:
+    """``rollout_recovery``'s granularities; without token capture (``token_capture.enabled: false``) no finished
+    sibling is kept for an unfinished group, so every group recovers whole (``prompt_group``)."""
     rr = run.rollout_recovery
+    if not run.token_capture.enabled:
+        return RecoveryPolicy(default_granularity="prompt_group")  # type: ignore[arg-type]
     return RecoveryPolicy(
         default_granularity=rr.default_granularity,  # type: ignore[arg-type]
         task_source_granularity_overrides=dict(rr.task_source_granularity_overrides),  # type: ignore[arg-type]

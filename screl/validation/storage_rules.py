@@ -78,7 +78,7 @@ def snapshot_rules(c: RuleContext) -> None:
         if c.dp_backend != "simple":
             c.bad("data_plane.backend", c.dp_backend, "periodic snapshots need native TransferQueue save/load",
                   "set data_plane.backend: simple")
-        if not get(c.cfg, "token_capture.enabled", False):
+        if not get(c.cfg, "token_capture.enabled", True):
             c.bad("token_capture.enabled", False, "periodic rollout snapshots need token capture",
                   "set token_capture.enabled: true")
         if c.sampler is not None and not all(sampler_capabilities(c.sampler)):
@@ -100,7 +100,7 @@ def recovery_rules(c: RuleContext) -> None:
     overrides = {**(rr.get("task_source_granularity_overrides") or {}), **(rr.get("agent_granularity_overrides") or {})}
     non_default = rr.get("default_granularity", "sibling") != "sibling" or any(
         v != "sibling" for v in overrides.values())
-    if non_default and not get(c.cfg, "token_capture.enabled", False):
+    if non_default and not get(c.cfg, "token_capture.enabled", True):
         c.bad("rollout_recovery.default_granularity", rr.get("default_granularity"), "non-default recovery "
               "granularity needs token capture", "set token_capture.enabled: true")
 
