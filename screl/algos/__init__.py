@@ -1,6 +1,7 @@
 """Pure torch RL math: advantages (GRPO, GAE) and policy/value losses with IS correction."""
 
 from screl.algos.advantages import gae_advantages, grpo_advantages, masked_whiten, terminal_token_rewards
+from screl.algos.distill import ReverseKLDistillLoss, distill_advantages
 from screl.algos.losses import ClippedPGLoss, ClippedValueLoss, KLEstimator, PolicyLoss, kl_estimate
 
 __all__ = [
@@ -8,6 +9,8 @@ __all__ = [
     "ClippedValueLoss",
     "KLEstimator",
     "PolicyLoss",
+    "ReverseKLDistillLoss",
+    "distill_advantages",
     "gae_advantages",
     "grpo_advantages",
     "kl_estimate",

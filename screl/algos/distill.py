@@ -1,0 +1,102 @@
+"""On-policy distillation: the per-token reverse-KL objective toward a teacher (pure torch).
+
+The student samples; a teacher scores the student's own tokens. Reverse KL ``KL(pi_s || pi_t) = E_{y ~ pi_s}
+[log pi_s(y) - log pi_t(y)]`` is minimised by a policy gradient whose per-token advantage is the negative
+sampled KL, ``A_t = log pi_t(y_t) - log pi_beh(y_t)`` (teacher minus the student's behaviour logprob, the
+policy that sampled the token), each token on its own (no sum over later tokens: the "discount 0" estimator of
+on-policy distillation). The token advantage is treated as data, so the surrogate's gradient is
+``-A_t grad log pi_s(y_t)``; on-policy it equals the gradient of the per-token reverse KL's sampled estimate
+(the score term ``E[grad log pi] = 0`` drops the ``log pi_s`` dependence of ``A``).
+
+Mixed with the task reward: ``A_t = kl_coef (log pi_t - log pi_beh) + reward_weight A_grpo`` where ``A_grpo`` is
+the row's GRPO advantage, the same for all its tokens. The surrogate is :class:`ClippedPGLoss`'s, so its
+ratio clipping and importance-sampling correction (``use_importance_sampling_correction`` when the sampler admits
+stale rows) apply exactly as for GRPO.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from screl.algos.losses import ClippedPGLoss
+from screl.algos.stats import masked_mean, valid_mask
+
+__all__ = ["ReverseKLDistillLoss", "distill_advantages"]
+
+
+def distill_advantages(
+    teacher_logprobs: Tensor, behaviour_logprobs: Tensor, token_mask: Tensor,
+    reward_advantages: Tensor | None = None, reward_weight: float = 0.0, kl_coef: float = 1.0,
+) -> Tensor:
+    """Per-token advantages ``kl_coef (teacher - behaviour) + reward_weight A_grpo``, 0 outside ``token_mask``.
+
+    Args:
+        teacher_logprobs: ``[B, T]`` the teacher's logprob of each sampled token.
+        behaviour_logprobs: ``[B, T]`` the student's logprob of it under the policy that sampled it.
+        token_mask: ``[B, T]`` tokens trained on.
+        reward_advantages: ``[B]`` the rows' GRPO advantages (needed when ``reward_weight`` is not 0).
+        reward_weight: weight of the task reward's advantage; 0 is pure distillation.
+        kl_coef: weight of the reverse-KL advantage.
+    """
+    if teacher_logprobs.shape != behaviour_logprobs.shape:
+        raise ValueError(f"teacher_logprobs has shape {tuple(teacher_logprobs.shape)}, behaviour_logprobs "
+                         f"{tuple(behaviour_logprobs.shape)}: they must match (one per completion token)")
+    mask = valid_mask(token_mask, None, teacher_logprobs.shape)
+    adv = kl_coef * (teacher_logprobs.detach() - behaviour_logprobs.detach())
+    if reward_weight != 0.0:
+        if reward_advantages is None:
+            raise ValueError(f"distillation.reward_weight={reward_weight!r} needs the rows' reward advantages: pass "
+                             "reward_advantages, or set reward_weight: 0")
+        adv = adv + reward_weight * reward_advantages.detach().to(adv.dtype)[:, None]
+    return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+class ReverseKLDistillLoss(nn.Module):
+    """The per-token reverse-KL distillation loss: :func:`distill_advantages` through a clipped policy-gradient
+    surrogate (``pg``, a :class:`ClippedPGLoss`: its clip, IS correction and aggregation apply).
+
+    Args:
+        pg: the surrogate; None: ``ClippedPGLoss()`` (no IS correction: turn it on for stale rows).
+        reward_weight: weight of the task reward's GRPO advantage (``distillation.reward_weight``).
+        kl_coef: weight of the reverse-KL advantage.
+    """
+
+    def __init__(self, pg: ClippedPGLoss | None = None, reward_weight: float = 0.0, kl_coef: float = 1.0) -> None:
+        super().__init__()
+        if not kl_coef > 0.0:
+            raise ValueError(f"ReverseKLDistillLoss(kl_coef={kl_coef!r}) must be > 0: use GRPO for reward-only "
+                             "training")
+        if not reward_weight >= 0.0:
+            raise ValueError(f"distillation.reward_weight={reward_weight!r} must be >= 0 (0: pure distillation)")
+        self.pg = pg if pg is not None else ClippedPGLoss()
+        self.reward_weight = reward_weight
+        self.kl_coef = kl_coef
+
+    @property
+    def requires_reference_logprobs(self) -> bool:
+        return self.pg.requires_reference_logprobs
+
+    @property
+    def token_level_loss(self) -> bool:
+        return self.pg.token_level_loss
+
+    def forward(
+        self, curr_logprobs: Tensor, prev_logprobs: Tensor, generation_logprobs: Tensor, teacher_logprobs: Tensor,
+        token_mask: Tensor, sample_mask: Tensor | None = None, reward_advantages: Tensor | None = None,
+        reference_logprobs: Tensor | None = None, global_normalizer: float | Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(loss, metrics)``: ``pg``'s loss and metrics with the distillation advantages, plus ``reverse_kl``
+        (the sampled estimate ``mean(log pi_beh - log pi_t)`` over valid tokens) and ``teacher_logprob``
+        (the teacher's mean logprob of the student's tokens)."""
+        adv = distill_advantages(teacher_logprobs, generation_logprobs, token_mask, reward_advantages,
+                                 self.reward_weight, self.kl_coef)
+        loss, metrics = self.pg(curr_logprobs, prev_logprobs, generation_logprobs, adv, token_mask, sample_mask,
+                                reference_logprobs=reference_logprobs, global_normalizer=global_normalizer)
+        m = valid_mask(token_mask, sample_mask, curr_logprobs.shape).to(curr_logprobs.dtype)
+        zero = torch.zeros_like(curr_logprobs)
+        teacher = torch.where(m.bool(), teacher_logprobs.detach().to(zero.dtype), zero)
+        gen = torch.where(m.bool(), generation_logprobs.detach().to(zero.dtype), zero)
+        metrics["reverse_kl"] = masked_mean(gen - teacher, m)
+        metrics["teacher_logprob"] = masked_mean(teacher, m)
+        return loss, metrics

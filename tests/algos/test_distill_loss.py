@@ -1,0 +1,103 @@
+"""The reverse-KL distillation objective (screl.algos.distill): advantages and loss pinned by hand, a gradcheck."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from screl.algos import ClippedPGLoss, ReverseKLDistillLoss, distill_advantages
+
+TEACHER = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -3.0, 0.0]])
+BEHAVIOUR = torch.tensor([[-1.5, -1.0, -0.5], [-1.25, -2.0, -9.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+# teacher - behaviour on the valid tokens; the masked one is 0
+PURE = torch.tensor([[0.5, -1.0, 0.0], [1.0, -1.0, 0.0]])
+
+
+def test_advantage_is_teacher_minus_behaviour() -> None:
+    assert torch.equal(distill_advantages(TEACHER, BEHAVIOUR, MASK), PURE)
+
+
+def test_advantage_mixes_the_reward_advantage_per_row() -> None:
+    adv = distill_advantages(TEACHER, BEHAVIOUR, MASK, torch.tensor([2.0, -1.0]), reward_weight=0.5)
+    assert torch.equal(adv, torch.tensor([[1.5, 0.0, 1.0], [0.5, -1.5, 0.0]]))
+    scaled = distill_advantages(TEACHER, BEHAVIOUR, MASK, kl_coef=2.0)
+    assert torch.equal(scaled, 2.0 * PURE)
+
+
+def test_reward_weight_without_reward_advantages_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"distillation.reward_weight=0.5 needs the rows' reward advantages"):
+        distill_advantages(TEACHER, BEHAVIOUR, MASK, reward_weight=0.5)
+
+
+def test_shape_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"teacher_logprobs has shape \(2, 2\), behaviour_logprobs \(2, 3\)"):
+        distill_advantages(TEACHER[:, :2], BEHAVIOUR, MASK)
+
+
+def test_bad_hyperparameters_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"kl_coef=0.0\) must be > 0"):
+        ReverseKLDistillLoss(kl_coef=0.0)
+    with pytest.raises(ValueError, match=r"distillation.reward_weight=-1.0 must be >= 0"):
+        ReverseKLDistillLoss(reward_weight=-1.0)
+
+
+def test_on_policy_loss_is_the_sampled_reverse_kl_and_its_gradient_is_minus_a_over_n() -> None:
+    # on-policy (curr = prev = gen): ratio 1, the loss is -mean(A) = mean(gen - teacher), the k1 reverse KL
+    curr = BEHAVIOUR.clone().requires_grad_(True)
+    loss, metrics = ReverseKLDistillLoss()(curr, BEHAVIOUR, BEHAVIOUR, TEACHER, MASK)
+    # A = [0.5, -1, 0, 1, -1] over 5 valid tokens: -sum(A) / 5 = 0.1
+    assert loss.item() == pytest.approx(0.1, abs=1e-7)
+    assert metrics["reverse_kl"].item() == pytest.approx(0.1, abs=1e-7)
+    assert metrics["teacher_logprob"].item() == pytest.approx((-1.0 - 2.0 - 0.5 - 0.25 - 3.0) / 5, abs=1e-7)
+    loss.backward()
+    assert curr.grad is not None
+    torch.testing.assert_close(curr.grad, -PURE / 5, rtol=0, atol=1e-7)
+
+
+def test_stale_rows_are_importance_weighted_like_grpo() -> None:
+    # row 0 was sampled by a policy the trainer now rates log 2 likelier: IS weight exp(prev - gen) = 2
+    prev = BEHAVIOUR + torch.tensor([[math.log(2.0)] * 3, [0.0] * 3])
+    curr = prev.clone().requires_grad_(True)
+    pg = ClippedPGLoss(use_importance_sampling_correction=True)
+    loss, metrics = ReverseKLDistillLoss(pg)(curr, prev, BEHAVIOUR, TEACHER, MASK)
+    # -(2 * (0.5 - 1 + 0) + 1 * (1 - 1)) / 5 = 0.2; the advantage stays teacher - behaviour (not - prev)
+    assert loss.item() == pytest.approx(0.2, abs=1e-6)
+    assert metrics["is_weight_max"].item() == pytest.approx(2.0, abs=1e-6)
+    loss.backward()
+    assert curr.grad is not None
+    weight = torch.tensor([[2.0], [1.0]])
+    torch.testing.assert_close(curr.grad, -weight * PURE / 5, rtol=0, atol=1e-6)
+    # without the correction the same rows weigh 1
+    plain, _ = ReverseKLDistillLoss()(prev, prev, BEHAVIOUR, TEACHER, MASK)
+    assert plain.item() == pytest.approx(0.1, abs=1e-6)
+
+
+def test_sample_mask_drops_rows_and_reward_mix_enters_the_loss() -> None:
+    loss, metrics = ReverseKLDistillLoss(reward_weight=0.5)(
+        BEHAVIOUR, BEHAVIOUR, BEHAVIOUR, TEACHER, MASK, torch.tensor([1.0, 0.0]), torch.tensor([2.0, -1.0]))
+    # row 0 only: A = [1.5, 0, 1] -> -2.5 / 3
+    assert loss.item() == pytest.approx(-2.5 / 3, abs=1e-6)
+    assert metrics["reverse_kl"].item() == pytest.approx((-0.5 + 1.0 + 0.0) / 3, abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"use_importance_sampling_correction": True, "is_truncation": 4.0},
+                                    {"token_level_loss": False}])
+@pytest.mark.parametrize("reward_weight", [0.0, 0.7])
+def test_gradcheck_float64(kwargs: dict, reward_weight: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 4)
+    prev = -torch.rand(shape, generator=g, dtype=torch.float64) - 0.5
+    curr = (prev + 0.05 * torch.randn(shape, generator=g, dtype=torch.float64)).requires_grad_(True)
+    gen = prev + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
+    teacher = prev + torch.randn(shape, generator=g, dtype=torch.float64)
+    reward_adv = torch.randn(3, generator=g, dtype=torch.float64)
+    token_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    loss_fn = ReverseKLDistillLoss(ClippedPGLoss(**kwargs), reward_weight=reward_weight)
+
+    def fn(c: torch.Tensor) -> torch.Tensor:
+        return loss_fn(c, prev, gen, teacher, token_mask, torch.tensor([1, 1, 0]), reward_adv)[0]
+
+    assert torch.autograd.gradcheck(fn, (curr,), eps=1e-6, atol=1e-8, rtol=1e-6)
