@@ -433,10 +433,18 @@ class PolicyServer:
         self.aborted += [{"request_id": r.request_id, "finish_reason": r.finish_reason, "tokens": len(r.token_ids)}
                          for r in results]
 
-    def _aborted_stream(self, done: asyncio.Future[Any]) -> None:
-        self._background.discard(done)
-        if not done.cancelled() and done.exception() is None:
-            self._note_aborted(done.result())
+    async def _abort_until_done(self, worker: Any, requests: list[GenerationRequest],
+                                generating: asyncio.Future[Any]) -> None:
+        """Abort the requests until their generation ends (an abort that reaches the engine before the requests
+        do finds nothing to abort), then note them."""
+        ids = [r.request_id for r in requests]
+        while not generating.done():
+            await worker.abort.remote(ids)
+            await asyncio.wait({generating}, timeout=0.2)
+        if generating.cancelled() or generating.exception() is not None:  # dropped from the worker's queue
+            self.aborted += [{"request_id": i, "finish_reason": "abort", "tokens": 0} for i in ids]
+        else:
+            self._note_aborted(generating.result())
 
     def _stream(self, job: _Job, opening: str, chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
         """A server-sent event stream (:mod:`screl.rollout.openai_stream`); a client that goes away mid-stream
@@ -447,15 +455,14 @@ class PolicyServer:
         async def events() -> AsyncIterator[str]:
             yield opening
             self._inflight(job, True)
-            ref = worker.generate.remote(job.requests)
+            generating = asyncio.ensure_future(_await(worker.generate.remote(job.requests)))
             try:
-                results = await ref
+                results = await asyncio.shield(generating)
             except asyncio.CancelledError:  # the client went away (Starlette cancels the stream on disconnect)
-                worker.abort.remote([r.request_id for r in job.requests])
                 self.stats["disconnect_aborts"] += 1
-                done = asyncio.ensure_future(_await(ref))
-                self._background.add(done)
-                done.add_done_callback(self._aborted_stream)
+                cleanup = asyncio.ensure_future(self._abort_until_done(worker, job.requests, generating))
+                self._background.add(cleanup)
+                cleanup.add_done_callback(self._background.discard)
                 raise
             finally:
                 self._inflight(job, False)

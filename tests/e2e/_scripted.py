@@ -12,15 +12,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from screl.models import TinyCausalLM
-from screl.rollout.engine import GenerationRequest, GenerationResult
+from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult
+from screl.rollout.faults import HangsOnceEngine
 from screl.rollout.torch_engine import TorchGenerationEngine
 
 SPECIALS = ("<pad>", "<|im_end|>", "<bos>", "<|im_start|>", "<tool_call>", "</tool_call>")
@@ -103,8 +106,30 @@ class ScriptedEngine(TorchGenerationEngine):
                                 [self.version] * len(ids), self.version, self.version)
 
 
+class MarkedHangEngine(HangsOnceEngine):
+    """:class:`~screl.rollout.faults.HangsOnceEngine` that writes the file ``backend_args.marker`` when its first
+    ``generate`` starts hanging: a test then knows the request is in the engine (not in the worker's queue)."""
+
+    marker = ""
+
+    @classmethod
+    def from_options(cls, policy: TinyCausalLM, options: EngineOptions) -> MarkedHangEngine:
+        args = dict(options.args)
+        marker = str(args.pop("marker", ""))
+        engine = super().from_options(policy, dataclasses.replace(options, args=args))
+        assert isinstance(engine, MarkedHangEngine)
+        engine.marker = marker
+        return engine
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        if not self._hung and self.marker:
+            self._hanging = {r.request_id for r in requests}  # abortable from here on
+            Path(self.marker).write_text("hanging")
+        return super().generate(requests)
+
+
 def serve(policy: TinyCausalLM, backend: str = "tests.e2e._scripted.ScriptedEngine", workers: int = 1,
-          **server_kwargs: object) -> tuple[object, str, list[object]]:
+          options: EngineOptions | None = None, **server_kwargs: object) -> tuple[object, str, list[object]]:
     """Start generation workers (``backend``) with the policy's initial weights and a policy server in front of them
     (the caller's Ray cluster); returns (server, url, workers)."""
     import ray
@@ -113,7 +138,7 @@ def serve(policy: TinyCausalLM, backend: str = "tests.e2e._scripted.ScriptedEngi
     from screl.rollout.worker import spawn_workers
 
     spawned = spawn_workers(workers, policy, namespace_prefix=f"screl-test-{uuid.uuid4().hex[:8]}", max_restarts=0,
-                            backend=backend)
+                            backend=backend, options=options)
     ray.get([w.update_weights.remote([policy.build_model().state_dict()], 0) for w in spawned], timeout=120)
     server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(spawned, policy,
                                                                                        **server_kwargs)
