@@ -8,7 +8,11 @@ and ``generation.expose_http_server: true``. For every sibling the worker calls,
 with ``client`` an official ``openai.OpenAI`` client bound to the server and to a session of this sibling
 (its ``X-Session-Id``), ``prompt`` the :class:`~screl.envs.PromptRecord` and ``env`` a fresh environment from
 the task (an :class:`~screl.envs.environment.EnvTask`; None for a plain task). The agent converses as it
-likes (any framework that speaks OpenAI works) and returns the rollout's reward. The server records every
+likes (any framework that speaks OpenAI works) and returns the rollout's reward, or an :class:`AgentResult`
+(reward and ``mask``: a flagged conversation keeps its reward and group but trains nothing, as
+``StepResult.mask`` does for the direct workflow). An ``async def`` agent gets an ``openai.AsyncOpenAI`` client
+instead and runs on an event loop of its own thread (what async frameworks such as the OpenAI Agents SDK need:
+``screl.envs.agents_sdk``). The server records every
 turn of the session token by token; the recorded turns become the training row
 (:func:`screl.rollout.trajectory.build_row`), so the agent never handles token ids, but it must send the
 assistant messages back unchanged so that the server can splice the past tokens verbatim.
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from screl.envs import Task
@@ -28,7 +34,16 @@ from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.rollout.trajectory import TrajectoryError, Turn, build_row
 from screl.rollout.workflow import Generate, RolloutItem, RolloutOutcome
 
-__all__ = ["AgentWorkflow"]
+__all__ = ["AgentResult", "AgentWorkflow"]
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What an agent may return instead of a bare reward: ``mask`` flags the conversation (a malformed tool call,
+    a broken protocol): it stays in its group with its reward, but its row trains nothing (``sample_mask`` 0)."""
+
+    reward: float
+    mask: bool = False
 
 
 class AgentWorkflow:
@@ -38,7 +53,8 @@ class AgentWorkflow:
         task: The task (an :class:`EnvTask` gives the agent an environment per rollout).
         tokenizer: The policy's tokenizer.
         schema: The row schema (the standard one).
-        agent: ``"package.module:function"``, called as ``agent(client, prompt, env) -> reward``.
+        agent: ``"package.module:function"``, called as ``agent(client, prompt, env) -> reward | AgentResult``
+            (``async def``: awaited with an ``AsyncOpenAI`` client).
         max_concurrent: Agents running at once on this worker (each on a thread).
         timeout_s: The client's per-request timeout.
     """
@@ -71,25 +87,39 @@ class AgentWorkflow:
         if mine and self.server is not None:
             await self.server.abort_sessions.remote(mine)
 
-    def _client(self, session: str) -> Any:
+    def _client(self, session: str, asynchronous: bool = False) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=self.url, api_key=self.api_key or "none", timeout=self.timeout_s,
-                             max_retries=0, default_headers={"X-Session-Id": session})
+        cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return cls(base_url=self.url, api_key=self.api_key or "none", timeout=self.timeout_s, max_retries=0,
+                   default_headers={"X-Session-Id": session})
+
+    def _call(self, session: str, prompt: Any, env: Any) -> Any:
+        """The agent, on a thread of the pool: a plain function with a client; an async one on a loop of its own."""
+        if not inspect.iscoroutinefunction(self.agent):
+            with self._client(session) as client:
+                return self.agent(client, prompt, env)
+
+        async def run() -> Any:
+            async with self._client(session, asynchronous=True) as client:
+                return await self.agent(client, prompt, env)
+
+        return asyncio.run(run())
 
     async def _rollout(self, item: RolloutItem) -> RolloutOutcome:
         env = self.task.make_env(item.prompt) if isinstance(self.task, EnvTask) else None
         loop = asyncio.get_running_loop()
-        client = self._client(item.attempt)
         self.running.add(item.attempt)
         failure: str | None = None
+        result = AgentResult(0.0)
         try:
-            reward = float(await loop.run_in_executor(self.pool, self.agent, client, item.prompt, env))
+            got = await loop.run_in_executor(self.pool, self._call, item.attempt, item.prompt, env)
+            result = got if isinstance(got, AgentResult) else AgentResult(float(got))
         except Exception as err:  # noqa: BLE001 - the agent failed on this sample: a data failure, resampled
             failure = f"agent: {err!r}"[:200]
         finally:
-            client.close()
             self.running.discard(item.attempt)
+        reward = result.reward
         recorded, aborted = await self.server.take_session.remote(item.attempt)
         if aborted:
             return RolloutOutcome(item.attempt, "abort", finish_reason="abort")
@@ -101,7 +131,7 @@ class AgentWorkflow:
         if any(t.finish_reason == "abort" for t in turns):
             return RolloutOutcome(item.attempt, "abort", finish_reason="abort")
         try:
-            row = build_row(turns, reward, self.schema)
+            row = build_row(turns, reward, self.schema, sample_mask=0.0 if result.mask else 1.0)
         except TrajectoryError as err:
             return RolloutOutcome(item.attempt, "data_error", detail=f"agent: {err}"[:200])
         last = turns[-1]

@@ -72,6 +72,9 @@ SCRIPTS = {
     "@plain": "Seven.",
     "=one": "=3+4",  # the compact syntax (the character tokenizer)
     "=two": "=add 1+2 =mul 5+6",
+    # the calculator task's 3+4 (tests/e2e/test_agents_sdk.py): call the tool, then answer with its result
+    "user 3+4<eos>assistant ": "=",
+    "tool 7<eos>assistant ": "7",
 }
 """Prompt key -> the reply forced after it (the engine's stop token follows)."""
 
