@@ -11,6 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Distill": "screl.modules.distill",
     "GRPO": "screl.modules.grpo",
     "PPO": "screl.modules.ppo",
     "RolloutDataModule": "screl.datamodule",
@@ -26,4 +27,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["GRPO", "PPO", "RolloutDataModule", "__version__"]
+__all__ = ["GRPO", "PPO", "Distill", "RolloutDataModule", "__version__"]

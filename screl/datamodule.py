@@ -147,6 +147,7 @@ class RolloutDataModule(LightningDataModule):
         self._started = False  # the weights went out and (on rank 0) the rollout side started
         self._decode_link: Any = None  # colocated Megatron under tensor parallelism: rank 0's engine leads
         self._follower: tuple[Any, Any] | None = None  # the other ranks: (their GPTModel shard, autocast dtype)
+        self._schema: RowSchema = ROW_SCHEMA  # the module's rows (screl.Distill's carry teacher_logprobs)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     @override
@@ -184,6 +185,7 @@ class RolloutDataModule(LightningDataModule):
         trainer: Any = self.trainer
         module: Any = trainer.lightning_module
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
+        self._schema = getattr(module, "row_schema", ROW_SCHEMA)
         weights = {} if self.colocated else self.exported_weights(module)  # a colocated engine decodes with the module
         if self.colocated and self.generation.backend == "megatron" and self._world_size() > 1:
             self._link_ranks(module)
@@ -277,7 +279,8 @@ class RolloutDataModule(LightningDataModule):
         if self.colocated:
             colocated = {"model": module.model, "autocast": self._engine_autocast(module), "link": self._decode_link}
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
-                      config_dict=self.config_dict, val_task=self.val_task, **colocated)
+                      config_dict=self.config_dict, val_task=self.val_task,
+                      distillation=getattr(module, "distillation", None), **colocated)
         self.events_path = runtime.events_path
 
     @override
@@ -335,7 +338,7 @@ class RolloutDataModule(LightningDataModule):
                 return None
             if self.colocated:  # the step's batch is complete: the engine stands down for the train step
                 self.runtime.stand_down()
-            batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id)
+            batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id, self._schema)
             batch["wait_s"] = time.perf_counter() - t0
             return batch
 
@@ -343,7 +346,7 @@ class RolloutDataModule(LightningDataModule):
         shards, shard = self._data_parallel()
         if chunk is None or shards == 1:
             return chunk
-        return shard_groups(chunk, self.run.algo.num_generations_per_prompt, shards, shard)
+        return shard_groups(chunk, self.run.algo.num_generations_per_prompt, shards, shard, self._schema)
 
     def _data_parallel(self) -> tuple[int, int]:
         """(data-parallel replicas, this rank's replica) from the strategy: model-parallel peers share one."""

@@ -176,18 +176,23 @@ class RolloutRuntime:
         """The engine decodes with the trainer's module in this process (:mod:`screl.rollout.colocated`)."""
         self.host: Any = None  # the colocated engine's ColocatedHost
         self.link: Any = None  # a colocated Megatron engine's DecodeLink to the other tensor-parallel ranks
+        self.distillation: Any = None  # screl.Distill's DistillationConfig: teacher workers score every row
+        self.teachers: dict[str, Any] = {}  # their actors, by name
+        self.row_fields: tuple[str, ...] = ROW_FIELDS
 
     def start(
         self, task: Task, policy: PolicySpec, run_dir: str, initial_weights: dict[str, torch.Tensor], seed: int,
         restore: tuple[dict[str, Any], str | None, dict[str, Any] | None] | None = None,
         config_dict: dict[str, Any] | None = None, val_task: Task | None = None,
         model: torch.nn.Module | None = None, autocast: torch.dtype | None = None, link: Any = None,
+        distillation: Any = None,
     ) -> None:
         """Start everything; with ``restore`` = (controller state, local TransferQueue snapshot dir, the published
         snapshot for TQ actors on other nodes), the controller resumes from it before its pump starts. Colocated
         generation decodes with ``model`` (the trainer's module; its forward passes compute in ``autocast``; under
         tensor parallelism the other ranks follow each forward through ``link``)."""
         self.link = link
+        self.distillation = distillation
         if self.colocated and model is None:
             raise ValueError("colocated generation needs the trainer's module (RolloutRuntime.start(model=...))")
         rc = self.run.ray
@@ -234,6 +239,8 @@ class RolloutRuntime:
             deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
             in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
         )
+        if self.distillation is not None:
+            worker_kwargs["teachers"] = self._start_teachers()
         weights: list[Any] | None = None
         loaded: list[Any] = []
         try:
@@ -255,7 +262,8 @@ class RolloutRuntime:
                      dpc.num_storage_units)
         actors = [self.controller] if self.colocated else [*self.workers, self.controller]
         attached = [a.set_data_plane.remote(self.dataplane) for a in actors]
-        self._wait(loaded + attached, "load the initial weights into the workers", self.timeout_s)
+        teachers_up = [a.ping.remote() for a in self.teachers.values()]  # distillation: teachers built their models
+        self._wait(loaded + attached + teachers_up, "load the initial weights into the workers", self.timeout_s)
         if self.colocated:
             self.host = start_host(self.controller, policy, g, self.run, seed, model, autocast,
                                    self.dataplane, worker_kwargs, self.timeout_s, link=self.link)
@@ -268,6 +276,20 @@ class RolloutRuntime:
             startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights "
                          "loaded)", len(self.workers), time.perf_counter() - t1, g.backend)
         return weights
+
+    def _start_teachers(self) -> Any:
+        """Distillation: one scoring worker per teacher (started beside the fleet, ready before the workers roll
+        out); the workers get a router to them and write ``teacher_logprobs`` into every row."""
+        from screl.rollout.teachers import DISTILL_SCHEMA, TeacherRouter, check_teachers_fit, spawn_teachers
+
+        g, cfg = self.generation, self.distillation
+        check_teachers_fit(cfg, g.num_cpus_per_worker * g.num_workers, ray.cluster_resources())
+        t0 = time.perf_counter()
+        self.teachers = spawn_teachers(cfg, g.temperature, self.run.ray.namespace)
+        self.row_fields = DISTILL_SCHEMA.names
+        startup.info("screl: %d teacher worker(s) started in %.1f s (%s)", len(self.teachers),
+                     time.perf_counter() - t0, ", ".join(self.teachers))
+        return TeacherRouter(dict(self.teachers), cfg)
 
     def _start_server(self, policy: PolicySpec) -> None:
         """The OpenAI-compatible policy server in front of the workers (``generation.expose_http_server``)."""
@@ -302,7 +324,7 @@ class RolloutRuntime:
     def fetch(self, keys: list[str]) -> dict[str, list[torch.Tensor]]:
         """The rollout rows of ``keys`` from the data plane."""
         assert self.dataplane is not None
-        return self.dataplane.get(keys, list(ROW_FIELDS)) if keys else {}
+        return self.dataplane.get(keys, list(self.row_fields)) if keys else {}
 
     def stand_down(self) -> None:
         """Colocated: the step's batch is complete; after the running validation (its weights are about to
@@ -403,6 +425,9 @@ class RolloutRuntime:
             if not isinstance(w, ColocatedSlot):
                 ray.kill(w, no_restart=True)
         self.workers = []
+        for teacher in self.teachers.values():
+            ray.kill(teacher, no_restart=True)
+        self.teachers = {}
         if self.dataplane is not None:
             try:
                 self.dataplane.shutdown()

@@ -14,6 +14,7 @@ from screl.envs.base import (
 from screl.envs.datasets import DatasetTask
 from screl.envs.format_tasks import StrictAnswer
 from screl.envs.math_verify import MathVerify, MathVerifyError
+from screl.envs.mixture import TaskMixture
 from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts, split_holdout
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "SlowReward",
     "StrictAnswer",
     "Task",
+    "TaskMixture",
     "Verifier",
     "arithmetic_prompts",
     "decode_completion",

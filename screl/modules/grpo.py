@@ -440,17 +440,23 @@ class GRPO(LightningModule):
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens)
-        adv_tok = chunk.advantages[sl, None].expand_as(curr)
-        loss, metrics = self.loss_fn(
-            curr, prev, gen, adv_tok, chunk.token_mask[sl], chunk.sample_mask[sl], reference_logprobs=ref,
-            global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
-        )
+        loss, metrics = self._objective(batch, chunk, sl, curr, prev, gen, ref)
         if not self.loss_fn.token_level_loss:
             loss = loss * (sl.stop - sl.start) / chunk.chunk_rows
         on_mask = whole_row_on_policy(batch["token_versions"][sl], chunk.token_mask[sl], int(batch["trainer_version"]))
         if on_mask.any():
             metrics["logprob_mismatch"] = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()
         return loss, metrics
+
+    def _objective(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor, prev: Tensor, gen: Tensor,
+                   ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy loss of rows ``sl`` from their current, step-start and behaviour logprobs (``screl.Distill``
+        puts its teachers' per-token advantages here)."""
+        adv_tok = chunk.advantages[sl, None].expand_as(curr)
+        return self.loss_fn(  # type: ignore[no-any-return]
+            curr, prev, gen, adv_tok, chunk.token_mask[sl], chunk.sample_mask[sl], reference_logprobs=ref,
+            global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
+        )
 
     def _optimizer_step(self, opt: LightningOptimizer) -> Tensor | None:
         """Clip (tensor-parallel aware under Megatron), step and zero the gradients; returns the norm clipped."""

@@ -35,6 +35,7 @@ class RowSink:
 
     def __init__(self, window_s: float = 0.005, busy: Callable[[], int] | None = None) -> None:
         self.window_s = window_s
+        self.schema = ROW_SCHEMA  # the rows' fields (a distillation run's carry teacher_logprobs too)
         self.dataplane: Any = None
         self.puts = 0
         self.busy = busy
@@ -87,7 +88,7 @@ class RowSink:
             batch, self._queue = self._queue, []
             keys = [k for ks, _, _ in batch for k in ks]
             try:
-                await self.dataplane.aput(keys, ROW_SCHEMA.merge([r for _, rows, _ in batch for r in rows]))
+                await self.dataplane.aput(keys, self.schema.merge([r for _, rows, _ in batch for r in rows]))
                 self.puts += 1
             except BaseException as err:  # noqa: BLE001 - every writer of the batch hears about it
                 for _, _, done in batch:

@@ -88,6 +88,7 @@ class GenerationWorker:
         deadlines: Deadlines | None = None,
         in_flight_weight_updates: bool = True,
         engine: Any = None,
+        teachers: Any = None,
     ) -> None:
         options = options or EngineOptions()
         if engine is None and options.num_threads is not None:
@@ -115,6 +116,11 @@ class GenerationWorker:
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self._call_states: dict[int, _CallState] = {}  # the rollout calls running now
         self.rows = RowSink(row_window_s, busy=self._calls_working)
+        self.teachers = teachers  # distillation: a screl.rollout.teachers.TeacherRouter; rows gain teacher_logprobs
+        if teachers is not None:
+            from screl.rollout.teachers import DISTILL_SCHEMA
+
+            self.rows.schema = DISTILL_SCHEMA
         self.reward_transform = reward_transform
         self.val_task = val_task
         self.deadlines = deadlines or Deadlines()
@@ -178,6 +184,8 @@ class GenerationWorker:
         if self.reward_transform is not None:
             for o in sealed:
                 self._shape(o)
+        if self.teachers is not None and sealed:  # distillation: the teachers score before the row is written
+            sealed = await self._teacher_score(items, sealed)
         if sealed:
             await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
         return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
@@ -215,6 +223,23 @@ class GenerationWorker:
         finally:
             if not run.done():
                 run.cancel()
+
+    async def _teacher_score(self, items: list[RolloutItem], sealed: list[RolloutOutcome]) -> list[RolloutOutcome]:
+        """Distillation: each sealed row gains ``teacher_logprobs`` from its prompt's teacher; a sibling whose
+        teacher call failed becomes a data failure (no row written). Returns the rows still sealed."""
+        prompts = {i.attempt: i.prompt for i in items}
+        rows = [(prompts[o.attempt].metadata.get("task_source"), o.row["input_ids"].tolist(),
+                 int(o.row["prompt_len"][0])) for o in sealed if o.row is not None]
+        scores = await self.teachers.score(rows)
+        kept = []
+        for o, lp in zip(sealed, scores, strict=True):
+            if isinstance(lp, BaseException):
+                o.status, o.row, o.detail = "data_error", None, repr(lp)[:200]
+                continue
+            assert o.row is not None
+            o.row["teacher_logprobs"] = torch.tensor(lp, dtype=torch.float32)
+            kept.append(o)
+        return kept
 
     def _shape(self, outcome: Any) -> None:
         """Reward shaping and scaling of a sealed sibling: its row's ``reward`` and its report change, its

@@ -1,0 +1,110 @@
+"""The ``distillation`` block of ``screl.Distill`` (``model.init_args.distillation``): the teachers, which prompts each
+one scores (by ``task_source``), and how the teacher signal mixes with the task reward.
+
+Plain values only (a teacher's model is a picklable policy spec): the trainer, the rollout runtime and
+``screl check`` read the same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from screl.models.spec import PolicySpec
+
+KEY = "model.init_args.distillation"
+
+
+@dataclass
+class Teacher:
+    """One named teacher: a policy spec (an HF directory, a tiny in-memory model) that scores the student's tokens."""
+
+    name: str
+    """What ``teacher_map`` and ``default_teacher`` call it."""
+    policy: PolicySpec
+    """The teacher model (``screl.models.HFCausalLM``, ``screl.models.TinyCausalLM``, ...); its tokenizer must be the
+    student's."""
+
+
+@dataclass
+class DistillationConfig:
+    """Multi-teacher on-policy distillation."""
+
+    teachers: list[Teacher] = field(default_factory=list)
+    """The teachers, each with a unique name; each runs in a Ray worker of its own (scoring only)."""
+    teacher_map: dict[str, str] = field(default_factory=dict)
+    """``task_source`` (a prompt's ``metadata["task_source"]``) -> teacher name; other prompts go to
+    ``default_teacher``."""
+    default_teacher: str | None = None
+    """The teacher of prompts whose task source the map does not name (required unless the map covers every
+    prompt: ``screl check`` refuses it missing)."""
+    reward_weight: float = 0.0
+    """Weight of the task reward's GRPO advantage added to every token's distillation advantage (0: pure
+    distillation; the reward is still logged)."""
+    kl_coef: float = 1.0
+    """Weight of the per-token reverse-KL advantage (teacher logprob - student behaviour logprob)."""
+    num_cpus_per_teacher: float = 1.0
+    """Logical CPUs Ray reserves for each teacher worker."""
+    teacher_threads: int = 1
+    """Torch intra-op threads of each teacher worker."""
+    max_teacher_restarts: int = -1
+    """Times Ray restarts a teacher worker whose process died (-1: always); its calls fail meanwhile (a data failure
+    each: the sibling is resampled within ``rollout_failure.max_data_attempts``)."""
+    score_timeout_s: float = 120.0
+    """Longest wait for one teacher call; past it the call is a data failure."""
+
+    @classmethod
+    def coerce(cls, value: DistillationConfig | Mapping[str, Any] | None) -> DistillationConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        data = dict(value)
+        data["teachers"] = [t if isinstance(t, Teacher) else Teacher(**t) for t in data.get("teachers", [])]
+        return cls(**data)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.teachers]
+
+    def teacher_for(self, task_source: str | None) -> str:
+        """The teacher that scores a prompt of ``task_source`` (KeyError naming the key when none does)."""
+        if task_source is not None and task_source in self.teacher_map:
+            return self.teacher_map[task_source]
+        if self.default_teacher is None:
+            raise KeyError(f"no teacher for task_source {task_source!r}: {KEY}.teacher_map does not name it and "
+                           f"{KEY}.default_teacher is not set")
+        return self.default_teacher
+
+    def problems(self) -> list[tuple[str, Any, str, str]]:
+        """Every structural problem as ``(dotted key, value, why, fix)`` (tokenizers are checked by
+        ``screl.validation.distill_rules``, which builds them)."""
+        out: list[tuple[str, Any, str, str]] = []
+        names = self.names
+        if not self.teachers:
+            out.append((f"{KEY}.teachers", [], "screl.Distill needs at least one teacher",
+                        "list the teachers: [{name: ..., policy: {class_path: ...}}]"))
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            out.append((f"{KEY}.teachers", dupes, "teacher names must be unique", "rename the duplicates"))
+        for source, name in self.teacher_map.items():
+            if name not in names:
+                out.append((f"{KEY}.teacher_map.{source}", name, f"names an unknown teacher (teachers: {names})",
+                            "name one of the teachers, or add a teacher of that name"))
+        if self.default_teacher is None:
+            out.append((f"{KEY}.default_teacher", None, "no default teacher: a prompt whose task_source the map does "
+                        "not name would have none", f"set default_teacher to one of {names}"))
+        elif self.default_teacher not in names:
+            out.append((f"{KEY}.default_teacher", self.default_teacher,
+                        f"names an unknown teacher (teachers: {names})", "name one of the teachers"))
+        for key, value, ok, fix in (
+            ("reward_weight", self.reward_weight, self.reward_weight >= 0.0, "use 0 for pure distillation"),
+            ("kl_coef", self.kl_coef, self.kl_coef > 0.0, "use 1.0; for reward-only training use screl.GRPO"),
+            ("num_cpus_per_teacher", self.num_cpus_per_teacher, self.num_cpus_per_teacher >= 0.0, "use e.g. 1"),
+            ("teacher_threads", self.teacher_threads, self.teacher_threads >= 1, "use e.g. 1"),
+            ("score_timeout_s", self.score_timeout_s, self.score_timeout_s > 0.0, "use e.g. 120"),
+        ):
+            if not ok:
+                out.append((f"{KEY}.{key}", value, "out of range", fix))
+        return out
