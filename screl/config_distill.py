@@ -58,7 +58,7 @@ class DistillationConfig:
     def coerce(cls, value: DistillationConfig | Mapping[str, Any] | None) -> DistillationConfig:
         if value is None:
             return cls()
-        if isinstance(value, cls):
+        if isinstance(value, DistillationConfig):
             return value
         data = dict(value)
         data["teachers"] = [t if isinstance(t, Teacher) else Teacher(**t) for t in data.get("teachers", [])]

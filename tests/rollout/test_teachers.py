@@ -1,0 +1,134 @@
+"""Distillation teachers (screl.rollout.teachers): scoring, routing by task_source, the worker's hook that writes
+``teacher_logprobs`` into every row before it is put, and a failed teacher as a data failure. Real Ray actors for
+the teachers, the real torch engine in an in-process generation worker, an in-memory data plane."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+from _ray_session import session_ray
+
+from screl.config_distill import DistillationConfig, Teacher
+from screl.data.core_types import Dispatch
+from screl.envs import CountLetter, TaskMixture
+from screl.models import TinyCausalLM
+from screl.modules.logprobs import full_token_logprobs
+from screl.rollout.engine import SamplingParams
+from screl.rollout.rows import ROW_SCHEMA
+from screl.rollout.teachers import DISTILL_SCHEMA, TeacherRouter, completion_logprobs, spawn_teachers
+from screl.rollout.worker import GenerationWorker
+
+SEQS = [([5, 6, 7, 8, 9, 10], 2), ([11, 12, 13, 14], 3), ([7, 7, 7, 7, 7, 7, 7, 7], 5)]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    with session_ray(num_cpus=6, namespace="screl-tests"):
+        yield
+
+
+def _config(**kw: Any) -> DistillationConfig:
+    teachers = [Teacher("count", TinyCausalLM(seed=1)), Teacher("add", TinyCausalLM(seed=2))]
+    return DistillationConfig(teachers=teachers, teacher_map={"add": "add"}, default_teacher="count",
+                              num_cpus_per_teacher=0.5, max_teacher_restarts=0, **kw)
+
+
+def test_completion_logprobs_are_the_models_next_token_logprobs_of_the_completion() -> None:
+    model = TinyCausalLM(seed=1).build_model().eval()
+    got = completion_logprobs(model, SEQS)
+    for (ids, p), lp in zip(SEQS, got, strict=True):
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            want = full_token_logprobs(model, t, torch.ones_like(t), 1.0)[0, p - 1:]
+        assert len(lp) == len(ids) - p
+        torch.testing.assert_close(torch.tensor(lp), want, rtol=0, atol=2e-6)  # padded batch vs alone: fp32 round-off
+    hot = completion_logprobs(model, SEQS[:1], temperature=0.5)[0]
+    assert hot != got[0], "the temperature scales the teacher's logits"
+
+
+def test_schema_adds_teacher_logprobs_aligned_like_generation_logprobs() -> None:
+    assert DISTILL_SCHEMA.names == (*ROW_SCHEMA.names, "teacher_logprobs")
+    row = {name: torch.tensor([0.0]) for name in ROW_SCHEMA.names}
+    row.update(input_ids=torch.tensor([3, 4, 5, 6]), prompt_len=torch.tensor([2]), loss_mask=torch.ones(2),
+               generation_logprobs=torch.tensor([-1.0, -2.0]), token_versions=torch.tensor([0, 0]),
+               finish_reason=torch.tensor([1]), teacher_logprobs=torch.tensor([-0.5, -0.25]))
+    data = DISTILL_SCHEMA.merge([row])
+    out = DISTILL_SCHEMA.collate({"keys": ["k"], "trainer_version": 0, "start_weight": [0]}, data, 0)
+    assert torch.equal(out["teacher_logprobs"], torch.tensor([[0.0, -0.5, -0.25]]))
+    assert torch.equal(out["generation_logprobs"], torch.tensor([[0.0, -1.0, -2.0]]))
+    with pytest.raises(ValueError, match=r"a row has fields"):
+        ROW_SCHEMA.merge([row])
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_router_routes_by_task_source_and_a_dead_teacher_fails_its_rows_only() -> None:
+    cfg = _config(score_timeout_s=30.0)
+    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test")
+    try:
+        router = TeacherRouter(actors, cfg)
+        rows = [("add", *SEQS[0]), (None, *SEQS[1]), ("count", *SEQS[2]), ("other", *SEQS[0])]
+        got = asyncio.run(router.score(rows))
+        count = completion_logprobs(TinyCausalLM(seed=1).build_model().eval(), [s for _, *s in rows])
+        add = completion_logprobs(TinyCausalLM(seed=2).build_model().eval(), [s for _, *s in rows])
+        assert got == [add[0], count[1], count[2], count[3]]  # the same model and batch shape in the actor
+        assert ray.get(actors["add"].num_calls.remote()) == 1, "one call per teacher"
+        ray.kill(actors["add"], no_restart=True)
+        again = asyncio.run(router.score(rows))
+        assert isinstance(again[0], RuntimeError)
+        assert "teacher 'add' failed" in str(again[0])
+        assert again[1:] == got[1:]
+    finally:
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+
+
+class RecordingPlane:
+    """An in-memory data plane that keeps what was put."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, torch.Tensor]] = {}
+
+    async def aput(self, keys: list[str], batch: dict[str, list[torch.Tensor]]) -> None:
+        for i, key in enumerate(keys):
+            self.rows[key] = {name: values[i] for name, values in batch.items()}
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_worker_writes_teacher_logprobs_and_a_failed_teacher_call_is_a_data_failure() -> None:
+    cfg = _config(score_timeout_s=30.0)
+    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test")
+    task = TaskMixture({"count": CountLetter(), "add": CountLetter(letter="b")})
+    try:
+        worker = GenerationWorker(TinyCausalLM(seed=0), task=task, teachers=TeacherRouter(actors, cfg),
+                                  sampling=SamplingParams(max_new_tokens=4, min_new_tokens=4), row_window_s=0.0)
+        plane = RecordingPlane()
+        worker.set_data_plane(plane)
+        count_pid, add_pid = task.prompts()[0].prompt_id, task.prompts()[1].prompt_id
+        dispatches = [Dispatch(f"g{pid}_a0", f"g{pid}", 0, pid, 7, 0, 0) for pid in (count_pid, add_pid)]
+        reports = asyncio.run(worker.rollout(dispatches))
+        assert [r.status for r in reports] == ["sealed", "sealed"]
+        assert sorted(plane.rows) == sorted(d.attempt for d in dispatches)
+        models = {"count": TinyCausalLM(seed=1).build_model().eval(), "add": TinyCausalLM(seed=2).build_model().eval()}
+        for d, source in zip(dispatches, ("count", "add"), strict=True):
+            row = plane.rows[d.attempt]
+            assert set(row) == set(DISTILL_SCHEMA.names)
+            ids, p = row["input_ids"].tolist(), int(row["prompt_len"][0])
+            assert row["teacher_logprobs"].shape == (len(ids) - p,) == (4,)
+            want = completion_logprobs(models[source], [(ids, p)])[0]
+            torch.testing.assert_close(row["teacher_logprobs"], torch.tensor(want), rtol=0, atol=2e-6)
+
+        ray.kill(actors["add"], no_restart=True)
+        plane.rows.clear()
+        again = [Dispatch(f"g{pid}_a1", f"g{pid}", 0, pid, 8, 0, 0) for pid in (count_pid, add_pid)]
+        reports = asyncio.run(worker.rollout(again))
+        assert [r.status for r in reports] == ["sealed", "data_error"]
+        assert "teacher 'add' failed" in reports[1].detail
+        assert list(plane.rows) == [again[0].attempt], "no row is written without its teacher logprobs"
+    finally:
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
