@@ -8,8 +8,8 @@
   additions, untagged (``3+4=``) and tagged as ``TaskMixture`` writes them (``add 3+4=``), ``--add-steps`` Adam steps
   (a few seconds, no Ray): GRPO from scratch on the sparse addition reward takes far longer on this model.
 
-Each is saved with ``save_pretrained`` (model and the character tokenizer), ~0.3 MB, and loads as
-``screl.models.HFCausalLM(path=...)``. The repository ships the output of this script, so tests do not train.
+Each is saved with ``save_pretrained`` (the model, and the character tokenizer in ``tokenizer/``), ~0.3 MB, and
+loads as ``screl.models.HFCausalLM(path=DIR, tokenizer_path=DIR/tokenizer)``. The repository ships the output of this script, so tests do not train.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def save(model: torch.nn.Module, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # type: ignore[operator]
-    build_char_tokenizer().save_pretrained(out)
+    # a directory of its own: next to a qwen2 config.json, transformers 5 loads it as Qwen2Tokenizer, which adds a
+    # 44th token (<|endoftext|>) the student's tokenizer lacks (screl check refuses such a teacher)
+    build_char_tokenizer().save_pretrained(out / "tokenizer")
 
 
 def grpo_count_teacher(out: Path, steps: int) -> float:

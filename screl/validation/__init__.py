@@ -21,8 +21,10 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
+from screl.validation.distill_rules import distill_rules
 from screl.validation.megatron_generation_rules import megatron_backend_rules
 from screl.validation.model_rules import model_memory_rules, precision_rules
+from screl.validation.moe_rules import routing_replay_rules
 from screl.validation.optimizer_rules import distributed_optimizer_rules
 from screl.validation.placement_rules import placement_rules
 from screl.validation.rollout_rules import (
@@ -62,6 +64,7 @@ RULES = (
     batch_rules,
     generation_rules,
     megatron_backend_rules,
+    routing_replay_rules,
     colocated_rules,
     placement_rules,
     agent_rules,
@@ -75,6 +78,7 @@ RULES = (
     checkpoint_rules,
     snapshot_rules,
     recovery_rules,
+    distill_rules,
 )
 
 
