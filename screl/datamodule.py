@@ -268,6 +268,7 @@ class RolloutDataModule(LightningDataModule):
             if task is not None:
                 task.prepare(policy, run_dir)
         runtime = RolloutRuntime(self.run, self.generation, self.step_timeout_s)
+        runtime.record_routing = bool(getattr(module, "routing_replay", False))  # MoE routing replay
         if self.run.checkpointing.enabled and self.run.shadow_checkpoints:
             log.warning("screl: checkpoints in SHADOW MODE: the %s sampler %s (docs/checkpointing.md)",
                         self.run.async_rl.sampler.get("target", self.run.sampler.name), SHADOW_MODE_NOTE)
@@ -338,7 +339,8 @@ class RolloutDataModule(LightningDataModule):
                 return None
             if self.colocated:  # the step's batch is complete: the engine stands down for the train step
                 self.runtime.stand_down()
-            batch = collate_chunk(meta, self.runtime.fetch(meta["keys"]), self._pad_id, self._schema)
+            batch = collate_chunk(meta, self.runtime.fetch(meta["keys"], self._schema.names), self._pad_id,
+                                  self._schema)
             batch["wait_s"] = time.perf_counter() - t0
             return batch
 

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -82,11 +82,12 @@ def worker_resources(g: GenerationConfig) -> WorkerResources:
                            custom=dict(g.resources))
 
 
-def engine_options(g: GenerationConfig, run: RunConfig, seed: int) -> EngineOptions:
-    """How each worker builds its engine (worker ``i`` adds ``i`` to the seed)."""
+def engine_options(g: GenerationConfig, run: RunConfig, seed: int, record_routing: bool = False) -> EngineOptions:
+    """How each worker builds its engine (worker ``i`` adds ``i`` to the seed); ``record_routing``: the trainer
+    replays the engines' MoE routing (``model.init_args.routing_replay``)."""
     return EngineOptions(device=g.device, num_threads=thread_plan(g, run).generation, max_batch_size=g.max_batch_size,
                          recompute_kv_cache_after_weight_updates=run.async_rl.recompute_kv_cache_after_weight_updates,
-                         seed=seed, args=dict(g.backend_args))
+                         seed=seed, args=dict(g.backend_args), record_routing=record_routing)
 
 
 def check_cluster_fits(g: GenerationConfig, cluster: dict[str, float]) -> None:
@@ -175,6 +176,7 @@ class RolloutRuntime:
         self.colocated = generation.colocated.enabled
         """The engine decodes with the trainer's module in this process (:mod:`screl.rollout.colocated`)."""
         self.host: Any = None  # the colocated engine's ColocatedHost
+        self.record_routing = False  # the engines record MoE routing for the trainer's replay (set before start)
         self.link: Any = None  # a colocated Megatron engine's DecodeLink to the other tensor-parallel ranks
         self.distillation: Any = None  # screl.Distill's DistillationConfig: teacher workers score every row
         self.teachers: dict[str, Any] = {}  # their actors, by name
@@ -248,7 +250,8 @@ class RolloutRuntime:
                 self.workers = [ColocatedSlot(0)]
             else:
                 self.workers = spawn_workers(
-                    g.num_workers, policy, resources=worker_resources(g), options=engine_options(g, self.run, seed),
+                    g.num_workers, policy, resources=worker_resources(g),
+                    options=engine_options(g, self.run, seed, self.record_routing),
                     max_restarts=g.max_worker_restarts, **worker_kwargs)
                 weights = put_buckets(initial_weights.items(), self.refit_bucket_bytes)
                 loaded = [w.update_weights.remote(weights, 0) for w in self.workers]
@@ -300,8 +303,8 @@ class RolloutRuntime:
             self.workers, policy, host=hs.host, port=hs.port, api_key=hs.api_key, model_name=hs.model_name,
             max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser)
         self.server_url = self._wait(self.server.start.remote(), "start the policy server", self.timeout_s)
-        self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers],
-                   "attach the policy server", self.timeout_s)
+        self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers]
+                   + [self.controller.watch_server.remote(self.server)], "attach the policy server", self.timeout_s)
         startup.info("screl: OpenAI-compatible policy server at %s (model %r)", self.server_url, hs.model_name)
 
     def _wait(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
@@ -321,10 +324,11 @@ class RolloutRuntime:
         """Metadata of the next training chunk, or None when the run is done."""
         return self._wait(self.controller.next_chunk.remote(self.timeout_s), "hand over the next chunk")  # type: ignore[no-any-return]
 
-    def fetch(self, keys: list[str]) -> dict[str, list[torch.Tensor]]:
-        """The rollout rows of ``keys`` from the data plane."""
+    def fetch(self, keys: list[str], fields: Sequence[str] | None = None) -> dict[str, list[torch.Tensor]]:
+        """The rollout rows of ``keys`` from the data plane (``fields``: the trainer's row schema's; default the
+        rows the workers write)."""
         assert self.dataplane is not None
-        return self.dataplane.get(keys, list(self.row_fields)) if keys else {}
+        return self.dataplane.get(keys, list(fields or self.row_fields)) if keys else {}
 
     def stand_down(self) -> None:
         """Colocated: the step's batch is complete; after the running validation (its weights are about to

@@ -12,6 +12,7 @@ from screl._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from screl.models.hf import HFCausalLM
+    from screl.models.moe import TinyMoECausalLM
     from screl.models.shape_twin import ShapeTwin, shrink_config
     from screl.models.smollm2 import SmolLM2, convert_gguf, smollm2_gguf
     from screl.models.spec import PolicySpec, resolve_dtype
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "HFCausalLM": "hf",
+    "TinyMoECausalLM": "moe",
     "ShapeTwin": "shape_twin", "shrink_config": "shape_twin",
     "SmolLM2": "smollm2", "convert_gguf": "smollm2", "smollm2_gguf": "smollm2",
     "PolicySpec": "spec", "resolve_dtype": "spec",
@@ -50,6 +52,7 @@ __all__ = [
     "SmolLM2",
     "PolicySpec",
     "TinyCausalLM",
+    "TinyMoECausalLM",
     "ValueModel",
     "build_char_tokenizer",
     "char_vocab",

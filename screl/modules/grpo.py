@@ -48,8 +48,10 @@ from screl.modules.masks import (
     whole_row_on_policy,
 )
 from screl.modules.megatron_policy import fit_provider_to_policy, megatron_token_logprobs
+from screl.modules.routing_replay import check_routing_replay, replayed
 from screl.modules.step_log import BatchMetrics
 from screl.rollout.backends import iter_buckets, merge_buckets
+from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, RowSchema
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,9 @@ class GRPO(LightningModule):
             None: automatic (``2**25`` logits a chunk: 220 tokens at a 152k vocabulary); 0: full logits (for a
             model whose head is not a plain linear layer). Under ``MegatronStrategy`` the logits are
             vocabulary-parallel instead (never gathered).
+        routing_replay: A mixture-of-experts policy: the trainer routes every token to the experts the engine chose
+            (recorded in the rows), so a routing flip between the engine's numerics and the trainer's never changes a
+            token's logprob (:mod:`screl.modules.routing_replay`, docs/moe.md). Torch engine only.
         activation_checkpointing: Recompute activations in the backward pass instead of keeping them: ``full``
             (or true) checkpoints every decoder layer (Hugging Face's gradient checkpointing; Megatron's
             ``recompute_granularity: full``), ``selective`` only the attention core (Megatron only); false: off.
@@ -141,6 +146,7 @@ class GRPO(LightningModule):
         micro_batch_tokens: int | None = None,
         logprob_chunk_tokens: int | None = None,
         activation_checkpointing: bool | Literal["full", "selective"] = False,
+        routing_replay: bool = False,
     ) -> None:
         super().__init__()
         if micro_batch_tokens is not None and micro_batch_tokens < 0:
@@ -168,6 +174,7 @@ class GRPO(LightningModule):
         self.engine_dtype = next(built.parameters()).dtype  # what the generation engines hold: refits send it
         self.model = master_copy(built).train()
         self._enable_activation_checkpointing(self.model)
+        self.routing_replay = check_routing_replay(routing_replay, self.model, self.activation_checkpointing)
         self.loss_fn = loss_fn if loss_fn is not None else ClippedPGLoss()
         self.learning_rate = learning_rate
         self.weight_decay = weight_decay
@@ -185,6 +192,11 @@ class GRPO(LightningModule):
         self._batch_metrics = BatchMetrics()  # this batch's scalars, written once at its end
         self._warned_advantage = False
         self._megatron_strategy: Any = None  # the MegatronStrategy, once configure_model built its model
+
+    @property
+    def row_schema(self) -> RowSchema:
+        """The rows this module trains on (the data module reads it): with routing replay they carry the routing."""
+        return ROUTING_SCHEMA if self.routing_replay else ROW_SCHEMA
 
     def _frozen_copy(self) -> torch.nn.Module:
         """The reference policy: a frozen copy of the initial one, in the engine's dtype (it takes no update, so
@@ -425,7 +437,8 @@ class GRPO(LightningModule):
         ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
         megatron = self._megatron_strategy
         if megatron is None:
-            curr = token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens)
+            with replayed(self.routing_replay, self.model, batch, sl):
+                curr = token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens)
         else:
             curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
         return self._loss_of(batch, chunk, sl, curr)

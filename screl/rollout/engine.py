@@ -108,6 +108,10 @@ class GenerationResult:
     num_cached_tokens: int | None = None
     """Prompt tokens the engine read from its prefix cache instead of computing them (vLLM's
     ``RequestOutput.num_cached_tokens``); None where the engine keeps no prefix cache (torch)."""
+    routing: torch.Tensor | None = None
+    """Rollout routing replay (a mixture-of-experts policy, the engine recording): ``[prompt + completion
+    positions, MoE layers, top_k]`` int16, the experts each layer chose for each position the engine fed (``-1`` for
+    the last sampled token, never fed); None otherwise (:mod:`screl.rollout.routing`)."""
 
     def weight_version_spans(self) -> list[tuple[int, int, int]]:
         """``(version, start, end)`` runs over output-token indexes, as vLLM reports them."""
@@ -136,6 +140,9 @@ class EngineOptions:
     """Seeds requests that carry no seed of their own."""
     args: Mapping[str, Any] = field(default_factory=dict)
     """Backend-specific settings (``generation.backend_args``), passed through untouched."""
+    record_routing: bool = False
+    """Record each token's MoE routing in its result (``GenerationResult.routing``): rollout routing replay
+    (``model.init_args.routing_replay``); an engine that cannot refuses it."""
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ import torch
 
 from screl.rollout.engine import GenerationResult
 
-Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar"]
+Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar", "per_sequence_token"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 _SEQUENCE_DERIVED = ("attention_mask", "token_mask")  # from the sequence and the prompt length
@@ -46,6 +46,8 @@ class RowField:
       ``token_mask``: a multi-turn row's environment and tool tokens carry 0, so the loss, the advantages'
       token weights and the IS diagnostics see the model's own tokens only. Not collated itself.
     * ``scalar``: ``[value]``. Collated stacked into ``(rows,)``.
+    * ``per_sequence_token``: one value (of any trailing shape) per prompt and completion token, aligned with the
+      sequence: collated right-padded with ``fill`` into ``(rows, length, ...)`` (the MoE routing of routing replay).
 
     ``collate_as``: the name in the collated chunk (default ``name``). ``fill`` (per_completion_token):
     the value where no completion token is predicted; a ``str`` names the chunk-metadata key whose value
@@ -135,12 +137,23 @@ def _completion_mask(field: RowField, column: Sequence[torch.Tensor], chunk: _Ch
     return {}  # applied to token_mask in RowSchema.collate, once the sequence field has made it
 
 
+def _per_sequence_token(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    trailing = tuple(column[0].shape[1:]) if chunk.rows else ()
+    out = torch.full((chunk.rows, chunk.width, *trailing), float(field.fill), dtype=field.dtype)
+    for i, n in enumerate(chunk.lengths):
+        if column[i].shape[0] != n:
+            raise ValueError(f"row field {field.name!r}: {column[i].shape[0]} positions for a sequence of {n} tokens")
+        out[i, :n] = column[i].to(field.dtype)
+    return {field.collated[0]: out}
+
+
 _COLLATE: dict[str, Collate] = {
     "sequence": _sequence,
     "prompt_len": _not_collated,
     "per_completion_token": _per_completion_token,
     "completion_mask": _completion_mask,
     "scalar": _scalar,
+    "per_sequence_token": _per_sequence_token,
 }
 
 
@@ -186,17 +199,20 @@ class RowSchema:
             "raw_reward": [reward],
             "finish_reason": [FINISH_CODES[result.finish_reason]],
             "sample_mask": [1.0],
+            **({"routing": result.routing} if result.routing is not None else {}),
             **(extra or {}),
         }
         return self.tensors(values, "pass them to build(..., extra=...)")
 
-    def tensors(self, values: Mapping[str, Sequence[float] | Sequence[int]], fix: str) -> dict[str, torch.Tensor]:
+    def tensors(self, values: Mapping[str, Sequence[float] | Sequence[int] | torch.Tensor],
+                fix: str) -> dict[str, torch.Tensor]:
         """The row of these per-field values, each in its field's dtype (ValueError, ending with ``fix``, naming
         any field without values)."""
         missing = [name for name in self.names if name not in values]
         if missing:
             raise ValueError(f"no values for the row fields {missing}: {fix}")
-        return {f.name: torch.tensor(values[f.name], dtype=f.dtype) for f in self.fields}
+        return {f.name: (v.to(f.dtype) if isinstance(v := values[f.name], torch.Tensor) else torch.tensor(v, dtype=f.dtype))
+                for f in self.fields}
 
     def merge(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
         """Per-field lists for one data-plane put; every row must have exactly the schema's fields."""
@@ -247,3 +263,8 @@ ROW_SCHEMA = RowSchema((
 
 #: Fields of every rollout row in the data plane.
 ROW_FIELDS = ROW_SCHEMA.names
+
+#: Rollout routing replay (``model.init_args.routing_replay``): the engine's routing travels in the row.
+ROUTING = RowField("routing", torch.int16, "[prompt + completion tokens, MoE layers, top_k]: the experts the engine "
+                   "routed each token to (-1: not fed to the engine)", "per_sequence_token", fill=-1)
+ROUTING_SCHEMA = RowSchema((*ROW_SCHEMA.fields, ROUTING))

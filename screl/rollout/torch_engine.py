@@ -38,6 +38,7 @@ from screl.rollout.engine import (
     PauseMode,
     SamplingParams,
 )
+from screl.rollout.routing import RoutingRecorder
 from screl.rollout.static_decode import StaticDecoder, static_decode_support
 from screl.rollout.stop_tokens import StopTokens, stop_tokens
 from screl.rollout.weight_copy import copy_bucket
@@ -61,6 +62,7 @@ class _Row:
     finish: FinishReason | None = None
     start_version: int | None = None
     stop_token: int | None = None
+    routing: torch.Tensor | None = None  # [positions, MoE layers, top_k]: see screl.rollout.routing
 
     @property
     def sampling(self) -> SamplingParams:
@@ -122,6 +124,7 @@ class TorchGenerationEngine:
             recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
             seed=options.seed,
             decode=options.args.get("decode", "auto"),
+            record_routing=options.record_routing,
         )
 
     def __init__(
@@ -136,6 +139,7 @@ class TorchGenerationEngine:
         decode: str = "auto",
         model: torch.nn.Module | None = None,
         autocast: torch.dtype | None = None,
+        record_routing: bool = False,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -159,6 +163,9 @@ class TorchGenerationEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.decode_path = self._decode_path(decode)
+        self.routing = RoutingRecorder(self.model) if record_routing else None
+        if self.routing is not None and self.decode_path != "hf":
+            raise ValueError(f"routing replay records the experts through Hugging Face's forward: set {DECODE_KEY}=hf")
         self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
@@ -372,7 +379,8 @@ class TorchGenerationEngine:
         gen = torch.Generator().manual_seed(seed)
         uniforms = torch.rand(sp.max_new_tokens, generator=gen, dtype=torch.float64)
         stop = self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos)
-        return _Row(req=req, uniforms=uniforms, stop_ids=stop)
+        routing = self.routing.empty(len(req.prompt_token_ids) + sp.max_new_tokens) if self.routing else None
+        return _Row(req=req, uniforms=uniforms, stop_ids=stop, routing=routing)
 
     def _batch_params(self, rows: list[_Row]) -> _Batch:
         dev, n_vocab = self.device, self.vocab_size
@@ -467,9 +475,10 @@ class TorchGenerationEngine:
             capacity = width + max(r.sampling.max_new_tokens - len(r.tokens) for r in rows)
             return batch.static.start(ids, attn, capacity)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
-        )
+        with self._recording(rows, [len(s) for s in seqs], width):
+            out = self.model(
+                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
+            )
         batch.cache = self._out_cache(out)
         batch.attn = attn
         batch.next_pos = attn.sum(-1)
@@ -486,9 +495,17 @@ class TorchGenerationEngine:
         pos = batch.next_pos[:, None]
         batch.next_pos = batch.next_pos + 1
         kwargs = {self._cache_kw: batch.cache}
-        out = self.model(input_ids=ids, attention_mask=batch.attn, position_ids=pos, use_cache=True, **kwargs)
+        fed = [len(r.req.prompt_token_ids) + len(r.tokens) if r.finish is None else 0 for r in rows]
+        with self._recording(rows, fed, 1):
+            out = self.model(input_ids=ids, attention_mask=batch.attn, position_ids=pos, use_cache=True, **kwargs)
         batch.cache = self._out_cache(out)
         return out.logits[:, -1, :].float()
+
+    def _recording(self, rows: list[_Row], lengths: list[int], width: int) -> Any:
+        """Record the routing of this forward pass into the rows (a MoE policy under routing replay)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.forward([r.routing for r in rows], lengths, width)  # type: ignore[misc]
 
     @staticmethod
     def _out_cache(out: Any) -> Any:
@@ -534,6 +551,8 @@ class TorchGenerationEngine:
             stop_token_id=r.stop_token if r.finish == "stop" else None,
             stop_kind=(self.stop_tokens.kind(r.stop_token, r.sampling.ignore_eos)
                        if r.finish == "stop" and r.stop_token is not None else None),
+            routing=(r.routing[: len(r.req.prompt_token_ids) + len(r.tokens)].clone()
+                     if r.routing is not None else None),
         )
 
 

@@ -50,7 +50,7 @@ from screl.rollout.batching import (
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, PauseMode, SamplingParams
 from screl.rollout.reward_transform import RewardTransform
-from screl.rollout.rows import ROW_SCHEMA
+from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
 
 
@@ -110,12 +110,14 @@ class GenerationWorker:
         self._policy = policy
         if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
+        schema = ROUTING_SCHEMA if options.record_routing else ROW_SCHEMA  # routing replay: rows carry the routing
         if task is not None:
-            self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=ROW_SCHEMA,
+            self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=schema,
                                                     **(workflow_args or {}))
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self._call_states: dict[int, _CallState] = {}  # the rollout calls running now
         self.rows = RowSink(row_window_s, busy=self._calls_working)
+        self.rows.schema = schema
         self.teachers = teachers  # distillation: a screl.rollout.teachers.TeacherRouter; rows gain teacher_logprobs
         if teachers is not None:
             from screl.rollout.teachers import DISTILL_SCHEMA

@@ -1,0 +1,37 @@
+"""``model.init_args.routing_replay``: rollout routing replay for a mixture-of-experts policy
+(:mod:`screl.modules.routing_replay`). The torch engine records the routing through Hugging Face's forward in a
+generation worker; everything else is refused here, naming the key and the fix."""
+
+from __future__ import annotations
+
+from screl.validation.context import RuleContext, get
+from screl.validation.megatron_generation_rules import is_megatron_strategy
+
+__all__ = ["routing_replay_rules"]
+
+KEY = "model.init_args.routing_replay"
+GEN = "data.init_args.generation"
+
+
+def routing_replay_rules(c: RuleContext) -> None:
+    if not get(c.cfg, KEY, False):
+        return
+    gen = c.gen
+    backend = gen.get("backend", "torch")
+    if backend != "torch":
+        c.bad(KEY, True, f"the {backend} engine does not return the experts it routed each token to (vLLM's CPU build "
+              "does not expose them; a GPU build would need its router's top-k ids per token back in the output)",
+              "use backend: torch, or routing_replay: false")
+    elif (gen.get("backend_args") or {}).get("decode", "auto") == "static":
+        c.bad(f"{GEN}.backend_args.decode", "static", "routing replay records the experts through Hugging Face's "
+              "forward", "set decode: hf or auto")
+    if get(gen, "colocated.enabled", False):
+        c.bad(KEY, True, "a colocated engine decodes with the trainer's own module and precision: its routing is "
+              "the trainer's already", "routing_replay: false, or colocated.enabled: false")
+    if is_megatron_strategy(c.cfg):
+        c.bad(KEY, True, "MegatronStrategy does not train mixture-of-experts policies here (no MoE export)",
+              "train under the default strategy or screl.strategies.DDPStrategy")
+    workflow = str(gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
+        c.bad(f"{GEN}.workflow", workflow, "routing replay records single-turn completions only (a multi-turn row "
+              "joins several engine calls)", "use the single-turn workflow, or routing_replay: false")
