@@ -69,7 +69,7 @@ def distill_rules(c: RuleContext) -> None:
         return
     teachers = [t for t in raw.get("teachers") or [] if isinstance(t, Mapping)]
     cfg = DistillationConfig(
-        teachers=[Teacher(str(t.get("name")), t.get("policy")) for t in teachers],
+        teachers=[Teacher(str(t.get("name")), t.get("policy")) for t in teachers],  # type: ignore[arg-type]
         teacher_map=dict(raw.get("teacher_map") or {}), default_teacher=raw.get("default_teacher"),
         **{k: raw[k] for k in ("reward_weight", "kl_coef", "num_cpus_per_teacher", "teacher_threads",
                                "score_timeout_s") if isinstance(raw.get(k), (int, float))},
