@@ -14,6 +14,7 @@ from typing_extensions import override
 from screl.checkpoint.resume import DATA_PLANE, LIGHTNING_CKPT, write_controller_parts
 from screl.checkpoint.store import CheckpointStore
 from screl.config import CheckpointingConfig
+from screl.dataplane.errors import DataPlaneLostError
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,11 @@ class DataPlaneCheckpoint(Callback):
             if isinstance(err, CheckpointSaveError):
                 raise
             last = f"step_{self.last_saved}" if self.last_saved is not None else "the newest bundle before it"
+            again = "Run the same command again" if isinstance(err, DataPlaneLostError) else \
+                "Once the store is writable again (space, credentials, endpoint), run the same command"
             raise CheckpointSaveError(  # not listing the store here: it may be what is unreachable
                 f"checkpoint bundle step_{step} could not be saved to {self.store.url()}: {type(err).__name__}: "
-                f"{err}. Nothing of it was published, and the run stops. Once the store is writable again (space, "
-                f"credentials, endpoint), run the same command: it resumes from {last}.") from err
+                f"{err}. Nothing of it was published, and the run stops. {again}: it resumes from {last}.") from err
 
     def _save(self, trainer: Trainer, dm: Any, step: int, metric: dict[str, Any] | None) -> None:
         if trainer.world_size > 1:

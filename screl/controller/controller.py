@@ -109,6 +109,7 @@ class RolloutController:
         self.generation = generation
         self.workers = with_mailboxes(workers)  # a colocated engine's slot becomes its mailbox
         self.dp: Any = None  # set_data_plane, once TransferQueue is up
+        self.server: Any = None  # watch_server: the policy server's actor, when the run exposes one
         settings = core_settings(run, task, len(workers), seed, id_prefix=f"{uuid.uuid4().hex[:8]}-")
         self.core = RolloutCore(settings, create_sampler(run.async_rl.sampler, groups_per_step=settings.groups_per_step),
                                 recovery_policy(run))
@@ -255,6 +256,10 @@ class RolloutController:
             await self._execute(self.core.report(rep, time.perf_counter()))
 
     # ------------------------------------------------------------------ lifecycle
+    def watch_server(self, server: Any) -> None:
+        """The OpenAI-compatible policy server's actor: the health checks fail the run when it dies."""
+        self.server = server
+
     def set_data_plane(self, dataplane: Any) -> None:
         """The data plane of the run (handed over once TransferQueue has started, which it does while this
         actor boots)."""

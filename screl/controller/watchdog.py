@@ -11,15 +11,20 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-async def dead_for_good(worker: Any, timeout_s: float = 5.0) -> str | None:
+class PolicyServerLostError(RuntimeError):
+    """The OpenAI-compatible policy server's actor died: the agents' calls can no longer be served."""
+
+
+async def dead_for_good(worker: Any, timeout_s: float = 5.0, method: str = "ping") -> str | None:
     """Why ``worker`` is dead and will not come back (a ping, and a second one after it, raise ``ActorDiedError``:
-    a call to an actor Ray is restarting waits instead), or None while it answers, restarts or hangs."""
+    a call to an actor Ray is restarting waits instead), or None while it answers, restarts or hangs. ``method``:
+    the actor's cheap call to ping it with."""
     import ray
 
     why = None
     for _ in range(2):  # the first ping may have been in flight when the process died
         try:
-            await asyncio.wait_for(worker.ping.remote(), timeout_s)
+            await asyncio.wait_for(getattr(worker, method).remote(), timeout_s)
             return None
         except ray.exceptions.ActorDiedError as err:
             why = str(err).splitlines()[0][:200]
@@ -101,9 +106,46 @@ class NodeTracker:
         return found
 
 
+async def _data_plane_lost(controller: Any) -> bool:
+    """Whether a TransferQueue actor died (then the pump fails naming it: the rows it held are gone)."""
+    from screl.dataplane.tq_client import lost_error
+
+    if controller.dp is None:
+        return False
+    lost = await asyncio.get_running_loop().run_in_executor(None, controller.dp.lost_actors)
+    if not lost or controller.shutting_down:
+        return False
+    err = lost_error(lost, "the controller's health check of the data plane")
+    log.error("screl: %s", err)
+    if controller.pump_error is None:
+        controller.pump_error = err
+    controller.notify()
+    return True
+
+
+async def _server_lost(controller: Any, timeout_s: float) -> bool:
+    """Whether the policy server died (Ray does not restart it): then the pump fails naming it, instead of each
+    agent call failing in turn until the retry budget is spent."""
+    server = getattr(controller, "server", None)
+    if server is None:
+        return False
+    why = await dead_for_good(server, timeout_s, method="url")
+    if why is None or controller.shutting_down:
+        return False
+    err = PolicyServerLostError(
+        f"the OpenAI-compatible policy server (data.init_args.generation.expose_http_server) died: {why}. The agents' "
+        "calls cannot be served and Ray does not restart it. Run the same command again: it resumes from the last "
+        "checkpoint bundle.")
+    log.error("screl: %s", err)
+    if controller.pump_error is None:
+        controller.pump_error = err
+    controller.notify()
+    return True
+
+
 async def health_checks(controller: Any) -> None:
-    """The controller's loop between requests, every ``async_rl.watchdog.health_check_interval_s``: a worker dead
-    for good, or on a lost node that no live node can replace, gets no more work and its rollouts move to the
+    """The controller's loop between requests, every ``async_rl.watchdog.health_check_interval_s``: a TransferQueue
+    actor or the policy server that died fails the run naming it; a worker dead for good, or on a lost node that no live node can replace, gets no more work and its rollouts move to the
     others (``RolloutCore.worker_lost``)."""
     from screl.controller.runtime import worker_resources
 
@@ -112,6 +154,8 @@ async def health_checks(controller: Any) -> None:
     await tracker.learn(range(len(controller.workers)), 5.0)
     while not controller.shutting_down:
         await asyncio.sleep(interval)
+        if await _data_plane_lost(controller) or await _server_lost(controller, min(5.0, interval)):
+            return
         live = [i for i in range(len(controller.workers)) if i not in controller.core.dead]
         for i, gone in await tracker.lost(live, min(5.0, interval)):
             if not controller.shutting_down:

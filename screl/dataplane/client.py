@@ -51,11 +51,17 @@ from screl.dataplane import snapshot  # noqa: E402
 from screl.dataplane.columns import Column, check_keys, from_batch, to_batch  # noqa: E402
 from screl.dataplane.columns import column_samples as _samples  # noqa: E402, F401 - tests import it from here
 from screl.dataplane.columns import to_column as _to_column  # noqa: E402, F401 - tests import it from here
-from screl.dataplane.errors import DataPlaneError, DataPlaneKeyError, DataPlaneTimeoutError  # noqa: E402
+from screl.dataplane.errors import (  # noqa: E402
+    DataPlaneError,
+    DataPlaneKeyError,
+    DataPlaneLostError,
+    DataPlaneTimeoutError,
+)
 from screl.dataplane.snapshot import RemoteTree  # noqa: E402
 from screl.dataplane.tq_client import (  # noqa: E402
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
+    LIVENESS_POLL_S,
     STORAGE_UNIT_PREFIX,
     TorchThreads,
     bounded_wait,
@@ -64,6 +70,8 @@ from screl.dataplane.tq_client import (  # noqa: E402
     find_controller,
     in_daemon_thread,
     is_connected,
+    lost_error,
+    lost_tq_actors,
     release_client,
     start_tq,
     stop_tq,
@@ -80,6 +88,7 @@ __all__ = [
     "DataPlaneError",
     "DataPlaneHandle",
     "DataPlaneKeyError",
+    "DataPlaneLostError",
     "DataPlaneTimeoutError",
     "tq_actors_alive",
 ]
@@ -255,13 +264,31 @@ class DataPlane:
 
     @staticmethod
     async def _await(aw: Awaitable[T], timeout_s: float, what: str) -> T:
+        """``aw`` within ``timeout_s``; a TQ actor that dies meanwhile fails it at once, naming the actor."""
+        task = asyncio.ensure_future(aw)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            return await asyncio.wait_for(aw, timeout_s)
-        except asyncio.TimeoutError:
-            raise DataPlaneTimeoutError(
-                f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
-                f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
-            ) from None
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
+                if done:
+                    return task.result()
+                lost = await asyncio.get_running_loop().run_in_executor(None, lost_tq_actors)
+                if lost:
+                    raise lost_error(lost, what) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        raise DataPlaneTimeoutError(
+            f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
+            f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
+        )
+
+    def lost_actors(self) -> list[str]:
+        """The TransferQueue actors this process connected to that have died (empty before it connected)."""
+        return lost_tq_actors()
 
     # ---- put / get / clear
 

@@ -13,3 +13,8 @@ class DataPlaneTimeoutError(DataPlaneError, TimeoutError):
 
 class DataPlaneKeyError(DataPlaneError):
     """Requested keys or fields are not (or not yet) in the data plane."""
+
+
+class DataPlaneLostError(DataPlaneError):
+    """A TransferQueue actor (its controller or a storage unit) died: the rows it held are gone until a resume from
+    the last checkpoint bundle."""

@@ -24,7 +24,7 @@ import transfer_queue as tq  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from transfer_queue import interface as _tqi  # noqa: E402
 
-from screl.dataplane.errors import DataPlaneError, DataPlaneTimeoutError  # noqa: E402
+from screl.dataplane.errors import DataPlaneError, DataPlaneLostError, DataPlaneTimeoutError  # noqa: E402
 
 T = TypeVar("T")
 
@@ -35,6 +35,10 @@ STORAGE_UNIT_PREFIX = "TransferQueueStorageUnit#"
 _LOCK = threading.RLock()
 _connected_to: str | None = None  # controller actor id the process's TQ client talks to
 _started_here: str | None = None  # controller actor id of a TQ this process started and has not shut down
+_expected: frozenset[str] = frozenset()  # the TQ actors ("namespace/name") alive when this process connected
+LIVENESS_POLL_S = 1.0
+"""How often a data-plane call that waits checks that the TQ actors it connected to are still alive (a call to a
+dead storage unit or controller would otherwise wait out its whole timeout: TQ talks to them over ZMQ)."""
 
 
 def find_controller() -> Any | None:
@@ -50,11 +54,12 @@ def actor_id(handle: Any) -> str:
 
 def drop_client() -> None:
     """Forget this process's TQ client without touching any actor (``tq.close()`` would kill them)."""
-    global _connected_to
+    global _connected_to, _expected
     client = _tqi._TQ_CLIENT
     _tqi._TQ_CLIENT = None
     _tqi._TQ_CONTROLLER = None
     _connected_to = None
+    _expected = frozenset()
     if client is not None:
         try:
             client.close()
@@ -74,6 +79,34 @@ def _tq_named_actors() -> list[tuple[str, str]]:
 def tq_actors_alive() -> list[str]:
     """Names of the TransferQueue actors alive in this Ray cluster (empty after a clean shutdown)."""
     return sorted(f"{ns}/{name}" for ns, name in _tq_named_actors())
+
+
+def describe_tq_actor(name: str) -> str:
+    """``transfer_queue/TransferQueueController`` -> "the TransferQueue controller (...)"; a storage unit likewise."""
+    short = name.split("/", 1)[-1]
+    if short == CONTROLLER_NAME:
+        return f"the TransferQueue controller ({name})"
+    if short.startswith(STORAGE_UNIT_PREFIX):
+        return f"the TransferQueue storage unit {short[len(STORAGE_UNIT_PREFIX):]} ({name})"
+    return name
+
+
+def lost_tq_actors() -> list[str]:
+    """The TQ actors this process connected to that are no longer alive (Ray does not restart them)."""
+    if not _expected:
+        return []
+    try:
+        alive = set(tq_actors_alive())
+    except Exception:  # noqa: BLE001 - the GCS unreachable: not known to be lost
+        return []
+    return sorted(_expected - alive)
+
+
+def lost_error(lost: list[str], what: str) -> DataPlaneLostError:
+    return DataPlaneLostError(
+        f"{what} failed: {', '.join(describe_tq_actor(n) for n in lost)} died (the rows it held are gone; Ray does "
+        "not restart TransferQueue's actors). Run the same command again: it resumes from the last checkpoint bundle."
+    )
 
 
 def kill_tq_actors() -> None:
@@ -99,19 +132,30 @@ def in_daemon_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
 
 
 def bounded_wait(fut: concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
-    try:
-        return fut.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        fut.cancel()
-        raise DataPlaneTimeoutError(
-            f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
-            f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
-        ) from None
+    """``fut``'s result within ``timeout_s``; a TQ actor that dies meanwhile fails the wait at once
+    (:class:`DataPlaneLostError`, naming it) instead of at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return fut.result(timeout=max(0.0, min(left, LIVENESS_POLL_S)))
+        except concurrent.futures.TimeoutError:
+            if left <= LIVENESS_POLL_S:
+                break
+            lost = lost_tq_actors()
+            if lost:
+                fut.cancel()
+                raise lost_error(lost, what) from None
+    fut.cancel()
+    raise DataPlaneTimeoutError(
+        f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
+        f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
+    ) from None
 
 
 def connect(expected_controller: str | None, timeout_s: float) -> None:
     """Make this process's TQ client talk to the running controller (idempotent, thread-safe)."""
-    global _connected_to
+    global _connected_to, _expected
     with _LOCK:
         controller = find_controller()
         if controller is None:
@@ -147,6 +191,7 @@ def connect(expected_controller: str | None, timeout_s: float) -> None:
         if _tqi._TQ_CLIENT is None:
             raise DataPlaneError(f"transfer_queue.init() did not create a client for controller {cid}.")
         _connected_to = cid
+        _expected = frozenset(tq_actors_alive())
 
 
 def connected_to() -> str | None:
@@ -169,7 +214,7 @@ def start_tq(conf: DictConfig, timeout_s: float, what: str) -> str:
 
     On a failed or timed-out start every TQ actor is killed and the client dropped.
     """
-    global _connected_to, _started_here
+    global _connected_to, _started_here, _expected
     with _LOCK:
         drop_client()
         _tqi._TQ_STORAGE = None  # storage handles of an earlier TQ started (and lost) by this process
@@ -185,6 +230,7 @@ def start_tq(conf: DictConfig, timeout_s: float, what: str) -> str:
         if controller is None:
             raise DataPlaneError("transfer_queue.init() returned but no controller is registered.")
         _connected_to = _started_here = actor_id(controller)
+        _expected = frozenset(tq_actors_alive())
         return _connected_to
 
 
@@ -199,9 +245,10 @@ def release_client(controller_actor_id: str) -> None:
 def stop_tq(timeout_s: float) -> None:
     """Stop TQ: close it gracefully, kill its storage units and controller, drop the client, and wait (at
     most ``timeout_s``) until the actors' names are released (DataPlaneError if some survive)."""
-    global _started_here
+    global _started_here, _expected
     with _LOCK:
         _started_here = None
+        _expected = frozenset()  # the actors go now: a wait below must not take it for a loss
         try:  # graceful: storage units' shutdown(), then ray.kill of units and controller
             bounded_wait(in_daemon_thread(tq.close), timeout_s, "TransferQueue close")
         except DataPlaneTimeoutError:

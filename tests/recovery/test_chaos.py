@@ -1,0 +1,221 @@
+"""The chaos matrix (issue 40 item 1): SIGKILL each kind of process of a real ``screl fit`` (a real Ray cluster on
+loopback, real TransferQueue actors) at a seeded point, one kind after the other across one lineage of resumes:
+
+* a generation worker: Ray restarts it, its rollouts in flight are retried, the run goes on;
+* the TransferQueue storage unit, then (resumed) the TransferQueue controller: the run fails within seconds naming
+  the actor (every data-plane wait checks that TransferQueue's actors live), and a resume from the last bundle goes on;
+* the rollout controller actor: the trainer fails at its next call naming it; a resume goes on;
+* the policy server of the agent config: the run fails fast naming it; a resume finishes.
+
+After each lineage the event checker passes with ``final=True`` and an independent count holds: every prompt of the
+surviving history trained exactly once, and none both trained and dropped. Each row prints its kill-to-error time.
+A trainer rank under DDP is ``tests/recovery/test_multirank.py::test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train``
+(it prints its kill-to-exit time too)."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from screl.checkpoint.store import CheckpointStore
+from screl.data.event_check import check_events
+from screl.data.events import parse_event, read_events
+
+from .conftest import kill_tree, recovery_config, start_fit, wait_for
+
+pytestmark = pytest.mark.slow
+
+IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
+STALL_TIMEOUT_S = 60.0
+"""The stall watchdog's timeout in these runs: every failure must come well before it."""
+
+
+def _config(base: Path, steps: int, source: str = "grpo_tiny.yaml") -> Path:
+    path = recovery_config(base, str(base / "bundles"), steps=steps, sampler=IN_ORDER, source=source)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["checkpointing"]["keep_top_k"] = None  # every bundle stays: the test reads which one each resume used
+    # a killed worker's retries span Ray's restart of it (a fresh process, its model built, the weights pushed)
+    cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 10, "backoff_base_s": 0.2, "max_backoff_s": 2.0}
+    cfg["async_rl"]["watchdog"] = {"stall_timeout_s": STALL_TIMEOUT_S, "health_check_interval_s": 1.0}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _ray_process(proc: Any, cls: str) -> psutil.Process:
+    """The process of ``screl fit``'s tree whose title is ``ray::<cls>`` (an actor's process names its class)."""
+    found: list[psutil.Process] = []
+
+    def look() -> bool:
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return False
+        for child in children:
+            try:
+                title = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if title.startswith(f"ray::{cls}") or title.startswith("ray::") and f":{cls}." in title.split()[0]:
+                found.append(child)
+                return True
+        return False
+
+    assert wait_for(look, 60, proc), f"no ray::{cls} process in the run's tree"
+    return found[0]
+
+
+def _events(run_dir: Path) -> list[Any]:
+    if not (run_dir / "events.jsonl").exists():
+        return []
+    return [parse_event(line) for _, line in read_events(run_dir)]
+
+
+def _count(run_dir: Path, name: str) -> int:
+    return sum(1 for e in _events(run_dir) if e.name == name)
+
+
+def _trains_after_start(proc: Any, run_dir: Path, log: Path, steps: int = 1) -> None:
+    """Wait until this incarnation has trained ``steps`` steps and published their bundles."""
+    before = _count(run_dir, "checkpoint")
+    assert wait_for(lambda: _count(run_dir, "checkpoint") >= before + steps, 300, proc, poll_s=0.1), \
+        log.read_text()[-3000:]
+
+
+def _kill(proc: Any, cls: str, rng: random.Random) -> float:
+    """SIGKILL the ``ray::<cls>`` process at a seeded point of the step under way; returns the kill's time."""
+    target = _ray_process(proc, cls)
+    wait_for(lambda: False, rng.uniform(0.0, 1.0), proc)  # a seeded point: polls the run meanwhile
+    assert proc.poll() is None, "the run ended before its kill point"
+    target.kill()
+    return time.monotonic()
+
+
+def _fails_naming(proc: Any, log: Path, killed_at: float, names: str, row: str) -> float:
+    """The run exits non-zero, its log naming ``names``; returns (and prints) the kill-to-exit time."""
+    try:
+        rc = proc.wait(timeout=STALL_TIMEOUT_S + 120)
+    finally:
+        kill_tree(proc)
+    took = time.monotonic() - killed_at
+    text = log.read_text()
+    print(f"chaos: {row}: kill -> the run failed in {took:.1f} s")
+    assert rc != 0, text[-3000:]
+    assert names in text, text[-3000:]
+    assert took < STALL_TIMEOUT_S, f"{row}: found after {took:.0f} s, not before the stall watchdog"
+    return took
+
+
+def independent_count(run_dir: Path, steps: int, per_step: int) -> None:
+    """From the raw log, apart from the checker: the surviving history (a restore at step R supersedes the steps
+    >= R before it) trains steps 0..steps-1, ``per_step`` groups each, every ``(epoch, prompt)`` once, and no
+    prompt it trained was also dropped (a drop at a shutdown is not one: the prompt comes back at the resume, which
+    the checker's prompt accounting follows)."""
+    epoch_of: dict[int, int] = {}
+    prompt_of: dict[str, tuple[int, int]] = {}
+    trained: dict[int, tuple[str, ...]] = {}
+    dropped: set[tuple[int, int]] = set()
+    for e in _events(run_dir):
+        if e.name == "admit":
+            for pid in e.prompt_ids or ():
+                epoch_of[int(pid)] = int((e.extra or {}).get("epoch", 0))
+        elif e.name == "reserve":
+            prompt_of[e.group_id] = (epoch_of.get(e.prompt_id, 0), e.prompt_id)
+        elif e.name == "restore":
+            trained = {s: g for s, g in trained.items() if s < e.step}
+        elif e.name == "train_step":
+            trained[e.step] = tuple(e.group_ids)
+        elif e.name == "drop" and e.reason != "shutdown":  # a shutdown's drops come back at the resume
+            dropped.add(prompt_of[e.group_id] if e.group_id is not None else (epoch_of.get(e.prompt_id, 0), e.prompt_id))
+    assert sorted(trained) == list(range(steps)), sorted(trained)
+    prompts = [prompt_of[g] for s in sorted(trained) for g in trained[s]]
+    assert len(prompts) == steps * per_step, (len(prompts), steps * per_step)
+    assert len(set(prompts)) == len(prompts), "a prompt trained twice"
+    assert not set(prompts) & dropped, "a prompt both trained and dropped"
+
+
+def _audit(run_dir: Path, steps: int) -> None:
+    report = check_events(run_dir, IN_ORDER, final=True)
+    assert report.ok, report.format()
+    independent_count(run_dir, steps, per_step=4)
+
+
+def test_killing_each_rollout_process_kind_fails_fast_or_recovers_and_the_lineage_loses_nothing(
+        tmp_path: Path) -> None:
+    rng = random.Random(40)
+    steps = 10
+    config = _config(tmp_path, steps)
+    run_dir, log = tmp_path / "run", tmp_path / "fit.log"
+    store = CheckpointStore(str(tmp_path / "bundles"))
+    times: dict[str, float] = {}
+
+    # 1. a generation worker: Ray restarts it, the run goes on (a later bundle is published)
+    proc = start_fit(config, log)
+    _trains_after_start(proc, run_dir, log)
+    fails, commits = _count(run_dir, "fail"), _count(run_dir, "commit")
+    killed_at = _kill(proc, "GenerationWorker", rng)
+    failed = wait_for(lambda: _count(run_dir, "fail") > fails, 30, proc, poll_s=0.05)
+    times["generation worker"] = time.monotonic() - killed_at
+    assert wait_for(lambda: _count(run_dir, "commit") > commits, 120, proc, poll_s=0.1), log.read_text()[-3000:]
+    print(f"chaos: generation worker: kill -> its rollouts in flight failed (infra) in {times['generation worker']:.1f} s"
+          f" (hit rollouts in flight: {failed}); -> a commit from the restarted worker after "
+          f"{time.monotonic() - killed_at:.1f} s")
+    _trains_after_start(proc, run_dir, log)  # the run goes on: a later bundle
+    assert all(e.reason == "infra" for e in _events(run_dir) if e.name == "fail")
+
+    # 2. the TransferQueue storage unit: the run fails naming it
+    killed_at = _kill(proc, "SimpleStorageUnit", rng)
+    times["storage unit"] = _fails_naming(proc, log, killed_at, "the TransferQueue storage unit 0", "storage unit")
+    resumed_from = store.latest()
+    assert resumed_from is not None and 2 <= resumed_from.step < steps
+
+    # 3. resumed; the TransferQueue controller: the run fails naming it
+    proc = start_fit(config, log)
+    _trains_after_start(proc, run_dir, log)
+    killed_at = _kill(proc, "TransferQueueController", rng)
+    times["TQ controller"] = _fails_naming(proc, log, killed_at, "the TransferQueue controller", "TQ controller")
+    latest = store.latest()
+    assert latest is not None and latest.step > resumed_from.step  # the resume went on from its bundle
+
+    # 4. resumed; the rollout controller actor: the trainer's next call fails naming it
+    proc = start_fit(config, log)
+    _trains_after_start(proc, run_dir, log)
+    killed_at = _kill(proc, "RolloutController", rng)
+    times["rollout controller"] = _fails_naming(proc, log, killed_at, "class_name: RolloutController",
+                                                "rollout controller")
+
+    # 5. a last resume finishes the run
+    proc = start_fit(config, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert text.count("screl: resumed the rollout side") == 3, "each failed incarnation was resumed from its bundle"
+    latest = store.latest()
+    assert latest is not None and latest.step == steps
+    _audit(run_dir, steps)
+    print("chaos: kill -> error:", {k: round(v, 1) for k, v in times.items()})
+
+
+def test_a_killed_policy_server_fails_the_agent_run_fast_naming_it_and_a_resume_finishes(tmp_path: Path) -> None:
+    """The agent config (``configs/grpo_agent_tiny.yaml``): every rollout is an agent's conversation with the policy
+    server. Ray does not restart the server, so its calls cannot become data failures that a retry fixes: the
+    controller's health check finds it dead and fails the run naming it (before the infrastructure retries of each
+    agent call would have run out); a resume from the last bundle starts a new server and finishes."""
+    rng = random.Random("policy-server")
+    steps = 6  # the steps after the kill need rollouts that were not generated ahead before it
+    config = _config(tmp_path, steps, source="grpo_agent_tiny.yaml")
+    run_dir, log = tmp_path / "run", tmp_path / "fit.log"
+    proc = start_fit(config, log)
+    _trains_after_start(proc, run_dir, log)
+    killed_at = _kill(proc, "PolicyServer", rng)
+    _fails_naming(proc, log, killed_at, "PolicyServerLostError: the OpenAI-compatible policy server", "policy server")
+    bundle = CheckpointStore(str(tmp_path / "bundles")).latest()
+    assert bundle is not None and 1 <= bundle.step < steps
+    proc = start_fit(config, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert f"resuming from {tmp_path / 'bundles'}/step_{bundle.step}" in log.read_text()
+    _audit(run_dir, steps)
