@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from screl.envs.base import PromptRecord
@@ -33,6 +34,9 @@ CALCULATOR_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
+_LEADING_SUM = re.compile(r"\s*([0-9+]*)")
+
+
 class _Episode:
     """The environment's rewards for calls and the final answer."""
 
@@ -41,6 +45,9 @@ class _Episode:
         self.env, self.question, self.reward, self.done = env, env.reset(prompt), 0.0, False
 
     def call(self, expression: str) -> str:
+        """The calculator reads the sum the expression starts with (``3+4`` of ``3+4 please``), as the task's
+        compact syntax does; none at all is the question's own sum."""
+        expression = _LEADING_SUM.match(expression).group(1)  # type: ignore[union-attr]  # always matches
         step = self.env.step(Action("", (ToolCall("calculator", {"expression": expression or self.question}),)))
         self.reward += step.reward
         return step.observation
@@ -76,6 +83,7 @@ async def _sdk_agent(client: Any, prompt: PromptRecord, env: Environment | None,
     from agents import (
         Agent,
         MaxTurnsExceeded,
+        ModelBehaviorError,
         ModelSettings,
         OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
@@ -104,6 +112,9 @@ async def _sdk_agent(client: Any, prompt: PromptRecord, env: Environment | None,
         episode.answer(str(result.final_output or ""))
     except MaxTurnsExceeded:  # it kept calling the tool: the calls' rewards stand
         pass
+    except ModelBehaviorError as err:  # the Responses model refuses a reply max_output_tokens cut (incomplete)
+        if "incomplete" not in str(err):
+            raise
     return episode.reward
 
 
