@@ -72,6 +72,7 @@ SCRIPTS = {
     "@plain": "Seven.",
     "=one": "=3+4",  # the compact syntax (the character tokenizer)
     "=two": "=add 1+2 =mul 5+6",
+    "=bad": "=div 1+2",  # a tool the request does not offer: call-like text that does not parse
     # the calculator task's 3+4 (tests/e2e/test_agents_sdk.py): call the tool, then answer with its result
     "user 3+4<eos>assistant ": "=",
     "tool 7<eos>assistant ": "7",

@@ -16,7 +16,7 @@ import ray
 from screl.envs.base import PromptRecord
 from screl.envs.calculator import CalculatorTask
 from screl.models import TinyCausalLM
-from screl.rollout.agent import AgentWorkflow
+from screl.rollout.agent import AgentResult, AgentWorkflow
 from screl.rollout.engine import SamplingParams
 from screl.rollout.workflow import RolloutItem
 from tests.e2e._scripted import serve
@@ -79,3 +79,26 @@ def test_the_sdk_agents_create_no_trace(served: Any) -> None:
     [outcome] = asyncio.run(wf.run([RolloutItem("g34_g0_trace", prompt, (), SamplingParams())], None))  # type: ignore[arg-type]
     assert outcome.status == "sealed" and outcome.reward == 1.25
     assert made == [] and tracing.get_trace_provider()._disabled is True  # noqa: SLF001 - the SDK's own flag
+
+
+def flagging_agent(client: Any, prompt: PromptRecord, env: Any) -> AgentResult:
+    """Masks its conversation when the reply's call does not parse (the server says so: ``tool_call_error``)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}} for n in ("add", "mul")]
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "=bad"}], tools=tools,
+                                           max_tokens=8)
+    error = reply.choices[0].model_extra.get("tool_call_error")
+    if reply.choices[0].message.tool_calls or error != "the call names 'div', which the request does not offer":
+        raise AssertionError(f"expected an unparsed call, got {reply.choices[0]}")  # the sibling fails: data_error
+    return AgentResult(0.5, mask=True)
+
+
+def test_an_agent_masks_a_conversation_whose_call_does_not_parse(served: Any) -> None:
+    server, url = served
+    wf = AgentWorkflow(CalculatorTask(), POLICY.build_tokenizer(), agent="tests.e2e.test_agents_sdk:flagging_agent")
+    wf.attach_server(server, url, None)
+    prompt = PromptRecord(34, "3+4", {"a": 3, "b": 4, "task_source": "calculator"})
+    [outcome] = asyncio.run(wf.run([RolloutItem("g34_g0_mask", prompt, (), SamplingParams())], None))  # type: ignore[arg-type]
+    assert outcome.status == "sealed", outcome.detail
+    assert outcome.status == "sealed" and outcome.reward == 0.5  # it keeps its reward (and group)
+    assert outcome.row is not None and outcome.row["sample_mask"].tolist() == [0.0]  # and trains nothing
