@@ -102,6 +102,9 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         if options.args:
             raise ValueError(f"{ARGS_KEY}={dict(options.args)!r}: the megatron backend takes none (its model is "
                              "the policy's GPTModel at tensor parallel size 1)")
+        if options.record_routing:
+            raise ValueError("model.init_args.routing_replay: the megatron engine does not record MoE routing (it "
+                             "decodes dense GPTModels); use backend: torch")
         return cls(policy, device=options.device, num_threads=options.num_threads,
                    max_batch_size=options.max_batch_size,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
@@ -138,6 +141,7 @@ class MegatronGenerationEngine(TorchGenerationEngine):
             self.model, config, generation_config = build_engine_model(policy, device, seed)
         self.device = next(self.model.parameters()).device
         self.decode_path = "megatron"
+        self.routing = None  # no MoE: GPTModelProvider maps dense models only
         log.info("screl: the megatron engine decodes a GPTModel with megatron-core's static KV cache (%s)",
                  "the trainer's module" if self.shared else "its own, tensor parallel size 1")
         stops: StopTokens = stop_tokens(self.tokenizer, generation_config, config)

@@ -235,6 +235,10 @@ class VLLMGenerationEngine:
         if fixed:
             raise ValueError(f"{KEY}: {fixed} are set by screl's vLLM backend and cannot be overridden")
         vllm_engine_args(options.device)  # a device vLLM cannot run on fails here
+        if options.record_routing:
+            raise ValueError("model.init_args.routing_replay: vLLM does not return the experts it routed each token "
+                             "to (a build that did would need each request's per-token router top-k ids in its "
+                             "output); use backend: torch")
         return cls(policy, engine_args=dict(options.args), seed=options.seed, num_threads=options.num_threads,
                    device=options.device,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates)
