@@ -209,7 +209,8 @@ class RolloutController:
         self._on_task_done(task)
 
     async def ensure_fresh(self, worker: Any) -> None:
-        """A restarted worker comes back with its initial weights and no data plane: push both first."""
+        """A restarted worker comes back with its initial weights, no data plane and no policy server: push them
+        first."""
         version, attached = await worker.status.remote()
         if self.external_refit and version != self.core.gen_version:
             raise RuntimeError(
@@ -219,6 +220,9 @@ class RolloutController:
             )
         if not attached:
             await worker.set_data_plane.remote(self.dp)
+            if self.server is not None:  # the policy server too: the agents' workflow lost it with the process
+                url = await self.server.url.remote()
+                await worker.attach_server.remote(self.server, url, self.generation.http_server.api_key)
         if self.latest_weights is not None and version != self.core.gen_version:
             await worker.update_weights.remote(self.latest_weights, self.core.gen_version)
 
