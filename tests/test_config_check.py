@@ -413,6 +413,12 @@ def test_bad_config_fails_check_naming_its_key(
     assert any("Fix:" in line for line in lines) or "see `screl fit --help`" in out
 
 
+def test_the_plan_names_the_teachers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _run_check(_load("distill_tiny.yaml"), tmp_path, capsys)
+    assert rc == 0, out
+    assert "algorithm            Distill (GRPO steps; teachers ['count'], map {}, default 'count', reward_weight 0.0)" in out
+
+
 def test_three_problems_are_all_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _load("grpo_tiny.yaml")
     cfg["grpo"]["max_num_epochs"] = 0
