@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -167,8 +168,9 @@ def _kill_and_resume(
 def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_path: Path) -> None:
     """screl.strategies.DDPStrategy over 2 ranks, each training half of every step's groups, reproduces a
     one-process run's loss and gradient norm step by step (the gradients are summed over the shards), before a
-    seeded SIGKILL of the whole job and after its resume from rank 0's Lightning checkpoint; the same bundles
-    resumed by one process reproduce the uninterrupted one-process run (resume parity in sync mode)."""
+    SIGKILL of one rank (rank 1, at a seeded step after a bundle: the chaos matrix's DDP row, which must end the job
+    fast, its kill-to-exit time printed) and after the job's resume from rank 0's Lightning checkpoint; the same
+    bundles resumed by one process reproduce the uninterrupted one-process run (resume parity in sync mode)."""
     reference_cfg = _ddp_config(tmp_path / "ref", devices=1)
     proc = start_fit(reference_cfg, tmp_path / "ref.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
@@ -190,7 +192,20 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
         return (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists()
 
     assert wait_for(bundle_published, 300, proc, poll_s=0.5), log.read_text()[-3000:]
+    # the chaos matrix's DDP row (issue 40): SIGKILL one rank (rank 1, started by `screl fit`), not the whole job;
+    # rank 0 fails at its next collective and the job exits, then it is resumed below
+    [rank1] = [p for p in psutil.Process(proc.pid).children() if {"screl.cli", "fit"} <= set(p.cmdline())]
+    rank1.kill()
+    killed_at = time.monotonic()
+    try:
+        rc = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        rc = None
+    took = time.monotonic() - killed_at
     kill_tree(proc)
+    print(f"chaos: a DDP rank (rank 1) SIGKILLed -> the job exited in {took:.1f} s (rc {rc})")
+    assert rc not in (None, 0), log.read_text()[-3000:]
+    assert took < 120, f"the job noticed its lost rank after {took:.0f} s"
     assert ranks.most == 2 and not wide, (ranks.most, sorted(set(wide)))  # `screl fit` started rank 1; they met via a file
     bundle = CheckpointStore(str(cut / "bundles")).latest()
     assert bundle is not None and bundle.step >= kill_after
