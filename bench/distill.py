@@ -21,7 +21,8 @@ Figures (``bench/results/distill.json``): the per-step reward curves; ``teacher_
 ``steps_to_teacher`` per run: the first step at which the reward's 3-step moving average reaches
 ``--target-fraction`` (0.9) of the teacher's reward (null: never within ``--steps``), and
 ``distill_over_grpo_steps`` per learning rate; for the mixture (``--mix-steps``, completions of at most
-``--mix-length`` tokens that may stop early), each source's reward over its first and last 5 steps.
+``--mix-length`` tokens that may stop early), each source's reward over its first and last 5 steps, and in the
+distill run the teacher's mean logprob of each source's trained tokens (``mix_distill_teacher_logprob_*``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class SourceRewards:
         tok = build_char_tokenizer()
         self.first = {"count": tok.convert_tokens_to_ids("c"), "add": tok.convert_tokens_to_ids("a")}
         self.per_step: dict[str, list[float]] = {k: [] for k in self.first}
+        self.teacher_logprob: dict[str, list[float]] = {k: [] for k in self.first}
+        """Distill runs: per step, the teacher's mean logprob of each source's trained tokens."""
 
     def callback(self) -> Any:
         from lightning.pytorch import Callback
@@ -112,6 +115,10 @@ class SourceRewards:
                     rows = batch["input_ids"][:, 0] == tid
                     if bool(rows.any()):
                         outer.per_step[source].append(float(batch["rewards"][rows].float().mean()))
+                        if "teacher_logprobs" in batch:
+                            mask = batch["token_mask"][rows].bool()
+                            outer.teacher_logprob[source].append(
+                                float(batch["teacher_logprobs"][rows][mask].float().mean()))
 
         return _Probe()
 
@@ -176,12 +183,15 @@ def main() -> None:
                 curves[f"distill_lr{lr:g}"] = run(f"distill_lr{lr:g}", as_distill(
                     base(work, args.steps, args.seed, lr), {"count": "count"}, {}), work)
             per_source: dict[str, dict[str, list[float]]] = {}
+            teacher_lp: dict[str, list[float]] = {}
             teachers, routes = {"count": "count", "addition": "addition"}, {"count": "count", "add": "addition"}
             for name, distill in (("mix_distill", True), ("mix_grpo", False)):
                 cfg = mixture(base(work, args.mix_steps, args.seed), args.mix_length)
                 probe = SourceRewards()
                 curves[name] = run(name, as_distill(cfg, teachers, routes) if distill else cfg, work, probe)
                 per_source[name] = probe.per_step
+                if distill:
+                    teacher_lp = probe.teacher_logprob
     finally:
         stop_bench_ray(ray_started)
     teacher = statistics.fmean(curves["teacher"])
@@ -193,7 +203,9 @@ def main() -> None:
         teacher_reward=teacher, target_reward=target, reward_per_step=curves, steps_to_teacher=reach,
         distill_over_grpo_steps=ratios, learning_rates=args.lrs, mix_steps=args.mix_steps,
         mix_max_new_tokens=args.mix_length,
-        per_source_reward_per_step=per_source,
+        per_source_reward_per_step=per_source, mix_distill_teacher_logprob_per_step=teacher_lp,
+        mix_distill_teacher_logprob_first5_last5={s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
+                                                  for s, v in teacher_lp.items() if v},
         per_source_first5_last5={run_name: {s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
                                             for s, v in sources.items() if v}
                                  for run_name, sources in per_source.items()},
@@ -206,6 +218,9 @@ def main() -> None:
         print_table(["run", "source", "first 5 steps", "last 5 steps"],
                     [[run_name, s, a, b] for run_name, d in r["per_source_first5_last5"].items()
                      for s, (a, b) in d.items()], title="two task sources, two teachers")
+        print_table(["source", "first 5 steps", "last 5 steps"],
+                    [[s, a, b] for s, (a, b) in r["mix_distill_teacher_logprob_first5_last5"].items()],
+                    title="mix_distill: the teacher's mean logprob of each source's tokens")
         print("curves (reward per step):")
         for k, v in r["reward_per_step"].items():
             print(f"  {k:12s} " + " ".join(f"{x:.2f}" for x in v))
