@@ -8,6 +8,7 @@ from screl.dataplane.client import (
     DataPlaneError,
     DataPlaneHandle,
     DataPlaneKeyError,
+    DataPlaneLostError,
     DataPlaneTimeoutError,
     tq_actors_alive,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "DataPlaneError",
     "DataPlaneHandle",
     "DataPlaneKeyError",
+    "DataPlaneLostError",
     "DataPlaneTimeoutError",
     "listening_addresses",
     "start_local_ray",

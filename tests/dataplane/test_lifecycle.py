@@ -93,3 +93,32 @@ def test_a_real_snapshot_passes_the_pickle_scan(saved: tuple[Path, list[str], Ro
     assert check_pickles_under(str(saved[0]), "data_plane") >= 2  # the controller and the storage unit
     imported = {g for p in saved[0].rglob("*.pkl") for g in pickle_globals(p.read_bytes())}
     assert any(g.startswith("torch.") for g in imported), imported  # the rows' tensors are in there
+
+
+def test_a_killed_storage_unit_fails_the_next_call_at_once_naming_it(ray_cluster: None) -> None:
+    """TransferQueue talks to its storage units over ZMQ: a call to a dead one would wait out its whole timeout
+    (twice 60 s in a run, then blamed on the object store). Each wait checks that the actors live: the call fails
+    within about a second, sync and async, naming the unit (the chaos matrix, tests/recovery/test_chaos.py, kills
+    them in a real run)."""
+    import asyncio
+    import time
+
+    from screl.dataplane import DataPlaneLostError
+
+    plane = DataPlane.start(num_storage_units=1, timeout_s=30.0)
+    try:
+        plane.put(["lost_g0"], {"reward": [torch.zeros(())]})
+        [unit] = [n for n in tq_actors_alive() if "StorageUnit" in n]
+        namespace, name = unit.split("/", 1)
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(DataPlaneLostError, match=rf"get of 1 rows failed: the TransferQueue storage unit 0 "
+                                                     rf"\({unit}\) died .* resumes from the last checkpoint bundle"):
+            plane.get(["lost_g0"], ["reward"])
+        with pytest.raises(DataPlaneLostError, match=r"put of 1 rows failed: the TransferQueue storage unit 0"):
+            asyncio.run(plane.aput(["lost_g1"], {"reward": [torch.zeros(())]}))
+        assert time.monotonic() - t0 < 15, "waited for the timeout (30 s) instead"
+        assert plane.lost_actors() == [unit]
+    finally:
+        plane.shutdown()
+    assert tq_actors_alive() == []
