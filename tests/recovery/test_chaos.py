@@ -17,6 +17,7 @@ A trainer rank under DDP is ``tests/recovery/test_multirank.py::test_ddp_bundles
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import yaml
 
 from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
+from screl.data.events import main as events_cli
 from screl.data.events import parse_event, read_events
 
 from .conftest import kill_tree, recovery_config, start_fit, wait_for
@@ -150,8 +152,9 @@ def independent_count(run_dir: Path, steps: int, per_step: int) -> None:
 
 
 def _audit(run_dir: Path, steps: int) -> None:
-    report = check_events(run_dir, IN_ORDER, final=True)
-    assert report.ok, report.format()
+    """``screl events check --final`` over the whole lineage's log, then the independent count."""
+    assert events_cli(["check", str(run_dir), "--final", "--sampler", json.dumps(IN_ORDER)]) == 0, \
+        check_events(run_dir, IN_ORDER, final=True).format()
     independent_count(run_dir, steps, per_step=4)
 
 
