@@ -169,11 +169,13 @@ class PolicyServer:
 
     async def abort_sessions(self, session_ids: Sequence[str]) -> None:
         """End these sessions: their requests in flight are aborted in the engine, later ones get a 409."""
-        for sid in session_ids:
-            self.cancelled.add(sid)
-            requests = self.inflight.get(sid)
-            if requests and sid in self.sticky:
+        self.cancelled.update(session_ids)
+        pending = {sid: self.inflight[sid] for sid in session_ids if self.inflight.get(sid) and sid in self.sticky}
+        while pending:  # until they end: an abort that reaches the engine before its requests finds nothing
+            for sid, requests in pending.items():
                 await self.workers[self.sticky[sid]].abort.remote(requests)
+            await asyncio.sleep(0.1)
+            pending = {sid: r for sid, r in pending.items() if self.inflight.get(sid) is r}
 
     async def get_stats(self) -> dict[str, Any]:
         return {**self.stats, "sessions": len(self.sessions), "aborted": list(self.aborted)}
@@ -380,6 +382,10 @@ class PolicyServer:
         self._inflight(job, True)
         try:
             results = await self._generate(worker, job.requests, request)
+        except Exception:
+            if job.session in self.cancelled:  # dropped from the worker's queue by the session's abort
+                raise _SessionAborted(job.session) from None
+            raise
         finally:
             self._inflight(job, False)
         return None if results is None else self._finish(job, results)

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,7 +20,7 @@ from screl.models import TinyCausalLM
 from screl.modules.grpo import token_logprobs
 from screl.rollout.agent import AgentWorkflow
 from screl.rollout.chat import chat_prompt_ids
-from screl.rollout.engine import SamplingParams
+from screl.rollout.engine import EngineOptions, SamplingParams
 from screl.rollout.server import PolicyServer
 from screl.rollout.trajectory import Turn, build_row
 from screl.rollout.worker import spawn_workers
@@ -210,9 +211,11 @@ def test_keys_guard_the_server() -> None:
         ray.kill(worker)
 
 
-def test_aborting_an_agents_sibling_ends_its_requests_in_the_engine() -> None:
+def test_aborting_an_agents_sibling_ends_its_requests_in_the_engine(tmp_path: Path) -> None:
+    marker = tmp_path / "hanging"
     [worker] = spawn_workers(1, POLICY, namespace_prefix="screl-srv-agent", max_restarts=0,
-                             backend="screl.rollout.faults.HangsOnceEngine")
+                             backend="tests.e2e._scripted.MarkedHangEngine",
+                             options=EngineOptions(args={"marker": str(marker)}))
     ray.get(worker.update_weights.remote([POLICY.build_model().state_dict()], 0), timeout=120)
     server, url = _serve([worker])
     task = CalculatorTask()
@@ -223,7 +226,7 @@ def test_aborting_an_agents_sibling_ends_its_requests_in_the_engine() -> None:
 
     async def scenario() -> Any:
         run = asyncio.ensure_future(wf.run([item], None))  # type: ignore[arg-type]
-        while (await server.get_stats.remote())["requests"] < 1:  # the agent's first request hangs in the engine
+        while not marker.exists():  # the agent's first request hangs in the engine (not in the worker's queue)
             await asyncio.sleep(0.05)
         await wf.abort([item.attempt, "someone-else"])
         return await asyncio.wait_for(run, 60)
