@@ -44,6 +44,8 @@ STALL_TIMEOUT_S = 60.0
 def _config(base: Path, steps: int, source: str = "grpo_tiny.yaml") -> Path:
     path = recovery_config(base, str(base / "bundles"), steps=steps, sampler=IN_ORDER, source=source)
     cfg = yaml.safe_load(path.read_text())
+    # generation paces the run (up to 0.5 s per call, 3 agent turns): a quiet machine must not run past a kill point
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 0.5
     cfg["checkpointing"]["keep_top_k"] = None  # every bundle stays: the test reads which one each resume used
     # a killed worker's retries span Ray's restart of it (a fresh process, its model built, the weights pushed)
     cfg["async_rl"]["rollout_failure"] = {"max_infra_attempts": 10, "backoff_base_s": 0.2, "max_backoff_s": 2.0}
@@ -71,7 +73,7 @@ def _ray_process(proc: Any, cls: str) -> psutil.Process:
                 return True
         return False
 
-    assert wait_for(look, 60, proc), f"no ray::{cls} process in the run's tree"
+    assert wait_for(look, 300, proc), f"no ray::{cls} process in the run's tree"
     return found[0]
 
 
@@ -92,10 +94,12 @@ def _trains_after_start(proc: Any, run_dir: Path, log: Path, steps: int = 1) -> 
         log.read_text()[-3000:]
 
 
-def _kill(proc: Any, cls: str, rng: random.Random) -> float:
-    """SIGKILL the ``ray::<cls>`` process at a seeded point of the step under way; returns the kill's time."""
-    target = _ray_process(proc, cls)
-    wait_for(lambda: False, rng.uniform(0.0, 1.0), proc)  # a seeded point: polls the run meanwhile
+def _kill(proc: Any, cls: str, rng: random.Random, run_dir: Path, log: Path) -> float:
+    """SIGKILL the ``ray::<cls>`` process at a seeded point of the step after this incarnation's next bundle;
+    returns the kill's time."""
+    target = _ray_process(proc, cls)  # found first: the kill follows the bundle closely
+    _trains_after_start(proc, run_dir, log)
+    wait_for(lambda: False, rng.uniform(0.0, 0.3), proc)  # a seeded point: polls the run meanwhile
     assert proc.poll() is None, "the run ended before its kill point"
     target.kill()
     return time.monotonic()
@@ -165,7 +169,7 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     controller and the rollout controller (each fails the run naming it; the next incarnation resumes from the
     newest bundle); the last one finishes."""
     rng = random.Random(40)
-    steps = 14  # room for four incarnations' kill points, each after a bundle of its own
+    steps = 16  # room for five kill points, each in the step after a bundle of its incarnation
     config = _config(tmp_path, steps, source="grpo_agent_tiny.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "fit.log"
     store = CheckpointStore(str(tmp_path / "bundles"))
@@ -174,9 +178,8 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     # a generation worker: Ray restarts it (and the controller hands it the data plane, the latest weights and the
     # policy server again), its rollouts in flight are retried, the run goes on to a later bundle
     run = _start(config, log)
-    _trains_after_start(run[0], run_dir, log)
     fails = _count(run_dir, "fail")
-    killed_at = _kill(run[0], "GenerationWorker", rng)
+    killed_at = _kill(run[0], "GenerationWorker", rng, run_dir, log)
     killed_wall = time.time()  # the event log's clock
     failed = wait_for(lambda: _count(run_dir, "fail") > fails, 30, run[0], poll_s=0.05)
     times["generation worker"] = time.monotonic() - killed_at
@@ -188,7 +191,6 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     print(f"chaos: generation worker: kill -> its rollouts in flight failed (infra) in {times['generation worker']:.1f} s"
           f" (hit rollouts in flight: {failed}); -> groups commit again (Ray restarted it) after "
           f"{time.monotonic() - killed_at:.1f} s")
-    _trains_after_start(run[0], run_dir, log)
     assert all(e.reason == "infra" for e in _events(run_dir) if e.name == "fail")
 
     # the policy server (same incarnation), then one kind per resumed incarnation: each run fails naming what died
@@ -201,10 +203,10 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
             bundle = store.latest()
             assert bundle is not None
             run = _start(config, log)
-            _trains_after_start(run[0], run_dir, log)
+        killed_at = _kill(run[0], cls, rng, run_dir, log)
+        if cls != "PolicyServer":
             assert f"resuming from {tmp_path / 'bundles'}/step_{bundle.step} " in \
                 log.read_bytes()[run[1]:].decode(errors="replace")
-        killed_at = _kill(run[0], cls, rng)
         times[row] = _fails_naming(run, log, killed_at, names, row)
 
     # a last resume finishes the run
