@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, TextIO
+from typing import IO, Any
 
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.dispatch import groups_land_together, plan_calls
@@ -130,7 +130,7 @@ class RolloutController:
         self.events_path = os.path.join(run_dir, "events.jsonl")
         self._log_had_history = os.path.exists(self.events_path) and os.path.getsize(self.events_path) > 0
         self._restored_from: int | None = None
-        self._events: TextIO | None = None
+        self._events: IO[str] | None = None
         if run.async_rl.event_log:  # a torn last line (a killed writer) is cut first, and the cut is reported
             self._events, torn_note = open_event_log(self.events_path)
             if torn_note is not None:

@@ -492,10 +492,11 @@ def check_events(
         if isinstance(item, str):
             if not item.strip():
                 continue
+            text = item
             try:
-                item = parse_event(item)
+                item = parse_event(text)
             except ValueError as exc:
-                unparsed = (n, item, str(exc))
+                unparsed = (n, text, str(exc))
                 continue
         getattr(checker, _HANDLERS[type(item)])(item)
     if unparsed is not None:

@@ -215,7 +215,8 @@ class DatasetTask(Task):
             if column is not None and column not in columns:
                 raise KeyError(f"{KEY}.{knob}={column!r} is not a column of {self.path!r} ({key}={split!r});"
                                f" its columns: {sorted(columns)}")
-        records, seen = [], {}
+        records: list[Any] = []
+        seen: dict[Any, int] = {}
         for index, row in enumerate(ds):
             pid = self._id(row, index, split)
             if pid in seen:

@@ -58,7 +58,7 @@ class TinyMoECausalLM(PolicySpec):
     def build_config(self) -> Any:
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
+        return Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a config attribute the constructor takes
             vocab_size=len(char_vocab()), hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
             num_experts=self.num_experts, num_experts_per_tok=self.top_k,
@@ -78,8 +78,9 @@ class TinyMoECausalLM(PolicySpec):
             # transformers leaves the router's weight at zero (every expert tied): draw it like the other layers
             with torch.no_grad():
                 for router in moe_routers(model):
-                    router.weight.normal_(0.0, cfg.initializer_range * 10)
-        return model.to(dtype=resolve_dtype(self.dtype))
+                    weight: Any = router.weight
+                    weight.normal_(0.0, cfg.initializer_range * 10)
+        return model.to(dtype=resolve_dtype(self.dtype))  # type: ignore[call-arg]  # transformers' wrapped .to
 
     def build_tokenizer(self) -> Any:
         return build_char_tokenizer()

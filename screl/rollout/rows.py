@@ -189,7 +189,7 @@ class RowSchema:
               extra: Mapping[str, Sequence[float] | Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
         """The row of one finished single-turn sample; ``extra`` holds the values of fields beyond the five
         standard ones (a workflow that declares a field supplies it here)."""
-        values: dict[str, Sequence[float] | Sequence[int]] = {
+        values: dict[str, Sequence[float] | Sequence[int] | torch.Tensor] = {
             "input_ids": list(result.prompt_token_ids) + list(result.token_ids),
             "loss_mask": [1.0] * len(result.token_ids),
             "prompt_len": [len(result.prompt_token_ids)],
