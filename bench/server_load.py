@@ -127,7 +127,9 @@ def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int)
         for sessions in levels:
             before = rss_mb(pid)
             figures = asyncio.run(drive(url, server, sessions, duration_s, max_tokens))
-            left = ray.get(server.__ray_call__.remote(lambda self: len(self.sessions) + len(self.replies)), timeout=60)
+            left = ray.get(server.__ray_call__.remote(  # every per-session record the server keeps
+                lambda self: sum(map(len, (self.sessions, self.replies, self.responses, self.sticky, self.inflight,
+                                           self.cancelled)))), timeout=60)
             figures.update(rss_start_mb=before, rss_end_mb=rss_mb(pid), server_sessions_left=int(left))
             out.append(figures)
             print(f"{sessions} sessions: {figures['requests_per_s']:.1f} req/s, p50 {figures['p50_ms']:.0f} ms, "
