@@ -80,6 +80,20 @@ class _Ranks:
         self.most, self._last = max(self.most, len(now & self._last)), now
 
 
+def _rank_one(pid: int) -> psutil.Process:
+    """Rank 1: the training process ``screl fit`` (rank 0, ``pid``) started; the oldest child with its command line,
+    not one forked a moment ago to start another program (it has the rank's command line until it execs)."""
+    ranks = []
+    for child in psutil.Process(pid).children():
+        try:
+            if {"screl.cli", "fit"} <= set(child.cmdline()):
+                ranks.append(child)
+        except psutil.Error:
+            continue
+    assert ranks, "no rank 1 under screl fit"
+    return min(ranks, key=lambda p: p.create_time())
+
+
 def _run_watching_sockets(config: Path, log: Path) -> tuple[list[tuple[int, str, int]], int]:
     """Run to the end: every listening socket of the process tree seen beyond loopback, and the most training
     processes seen at once."""
@@ -194,7 +208,7 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     assert wait_for(bundle_published, 300, proc, poll_s=0.5), log.read_text()[-3000:]
     # the chaos matrix's DDP row (issue 40): SIGKILL one rank (rank 1, started by `screl fit`), not the whole job;
     # rank 0 fails at its next collective and the job exits, then it is resumed below
-    [rank1] = [p for p in psutil.Process(proc.pid).children() if {"screl.cli", "fit"} <= set(p.cmdline())]
+    rank1 = _rank_one(proc.pid)
     rank1.kill()
     killed_at = time.monotonic()
     try:
