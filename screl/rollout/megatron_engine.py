@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from screl.models.spec import PolicySpec, resolve_dtype
-from screl.rollout.backends import WeightBuckets, as_buckets
+from screl.rollout.backends import WeightBuckets
 from screl.rollout.engine import EngineOptions
 from screl.rollout.megatron_decode import DecodeLink, MegatronDecoder, eval_no_grad, unpadded_vocab_size
 from screl.rollout.stop_tokens import StopTokens, load_generation_config, stop_tokens
@@ -180,22 +180,9 @@ class MegatronGenerationEngine(TorchGenerationEngine):
                                "(set_version), never a weight copy")
         expected = set(megatron_parameter_names(self.model))
         given: set[str] = set()
-        copied = 0
-        with self._model_lock:
-            try:
-                for bucket in as_buckets(weights):
-                    given.update(load_megatron_bucket(self.model, bucket))
-                    copied += len(bucket)
-                    del bucket
-                missing = sorted(expected - given)
-                if missing:
-                    raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
-            except BaseException as err:
-                if copied:
-                    self._torn_refit = (
-                        f"a refit to version {version} failed after {copied} tensor(s) were copied "
-                        f"({type(err).__name__}: {err}); the weights mix two versions until a complete refit"
-                    )
-                raise
-            self._version = version
-            self._torn_refit = None
+
+        def load(bucket: Any) -> int:
+            given.update(load_megatron_bucket(self.model, bucket))
+            return len(bucket)
+
+        self._refit(weights, version, load, lambda: sorted(expected - given))

@@ -21,7 +21,7 @@ import inspect
 import logging
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,16 +238,26 @@ class TorchGenerationEngine:
         names.update(dict(self.model.named_buffers(remove_duplicate=False)))
         loaded: set[int] = set()  # ids of the tensors given so far (a tied tensor counts under any name)
         given: set[str] = set()
+
+        def missing() -> list[str]:
+            persistent = set(self.model.state_dict())
+            return sorted(k for k, t in names.items() if id(t) not in loaded and k in persistent)
+
+        self._refit(weights, version, lambda bucket: copy_bucket(bucket, names, given, loaded), missing)
+
+    def _refit(self, weights: WeightBuckets, version: int, load: Callable[[Mapping[str, torch.Tensor]], int],
+               missing: Callable[[], list[str]]) -> None:
+        """Load ``weights`` bucket by bucket with ``load`` (returns the tensors it copied) under the model lock, then
+        refuse a refit that left ``missing()`` tensors; a failure after a copy marks the weights torn."""
         copied = 0
         with self._model_lock, torch.no_grad():
             try:
                 for bucket in as_buckets(weights):
-                    copied += copy_bucket(bucket, names, given, loaded)
+                    copied += load(bucket)
                     del bucket  # the next bucket is drawn with this one released (no other local holds it)
-                persistent = set(self.model.state_dict())
-                missing = sorted(k for k, t in names.items() if id(t) not in loaded and k in persistent)
-                if missing:
-                    raise KeyError(f"update_weights: missing keys: {missing[:5]} ({len(missing)} in all).")
+                absent = missing()
+                if absent:
+                    raise KeyError(f"update_weights: missing keys: {absent[:5]} ({len(absent)} in all).")
             except BaseException as err:
                 if copied:
                     self._torn_refit = (
