@@ -123,16 +123,8 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         link: DecodeLink | None = None,
         autocast: torch.dtype | None = None,
     ) -> None:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"MegatronGenerationEngine(max_batch_size={max_batch_size}) must be >= 1 or None.")
-        self.policy = policy
-        self.max_batch_size = max_batch_size
-        self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
-        self.tokenizer = policy.build_tokenizer()
-        self.shared = model is not None
-        self.autocast = autocast if model is not None else None
+        self._init_settings(policy, num_threads, max_batch_size, recompute_kv_cache_after_weight_updates, model,
+                            autocast)
         self.link = link
         if model is not None:
             self.model = inner_gpt_model(model)

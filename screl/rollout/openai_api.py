@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from screl.rollout.engine import GenerationResult
 from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, new_call_id
 
-__all__ = ["IGNORED_FIELDS", "ChatRequest", "CompletionRequest", "Reply", "RequestError", "api_error",
+__all__ = ["IGNORED_FIELDS", "ChatRequest", "CompletionRequest", "Reply", "RequestError", "ScrelRequest", "api_error",
            "chat_response", "completion_response", "parse_tool_choice", "parse_tools"]
 
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -41,9 +41,26 @@ class RequestError(ValueError):
         self.param = param
 
 
-class _Sampling(BaseModel):
+class ScrelRequest(BaseModel):
+    """What every route's request takes besides its own fields: the session, the rollout it belongs to, and the
+    fields accepted and ignored (:data:`IGNORED_FIELDS`); any other unknown field is refused."""
+
     model_config = ConfigDict(extra="forbid")
 
+    session_id: str | None = None
+    """Sticky routing to one worker, and the conversation the server records (also the ``X-Session-Id`` header)."""
+    rollout: dict[str, Any] | None = None
+    """What the request belongs to (``group``, ``sibling``, ``turn``): recorded with the turn."""
+    # accepted and ignored (IGNORED_FIELDS)
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+
+class _Sampling(ScrelRequest):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -59,17 +76,6 @@ class _Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="penalties are not implemented")
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="penalties are not implemented")
-    session_id: str | None = None
-    """Sticky routing to one worker, and the conversation the server records (also the ``X-Session-Id`` header)."""
-    rollout: dict[str, Any] | None = None
-    """What the request belongs to (``group``, ``sibling``, ``turn``): recorded with the turn."""
-    # accepted and ignored (IGNORED_FIELDS)
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
 
     @field_validator("stream_options")
     @classmethod

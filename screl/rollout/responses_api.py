@@ -22,17 +22,15 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from screl.rollout.openai_api import Reply, RequestError
+from screl.rollout.openai_api import Reply, RequestError, ScrelRequest
 from screl.rollout.tool_calls import ToolChoice
 
 __all__ = ["ResponsesRequest", "input_messages", "response_object"]
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ResponsesRequest(ScrelRequest):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(..., min_length=1)
     instructions: str | None = None
@@ -49,15 +47,6 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    session_id: str | None = None
-    rollout: dict[str, Any] | None = None
-    # accepted and ignored (screl.rollout.openai_api.IGNORED_FIELDS)
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
 
     @field_validator("stream")
     @classmethod

@@ -141,17 +141,9 @@ class TorchGenerationEngine:
         autocast: torch.dtype | None = None,
         record_routing: bool = False,
     ) -> None:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"TorchGenerationEngine(max_batch_size={max_batch_size}) must be >= 1 or None.")
-        self.policy = policy
+        self._init_settings(policy, num_threads, max_batch_size, recompute_kv_cache_after_weight_updates, model,
+                            autocast)
         self.device = torch.device(device)
-        self.max_batch_size = max_batch_size
-        self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
-        self.tokenizer = policy.build_tokenizer()
-        self.shared = model is not None
-        self.autocast = autocast if model is not None else None
         if model is not None:
             self.model: Any = model
             self.device = next(model.parameters()).device
@@ -169,6 +161,21 @@ class TorchGenerationEngine:
         self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
+
+    def _init_settings(self, policy: PolicySpec, num_threads: int | None, max_batch_size: int | None,
+                       recompute_kv_cache: bool, model: Any, autocast: torch.dtype | None) -> None:
+        """The settings every engine on this request loop takes first: threads, batch size, re-prefill, the policy's
+        tokenizer, and whether it decodes with a module it shares (``model``, computing in ``autocast``)."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"{type(self).__name__}(max_batch_size={max_batch_size}) must be >= 1 or None.")
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.recompute_kv_cache = recompute_kv_cache
+        self.tokenizer = policy.build_tokenizer()
+        self.shared = model is not None
+        self.autocast = autocast if model is not None else None
 
     def _init_state(self, vocab_size: int, stops: StopTokens, seed: int | None, version: int) -> None:
         """The vocabulary, the stop rule, the seeds and the request/pause/refit state (every engine on this loop)."""
