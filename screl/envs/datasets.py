@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from screl.envs.base import PromptRecord, Task, Verifier, load_reward_fn
-from screl.envs.tasks import split_holdout
+from screl.envs.tasks import json_object, split_holdout, text_lines
 
 if TYPE_CHECKING:
     from screl.models.spec import PolicySpec
@@ -75,25 +75,10 @@ def _check_text_file(path: str, fmt: str) -> None:
             raise ValueError(f"{KEY}.path={path!r} is empty (0 bytes): no prompts to train on")
         return
     rows = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{KEY}.path={path!r}: line {number} is not UTF-8 (byte {raw[err.start]:#04x} at"
-                                 f" column {err.start + 1}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            rows += 1
-            if fmt == "json":
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{KEY}.path={path!r}: line {number} (row {rows - 1}) is not JSON ({err.msg} at"
-                                     f" column {err.colno}): {line.strip()[:80]!r}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{KEY}.path={path!r}: line {number} (row {rows - 1}) is a JSON"
-                                     f" {type(row).__name__}, not an object of columns: {line.strip()[:80]!r}")
+    for number, line in text_lines(path, lambda n: f"{KEY}.path={path!r}: line {n}"):
+        rows += 1
+        if fmt == "json":
+            json_object(line, f"{KEY}.path={path!r}: line {number} (row {rows - 1})")
     if rows == 0 or (fmt == "csv" and rows == 1):
         raise ValueError(f"{KEY}.path={path!r} has no rows" + (" (only a header)" if rows else " (it is empty)")
                          + ": no prompts to train on")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from screl.envs.base import PromptRecord, Task, load_reward_fn
 
@@ -120,26 +122,8 @@ class JsonlTask(Task):
         """Every row, checked as it is read: ValueError/KeyError name the file's line (1-based) and the fix."""
         records: list[PromptRecord] = []
         seen: dict[int, int] = {}
-        with open(self.path, "rb") as f:
-            raw_lines = list(f)
-        i = -1
-        for number, raw in enumerate(raw_lines, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"JsonlTask: line {number} of {self.path} is not UTF-8 (byte {raw[err.start]:#04x} at"
-                                 f" column {err.start + 1}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            i += 1
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"JsonlTask: line {number} of {self.path} is not JSON ({err.msg} at column"
-                                 f" {err.colno}): {line.strip()[:80]!r}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"JsonlTask: line {number} of {self.path} is a JSON {type(row).__name__}, not an"
-                                 " object")
+        for i, (number, line) in enumerate(text_lines(self.path, lambda n: f"JsonlTask: line {n} of {self.path}")):
+            row = json_object(line, f"JsonlTask: line {number} of {self.path}")
             if self.text_key not in row or row[self.text_key] is None:
                 raise KeyError(f"JsonlTask: line {number} of {self.path} has no text_key={self.text_key!r}.")
             if self.id_key is not None and not isinstance(row.get(self.id_key), int):
@@ -158,3 +142,29 @@ class JsonlTask(Task):
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """The user function's score."""
         return float(self._fn(prompt, completion))
+
+
+def text_lines(path: str, located: Callable[[int], str]) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of the file ``path`` as (1-based line number, text), read as UTF-8; a line that is not
+    UTF-8 is a ValueError naming it (``located(number)``: where the message says it is) and the fix."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{located(number)} is not UTF-8 (byte {raw[err.start]:#04x} at column "
+                                 f"{err.start + 1}); re-encode the file as UTF-8") from None
+            if line.strip():
+                yield number, line
+
+
+def json_object(line: str, located: str) -> dict[str, Any]:
+    """One JSON Lines row: a ValueError names where it is (``located``) when it is not JSON or not an object."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{located} is not JSON ({err.msg} at column {err.colno}): {line.strip()[:80]!r}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{located} is a JSON {type(row).__name__}, not an object of columns: "
+                         f"{line.strip()[:80]!r}")
+    return row
