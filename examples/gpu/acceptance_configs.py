@@ -30,7 +30,8 @@ def _shipped_config(name: str, run_dir: Path, steps: int) -> dict[str, Any]:
 
 
 def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
-    """The run's config (the YAML as a dict), built from an existing config."""
+    """The run's config (the YAML as a dict), built from an existing config: non-colocated, one generation worker on
+    vLLM (the torch engine where vLLM is not installed) beside the trainer."""
     if cpu and not vllm_importable():
         sys.path.insert(0, str(REPO))
         from bench._common import SAMPLERS, screl_config
@@ -47,8 +48,11 @@ def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
         gen.update(max_new_tokens=8)
     else:
         cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
-        gen.update(backend="vllm", device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32,
-                   backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})  # CUDA graphs: cuda default
+        gen.update(device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32)
+        if vllm_importable():  # CUDA graphs: vLLM's cuda default
+            gen.update(backend="vllm", backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})
+        else:  # no vLLM on this machine: the torch engine in its Ray worker, on the same shared GPU
+            gen.update(backend="torch", backend_args={})
         grpo.update(num_prompts_per_step=8, num_generations_per_prompt=8)
         cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
         cfg["data"]["init_args"]["step_timeout_s"] = 120
