@@ -15,6 +15,7 @@ from screl.envs.datasets import DatasetTask
 from screl.envs.format_tasks import StrictAnswer
 from screl.envs.math_verify import MathVerify, MathVerifyError
 from screl.envs.mixture import TaskMixture
+from screl.envs.shapes import ShapesTask
 from screl.envs.tasks import Addition, CountLetter, JsonlTask, arithmetic_prompts, split_holdout
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "MathVerifyError",
     "PromptRecord",
     "RewardFn",
+    "ShapesTask",
     "SlowReward",
     "StrictAnswer",
     "Task",

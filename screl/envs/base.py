@@ -78,6 +78,12 @@ class Task(ABC):
             raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
         return [float(self.reward(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
+    def images(self, prompt: PromptRecord) -> list[Any]:
+        """The prompt's images (PIL images), drawn or loaded where they are used: on the rollout worker, never on the
+        controller (a record carries ids and metadata only). A vision-language policy's prompts carry them
+        (:mod:`screl.models.vision`). Default: none (a text task)."""
+        return []
+
     def val_prompts(self) -> list[PromptRecord]:
         """Held-out prompts for validation during training (``grpo.val_period``, ``val_at_start``,
         ``val_at_end``), never trained on. Default: none (give ``data.init_args.val_task`` instead)."""

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
         char_vocab,
     )
     from screl.models.value import ValueModel, critic_state
+    from screl.models.vision import HFVisionLM, TinyVisionLM
+    from screl.models.vision_inputs import VisionInputs
 
 _WHERE = {
     "HFCausalLM": "hf",
@@ -38,6 +40,7 @@ _WHERE = {
     "BOS_TOKEN_ID": "tokenizer", "CHARS": "tokenizer", "EOS_TOKEN_ID": "tokenizer", "PAD_TOKEN_ID": "tokenizer",
     "SPECIAL_TOKENS": "tokenizer", "build_char_tokenizer": "tokenizer", "char_vocab": "tokenizer",
     "ValueModel": "value", "critic_state": "value",
+    "HFVisionLM": "vision", "TinyVisionLM": "vision", "VisionInputs": "vision_inputs",
 }
 
 __all__ = [
@@ -48,12 +51,15 @@ __all__ = [
     "PAD_TOKEN_ID",
     "SPECIAL_TOKENS",
     "HFCausalLM",
+    "HFVisionLM",
     "ShapeTwin",
     "SmolLM2",
     "PolicySpec",
     "TinyCausalLM",
     "TinyMoECausalLM",
+    "TinyVisionLM",
     "ValueModel",
+    "VisionInputs",
     "build_char_tokenizer",
     "char_vocab",
     "convert_gguf",

@@ -28,6 +28,9 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 class PolicySpec(ABC):
     """A causal LM policy: ``build_model()`` and ``build_tokenizer()``, deterministic and picklable."""
 
+    is_vlm = False
+    """A vision-language policy (:class:`screl.models.vision.VisionPolicy`): its prompts carry images."""
+
     @abstractmethod
     def build_model(self) -> PreTrainedModel:
         """Build the model (on CPU). Seeded specs build identical weights every call."""

@@ -49,8 +49,9 @@ from screl.modules.masks import (
 from screl.modules.megatron_policy import fit_provider_to_policy, megatron_token_logprobs
 from screl.modules.routing_replay import check_routing_replay, replayed
 from screl.modules.step_log import BatchMetrics
+from screl.modules.vision_inputs import vision_forward_inputs
 from screl.modules.weight_export import WeightExport
-from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, RowSchema
+from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA, RowSchema
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,10 @@ class GRPO(WeightExport, LightningModule):
 
     @property
     def row_schema(self) -> RowSchema:
-        """The rows this module trains on (the data module reads it): with routing replay they carry the routing."""
+        """The rows this module trains on (the data module reads it): with routing replay they carry the routing, for
+        a vision-language policy the prompt's images."""
+        if self.policy_spec.is_vlm:
+            return VISION_SCHEMA
         return ROUTING_SCHEMA if self.routing_replay else ROW_SCHEMA
 
     def _frozen_copy(self) -> torch.nn.Module:
@@ -403,7 +407,8 @@ class GRPO(WeightExport, LightningModule):
         megatron = self._megatron_strategy
         if megatron is None:
             with replayed(self.routing_replay, self.model, batch, sl):
-                curr = token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens)
+                curr = token_logprobs(self.model, ids, attention, self.temperature, self.logprob_chunk_tokens,
+                                      vision_forward_inputs(self.model, batch, sl))
         else:
             curr = megatron_token_logprobs(megatron, self.model, ids, attention, self.temperature)
         return self._loss_of(batch, chunk, sl, curr)
@@ -417,7 +422,8 @@ class GRPO(WeightExport, LightningModule):
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens)
+                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens,
+                                     vision_forward_inputs(self.reference, batch, sl))
         loss, metrics = self._objective(batch, chunk, sl, curr, prev, gen, ref)
         if not self.loss_fn.token_level_loss:
             loss = loss * (sl.stop - sl.start) / chunk.chunk_rows

@@ -14,6 +14,7 @@ not a plain linear head).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -142,36 +143,40 @@ def output_head(model: torch.nn.Module) -> torch.nn.Linear:
 
 def chunked_token_logprobs(
     model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-    chunk_tokens: int | None = None, with_entropy: bool = False,
+    chunk_tokens: int | None = None, with_entropy: bool = False, inputs: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`screl.modules.grpo.token_logprobs` without full-vocabulary logits: ``[rows, len - 1]`` logprobs
     (and the entropy per position with ``with_entropy``)."""
     head = output_head(model)
     trunk: Any = model.base_model
-    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, **(inputs or {})).last_hidden_state[:, :-1]
     return chunked_logprobs_of_hidden(hidden, head.weight, input_ids[:, 1:], temperature, chunk_tokens,
                                       with_entropy)
 
 
 def token_logprobs(
     model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-    chunk_tokens: int | None = None,
+    chunk_tokens: int | None = None, inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """Logprob of each next token under the temperature-scaled policy: shape ``[rows, len - 1]``.
+
+    ``inputs``: further forward inputs (a vision-language policy's position ids, pixel values and image grids:
+    :mod:`screl.modules.vision_inputs`).
 
     ``chunk_tokens``: the output layer and the log-softmax run over chunks of this many tokens and are recomputed
     in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.modules.logprobs`);
     None sizes the chunk from the vocabulary; 0 computes the full logits (:func:`full_token_logprobs`).
     """
     if chunk_tokens == 0:
-        return full_token_logprobs(model, input_ids, attention_mask, temperature)
-    return chunked_token_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens)[0]
+        return full_token_logprobs(model, input_ids, attention_mask, temperature, inputs)
+    return chunked_token_logprobs(model, input_ids, attention_mask, temperature, chunk_tokens, inputs=inputs)[0]
 
 
-def full_token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+def full_token_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float,
+                        inputs: Mapping[str, Tensor] | None = None) -> Tensor:
     """:func:`token_logprobs` through the model's full logits (``logprob_chunk_tokens: 0``): about three
     ``[tokens, vocabulary]`` fp32 tensors live at once."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **(inputs or {})).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)

@@ -47,6 +47,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
+        if hasattr(config, "get_text_config"):  # a vision-language model: its language model (the tower is small)
+            config = config.get_text_config()
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

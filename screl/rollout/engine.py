@@ -22,6 +22,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from screl.models.vision_inputs import VisionInputs
+
 FinishReason = Literal["length", "stop", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -78,6 +80,9 @@ class GenerationRequest:
     """Lower is more urgent (vLLM's ``priority``): a worker holding requests of several priorities decodes the
     most urgent ones first, in a batch of their own. The controller sets a group's target step, so at start-up
     step 0 is not held back by decoding step 1 beside it."""
+    vision: VisionInputs | None = None
+    """A vision-language policy's prompt: its processed images (``prompt_token_ids`` holds their placeholder
+    tokens); None for a text prompt."""
 
 
 @dataclass
@@ -112,6 +117,9 @@ class GenerationResult:
     """Rollout routing replay (a mixture-of-experts policy, the engine recording): ``[prompt + completion
     positions, MoE layers, top_k]`` int16, the experts each layer chose for each position the engine fed (``-1`` for
     the last sampled token, never fed); None otherwise (:mod:`screl.rollout.routing`)."""
+
+    vision: VisionInputs | None = None
+    """The request's processed images (a vision-language prompt), echoed so the row carries them; else None."""
 
     def weight_version_spans(self) -> list[tuple[int, int, int]]:
         """``(version, start, end)`` runs over output-token indexes, as vLLM reports them."""

@@ -15,9 +15,11 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from screl.models.vision_inputs import VisionInputs
 from screl.rollout.engine import GenerationResult
 
-Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar", "per_sequence_token"]
+Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar", "per_sequence_token",
+               "per_row"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 _SEQUENCE_DERIVED = ("attention_mask", "token_mask")  # from the sequence and the prompt length
@@ -48,6 +50,8 @@ class RowField:
     * ``scalar``: ``[value]``. Collated stacked into ``(rows,)``.
     * ``per_sequence_token``: one value (of any trailing shape) per prompt and completion token, aligned with the
       sequence: collated right-padded with ``fill`` into ``(rows, length, ...)`` (the MoE routing of routing replay).
+    * ``per_row``: a tensor of any leading length per row (a prompt's image patches): collated right-padded with
+      ``fill`` along its first dimension into ``(rows, longest, ...)``.
 
     ``collate_as``: the name in the collated chunk (default ``name``). ``fill`` (per_completion_token):
     the value where no completion token is predicted; a ``str`` names the chunk-metadata key whose value
@@ -147,6 +151,15 @@ def _per_sequence_token(field: RowField, column: Sequence[torch.Tensor], chunk: 
     return {field.collated[0]: out}
 
 
+def _per_row(field: RowField, column: Sequence[torch.Tensor], chunk: _Chunk) -> dict[str, torch.Tensor]:
+    trailing = tuple(column[0].shape[1:]) if chunk.rows else ()
+    longest = max((int(t.shape[0]) for t in column), default=0)
+    out = torch.full((chunk.rows, longest, *trailing), float(field.fill), dtype=field.dtype)
+    for i, value in enumerate(column):
+        out[i, :value.shape[0]] = value.to(field.dtype)
+    return {field.collated[0]: out}
+
+
 _COLLATE: dict[str, Collate] = {
     "sequence": _sequence,
     "prompt_len": _not_collated,
@@ -154,6 +167,7 @@ _COLLATE: dict[str, Collate] = {
     "completion_mask": _completion_mask,
     "scalar": _scalar,
     "per_sequence_token": _per_sequence_token,
+    "per_row": _per_row,
 }
 
 
@@ -200,6 +214,7 @@ class RowSchema:
             "finish_reason": [FINISH_CODES[result.finish_reason]],
             "sample_mask": [1.0],
             **({"routing": result.routing} if result.routing is not None else {}),
+            **(vision_row(result.vision) if result.vision is not None else {}),
             **(extra or {}),
         }
         return self.tensors(values, "pass them to build(..., extra=...)")
@@ -268,3 +283,27 @@ ROW_FIELDS = ROW_SCHEMA.names
 ROUTING = RowField("routing", torch.int16, "[prompt + completion tokens, MoE layers, top_k]: the experts the engine "
                    "routed each token to (-1: not fed to the engine)", "per_sequence_token", fill=-1)
 ROUTING_SCHEMA = RowSchema((*ROW_SCHEMA.fields, ROUTING))
+
+#: A vision-language policy's rows (:mod:`screl.models.vision`): the prompt's processed images travel with the row, so
+#: the trainer recomputes the logprobs on exactly the pixels the engine saw (docs/multimodal.md: measured cost).
+PIXEL_VALUES = RowField("pixel_values", torch.float32, "[patches, channels x temporal x patch x patch]: the prompt's "
+                        "images as the processor made them (padded with 0 in a chunk)", "per_row", fill=0.0)
+IMAGE_GRID = RowField("image_grid_thw", torch.int64, "[images, 3]: each image's patch grid (padded with 0 rows in a "
+                      "chunk)", "per_row", fill=0)
+VISION_SCHEMA = RowSchema((*ROW_SCHEMA.fields, PIXEL_VALUES, IMAGE_GRID))
+
+
+def vision_row(vision: VisionInputs) -> dict[str, torch.Tensor]:
+    """The row values of a prompt's processed images."""
+    return {PIXEL_VALUES.name: vision.pixel_values, IMAGE_GRID.name: vision.image_grid_thw}
+
+
+def vision_of_rows(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> VisionInputs:
+    """The images of collated rows (``[rows, patches, dim]`` and ``[rows, images, 3]``, zero-padded) as one forward
+    pass takes them: the padding dropped, images in row order."""
+    grids, pixels = [], []
+    for row_pixels, row_grid in zip(pixel_values, image_grid_thw, strict=True):
+        grid = row_grid[row_grid.prod(-1) > 0]
+        grids.append(grid)
+        pixels.append(row_pixels[: int(grid.prod(-1).sum())])
+    return VisionInputs(torch.cat(pixels), torch.cat(grids))

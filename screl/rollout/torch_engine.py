@@ -29,6 +29,8 @@ import torch
 
 from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec
+from screl.models.vision import is_vision_model, mrope_positions, vision_token_ids
+from screl.models.vision_inputs import VisionInputs
 from screl.rollout.backends import WeightBuckets, as_buckets
 from screl.rollout.engine import (
     EngineOptions,
@@ -84,6 +86,7 @@ class _Batch:
     attn: torch.Tensor | None = None
     next_pos: torch.Tensor | None = None
     dropped: bool = False  # the KV cache was freed in a stand-down: re-prefill before the next step
+    rope_delta: torch.Tensor | None = None  # a vision-language model: each row's multimodal rotary offset [rows, 1]
 
 
 class TorchGenerationEngine:
@@ -156,11 +159,20 @@ class TorchGenerationEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.decode_path = self._decode_path(decode)
         self.routing = RoutingRecorder(self.model) if record_routing else None
+        self.vision = is_vision_model(self.model)
+        if self.vision and self.decode_path != "hf":
+            raise ValueError(f"a vision-language policy decodes through Hugging Face's forward: set {DECODE_KEY}=hf")
         if self.routing is not None and self.decode_path != "hf":
             raise ValueError(f"routing replay records the experts through Hugging Face's forward: set {DECODE_KEY}=hf")
         self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
+        self._banned: torch.Tensor | None = None  # never sampled: a vision-language model's image placeholders
+        if self.vision:
+            banned = [t for t in vision_token_ids(self.model.config) if t < self.vocab_size]
+            self._banned = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self._banned[banned] = True
+            self._banned = self._banned.to(self.device)
 
     def _init_settings(self, policy: PolicySpec, num_threads: int | None, max_batch_size: int | None,
                        recompute_kv_cache: bool, model: Any, autocast: torch.dtype | None) -> None:
@@ -224,6 +236,9 @@ class TorchGenerationEngine:
         """Set the weight version label (between decode steps)."""
         with self._model_lock:
             self._version = version
+
+    vision = False
+    """A vision-language model (set from the model): requests may carry images (``GenerationRequest.vision``)."""
 
     streams_weight_buckets = True
     """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""
@@ -391,6 +406,9 @@ class TorchGenerationEngine:
             raise ValueError(
                 f"generate: request {req.request_id!r} has token ids outside the vocabulary: {bad[:5]}."
             )
+        if req.vision is not None and not self.vision:
+            raise ValueError(f"generate: request {req.request_id!r} carries images, and {type(self.model).__name__} "
+                             "has no vision tower (use a vision-language policy: screl.models.HFVisionLM)")
         sp = req.sampling
         seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
         gen = torch.Generator().manual_seed(seed)
@@ -492,9 +510,12 @@ class TorchGenerationEngine:
             capacity = width + max(r.sampling.max_new_tokens - len(r.tokens) for r in rows)
             return batch.static.start(ids, attn, capacity)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        images: dict[str, torch.Tensor] = {}
+        if self.vision:
+            pos, images = self._vision_prefill(rows, ids, attn, batch)
         with self._recording(rows, [len(s) for s in seqs], width):
             out = self.model(
-                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
+                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1, **images
             )
         batch.cache = self._out_cache(out)
         batch.attn = attn
@@ -510,6 +531,8 @@ class TorchGenerationEngine:
         ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]
         batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(rows), 1))], dim=1)
         pos = batch.next_pos[:, None]
+        if batch.rope_delta is not None:  # the multimodal rotary position: the same for its three sections
+            pos = (pos + batch.rope_delta)[None].expand(3, -1, -1)
         batch.next_pos = batch.next_pos + 1
         kwargs = {self._cache_kw: batch.cache}
         fed = [len(r.req.prompt_token_ids) + len(r.tokens) if r.finish is None else 0 for r in rows]
@@ -517,6 +540,18 @@ class TorchGenerationEngine:
             out = self.model(input_ids=ids, attention_mask=batch.attn, position_ids=pos, use_cache=True, **kwargs)
         batch.cache = self._out_cache(out)
         return out.logits[:, -1, :].float()
+
+    def _vision_prefill(self, rows: list[_Row], ids: torch.Tensor, attn: torch.Tensor,
+                        batch: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A vision-language model's prefill: the multimodal rotary positions of the left-padded batch (its decode
+        offsets kept in ``batch``) and the rows' images, in row order, for the model's own forward."""
+        inputs = [r.req.vision for r in rows if r.req.vision is not None]
+        vision = VisionInputs.concat(inputs) if inputs else None
+        grid = vision.image_grid_thw.to(self.device) if vision is not None else None
+        pos, batch.rope_delta = mrope_positions(self.model, ids, attn, grid)  # type: ignore[arg-type]
+        if vision is None:
+            return pos, {}
+        return pos, {"pixel_values": vision.pixel_values.to(self.device), "image_grid_thw": grid}  # type: ignore[dict-item]
 
     def _recording(self, rows: list[_Row], lengths: list[int], width: int) -> Any:
         """Record the routing of this forward pass into the rows (a MoE policy under routing replay)."""
@@ -536,6 +571,8 @@ class TorchGenerationEngine:
         scaled = logits / torch.where(greedy, torch.ones_like(batch.temps), batch.temps)[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         proc = scaled.masked_fill(batch.stop_mask & (step < batch.min_new)[:, None], float("-inf"))
+        if self._banned is not None:
+            proc = proc.masked_fill(self._banned, float("-inf"))
         proc = _filter_top_k_top_p(proc, batch.top_k, batch.top_p)
         probs = torch.softmax(proc, dim=-1).double()
         cdf = probs.cumsum(dim=-1)
@@ -570,6 +607,7 @@ class TorchGenerationEngine:
                        if r.finish == "stop" and r.stop_token is not None else None),
             routing=(r.routing[: len(r.req.prompt_token_ids) + len(r.tokens)].clone()
                      if r.routing is not None else None),
+            vision=r.req.vision,
         )
 
 

@@ -38,6 +38,7 @@ from screl.config_generation import DEFAULT_WORKFLOW
 from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
+from screl.models.vision_inputs import VisionInputs
 from screl.rollout.backends import bucket_from_wire, build_engine, merge_buckets
 from screl.rollout.batching import (
     Pending,
@@ -50,7 +51,7 @@ from screl.rollout.batching import (
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
 from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, PauseMode, SamplingParams
 from screl.rollout.reward_transform import RewardTransform
-from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA
+from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
 
 
@@ -111,10 +112,13 @@ class GenerationWorker:
         if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
         schema = ROUTING_SCHEMA if options.record_routing else ROW_SCHEMA  # routing replay: rows carry the routing
+        if policy.is_vlm:
+            schema = VISION_SCHEMA  # a vision-language policy: rows carry the prompt's processed images
         if task is not None:
             self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=schema,
                                                     **(workflow_args or {}))
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
+        self._prompt_images: dict[int, VisionInputs | None] = {}  # a vision-language policy's processed images
         self._call_states: dict[int, _CallState] = {}  # the rollout calls running now
         self.rows = RowSink(row_window_s, busy=self._calls_working)
         self.rows.schema = schema
@@ -139,8 +143,13 @@ class GenerationWorker:
         tokens = self._prompt_tokens.get(prompt_id)
         if tokens is None:
             assert self.task is not None
-            text = self.task.prompt(prompt_id).text
-            tokens = self._prompt_tokens[prompt_id] = tuple(self._policy.prompt_token_ids(self._tokenizer, text))
+            record = self.task.prompt(prompt_id)
+            if self._policy.is_vlm:  # the images are drawn or loaded here, on the worker (never on the controller)
+                ids, self._prompt_images[prompt_id] = self._policy.prompt_inputs(  # type: ignore[attr-defined]
+                    self._tokenizer, record.text, self.task.images(record))
+            else:
+                ids = self._policy.prompt_token_ids(self._tokenizer, record.text)
+            tokens = self._prompt_tokens[prompt_id] = tuple(ids)
         return tokens
 
     async def rollout(self, dispatches: list[Dispatch], expect_version: int | None = None,
@@ -171,7 +180,8 @@ class GenerationWorker:
     async def _rollout(self, dispatches: list[Dispatch]) -> list[SiblingReport]:
         assert self.task is not None
         items = [RolloutItem(d.attempt, self.task.prompt(d.prompt_id), self._tokens(d.prompt_id),
-                             dataclasses.replace(self.sampling, seed=d.seed), d.priority) for d in dispatches]
+                             dataclasses.replace(self.sampling, seed=d.seed), d.priority,
+                             self._prompt_images.get(d.prompt_id)) for d in dispatches]
         call = CallDeadlines(self.deadlines, self.clock) if self.deadlines.any else None
         try:
             outcomes = await self._run_workflow(items, call)

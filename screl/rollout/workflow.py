@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from screl.envs import PromptRecord, Task, decode_completion
+from screl.models.vision_inputs import VisionInputs
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 
@@ -34,6 +35,7 @@ class RolloutItem:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     priority: int = 0
+    vision: VisionInputs | None = None  # a vision-language prompt's processed images (made on the worker)
 
 
 @dataclass
@@ -81,7 +83,8 @@ class SingleTurnWorkflow:
         self.schema = schema
 
     async def run(self, items: Sequence[RolloutItem], generate: Generate) -> list[RolloutOutcome]:
-        requests = [GenerationRequest(i.attempt, list(i.prompt_token_ids), i.sampling, i.priority) for i in items]
+        requests = [GenerationRequest(i.attempt, list(i.prompt_token_ids), i.sampling, i.priority, i.vision)
+                    for i in items]
         results = await generate(requests)
         done = [(i, r) for i, r in zip(items, results, strict=True) if r.finish_reason != "abort"]
         completions = [decode_completion(self.tokenizer, r.token_ids) for _, r in done]
