@@ -29,6 +29,9 @@ from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, new_call
 __all__ = ["IGNORED_FIELDS", "ChatRequest", "CompletionRequest", "Reply", "RequestError", "ScrelRequest", "api_error",
            "chat_response", "completion_response", "parse_tool_choice", "parse_tools"]
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 64
+"""A seed is a signed 64-bit integer (the engine's generators take no more); ``n`` choices use ``seed .. seed+n-1``."""
+
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 """Accepted and ignored: they label or store a request, and change nothing that is generated."""
 
@@ -45,7 +48,7 @@ class ScrelRequest(BaseModel):
     """What every route's request takes besides its own fields: the session, the rollout it belongs to, and the
     fields accepted and ignored (:data:`IGNORED_FIELDS`); any other unknown field is refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: no "0" for 0, no 0 for false (as the schema says)
 
     session_id: str | None = None
     """Sticky routing to one worker, and the conversation the server records (also the ``X-Session-Id`` header)."""
@@ -71,7 +74,7 @@ class _Sampling(ScrelRequest):
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="penalties are not implemented")
@@ -95,7 +98,8 @@ class _Sampling(ScrelRequest):
 
 
 class ChatRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    messages: list[dict[str, Any]] = Field(..., min_length=1, json_schema_extra={"items": {
+        "type": "object", "required": ["role"], "properties": {"role": {"type": "string"}}}})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is returned")
     tools: list[dict[str, Any]] | None = None

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from screl.rollout.openai_api import Reply, RequestError, ScrelRequest
+from screl.rollout.openai_api import SEED_MAX, SEED_MIN, Reply, RequestError, ScrelRequest
 from screl.rollout.tool_calls import ToolChoice
 
 __all__ = ["ResponsesRequest", "input_messages", "response_object"]
@@ -40,7 +40,7 @@ class ResponsesRequest(ScrelRequest):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     previous_response_id: str | None = None
     stream: bool = False
     include: list[str] | None = None

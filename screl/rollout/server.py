@@ -35,12 +35,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from screl.config_generation import bind_problem
 from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text, message_text
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.openai_api import (
-    IGNORED_FIELDS,
     ChatRequest,
     CompletionRequest,
     Reply,
@@ -51,6 +51,7 @@ from screl.rollout.openai_api import (
     parse_tool_choice,
     parse_tools,
 )
+from screl.rollout.openai_schema import max_request_tokens, route_responses, validation_error_message
 from screl.rollout.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
 from screl.rollout.responses_api import ResponsesRequest, input_messages, response_object
 from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
@@ -116,6 +117,7 @@ class PolicyServer:
         self.parser = resolve_tool_parser(tool_parser, self.tokenizer)
         self.host, self.port, self.api_key = host, port, api_key
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
+        self.max_request_tokens = max_request_tokens(policy, max_tokens)
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.replies: dict[str, dict[str, Any]] = {}  # session -> its last reply as the client got it
         self.responses: OrderedDict[str, dict[str, Any]] = OrderedDict()  # response id -> session, messages
@@ -186,14 +188,8 @@ class PolicyServer:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
             self.stats["errors"] += 1
-            if first.get("type") == "extra_forbidden":
-                message = (f"{param}: the field is not supported by screl's policy server (accepted and ignored: "
-                           f"{', '.join(IGNORED_FIELDS)})")
-            else:
-                message = f"{param}: {first.get('msg')}"
+            message, param = validation_error_message(exc.errors())
             return JSONResponse(api_error(message, param=param), status_code=400)
 
         async def auth(request: Request) -> None:
@@ -205,23 +201,31 @@ class PolicyServer:
             return JSONResponse(api_error("invalid or missing API key (Authorization: Bearer <key>)",
                                           kind="authentication_error", code="invalid_api_key"), status_code=401)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
+            if exc.status_code == 400:  # FastAPI's own: the body could not be read (not UTF-8, not JSON)
+                return JSONResponse(api_error(f"body: {exc.detail}", param="body"), status_code=400)
+            return JSONResponse(api_error(f"{request.method} {request.url.path}: {exc.detail}", code=str(
+                exc.status_code)), status_code=exc.status_code, headers=exc.headers)
+
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
-        @app.get("/v1/models", dependencies=[Depends(auth)])
+        @app.get("/v1/models", dependencies=[Depends(auth)], responses=route_responses("models"))
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "screl"}]}
 
-        @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+        @app.post("/v1/chat/completions", dependencies=[Depends(auth)], responses=route_responses("chat", stream=True))
         async def chat(body: ChatRequest, request: Request) -> Any:
             return await self._guard(self._chat(body, request), "messages")
 
-        @app.post("/v1/completions", dependencies=[Depends(auth)])
+        @app.post("/v1/completions", dependencies=[Depends(auth)],
+                  responses=route_responses("completions", stream=True))
         async def completions(body: CompletionRequest, request: Request) -> Any:
             return await self._guard(self._completions(body, request), "prompt")
 
-        @app.post("/v1/responses", dependencies=[Depends(auth)])
+        @app.post("/v1/responses", dependencies=[Depends(auth)], responses=route_responses("responses"))
         async def responses(body: ResponsesRequest, request: Request) -> Any:
             return await self._guard(self._responses(body, request), "input")
 
@@ -248,7 +252,7 @@ class PolicyServer:
         tools = parse_tools(body.tools)
         choice = parse_tool_choice(body.tool_choice, tools)
         job = self._job(session, body.messages, tools, choice, body.n, body.parallel_tool_calls, body.rollout,
-                        body.stops, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p,
+                        body.stops, self._max_tokens(body), body.temperature, body.top_p,
                         body.top_k, body.min_tokens, body.seed)
         [prompt] = job.prompts
         if body.stream:
@@ -272,7 +276,7 @@ class PolicyServer:
             raise RequestError("a batch of prompts within a session_id cannot be recorded as one conversation",
                                "prompt")
         self._admit(session, body.n)
-        sampling = self._sampling(body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p,
+        sampling = self._sampling(self._max_tokens(body), body.temperature, body.top_p,
                                   body.top_k, body.min_tokens, body.stops)
         job = _Job(session, prompts, self._requests(prompts, sampling, body.n, body.seed), body.n, body.stops,
                    rollout=body.rollout)
@@ -304,7 +308,7 @@ class PolicyServer:
         tools = parse_tools(body.tools, flat=True)
         choice = parse_tool_choice(body.tool_choice, tools, flat=True)
         job = self._job(session, [*system, *messages], tools, choice, 1, body.parallel_tool_calls, body.rollout,
-                        [], body.max_output_tokens, body.temperature, body.top_p, None, 0, body.seed)
+                        [], self._max_tokens(body), body.temperature, body.top_p, None, 0, body.seed)
         replies = await self._replies(job, request)
         if replies is None:
             return Response(status_code=499)
@@ -351,6 +355,19 @@ class PolicyServer:
             raise SpliceError(f"session {session!r}: the last assistant message is not the reply this session "
                               "recorded; send it back unchanged, its content and tool_calls (or with its "
                               "prompt_token_ids and generation_token_ids)")
+        return None
+
+    def _max_tokens(self, body: Any) -> int | None:
+        """The request's token budget (``max_completion_tokens``, else ``max_tokens``; ``max_output_tokens``), refused
+        above :attr:`max_request_tokens`: the engine sizes a request's buffers by it."""
+        for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+            value = getattr(body, name, None)
+            if value is not None:
+                if value > self.max_request_tokens:
+                    raise RequestError(f"{name}: {value} is more than this server generates for one request "
+                                       f"({self.max_request_tokens}: the model's context length, or "
+                                       "generation.max_new_tokens when larger)", name)
+                return int(value)
         return None
 
     def _sampling(self, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
