@@ -295,8 +295,10 @@ def _gpu_memory_side(bench_memory: Any, side: str, rows: int, length: int, micro
     def on_gpu(batch: dict[str, Any]) -> dict[str, Any]:
         return {k: v.cuda() for k, v in batch.items()}
 
+    warm = on_gpu(bench_memory._batch(1, bench_memory.PROMPT + 16))  # drawn on the CPU (its generator's device)
     with torch.device("cuda"):
-        runner.step(on_gpu(bench_memory._batch(1, bench_memory.PROMPT + 16)), 1)  # warm-up: AdamW state exists
+        runner.step(warm, 1)  # warm-up: AdamW state exists
+    del warm
     batch = on_gpu(bench_memory._batch(rows, length))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

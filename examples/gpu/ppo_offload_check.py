@@ -44,9 +44,11 @@ def _measure(offload: bool, device: str = "cuda") -> tuple[int, int, int, int, b
 
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if cuda else 0
     model._offload(_Opt(), "cpu")  # type: ignore[arg-type]
+    if cuda:  # the peak from here: the value stage's, after the offload (a peak from before it would include the state)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         model.critic.token_values(ids, torch.ones_like(ids))
     during = torch.cuda.max_memory_allocated() if cuda else 0
