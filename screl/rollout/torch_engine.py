@@ -167,7 +167,6 @@ class TorchGenerationEngine:
         self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
-        self._banned: torch.Tensor | None = None  # never sampled: a vision-language model's image placeholders
         if self.vision:
             banned = [t for t in vision_token_ids(self.model.config) if t < self.vocab_size]
             self._banned = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -178,6 +177,7 @@ class TorchGenerationEngine:
                        recompute_kv_cache: bool, model: Any, autocast: torch.dtype | None) -> None:
         """The settings every engine on this request loop takes first: threads, batch size, re-prefill, the policy's
         tokenizer, and whether it decodes with a module it shares (``model``, computing in ``autocast``)."""
+        self._banned: torch.Tensor | None = None  # never sampled: a vision-language model's image placeholders
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if max_batch_size is not None and max_batch_size < 1:
