@@ -1,8 +1,9 @@
 """``ShapesTask``: CLEVR-like questions about generated images of coloured shapes (no download).
 
 Each prompt is a scene of up to four shapes (square, circle, triangle) in a 2 x 2 grid of cells on a white canvas,
-drawn with PIL, and a question about it: ``how many red squares?`` (a count, answered by a digit) or ``what colour
-is the circle?`` (asked only of a scene with exactly one circle). The scene, the question and the answer follow from
+drawn with PIL, and a question about it: ``how many red squares?`` (a count, answered by a digit: the count is drawn
+uniformly from ``0 .. max_shapes``, so chance is ``1 / (max_shapes + 1)``) or ``what colour is the circle?`` (asked
+only of a scene with exactly one circle: chance is one over the number of colours). The scene, the question and the answer follow from
 the prompt id and the task's seed alone, so every process draws the same image.
 
 The images never pass through the controller: a prompt record carries the scene as plain metadata (cells, shapes,
@@ -66,10 +67,21 @@ class ShapesTask(Task):
             scene = [s for s in scene if s[1] != shape or s is scene[0]]  # exactly one of the asked shape
             text, answer = f"what colour is the {shape}?", scene[0][2]
         else:
-            colour, shape = rng.choice(self.colours), rng.choice(self.shapes)
-            count = sum(1 for _, s, c in scene if s == shape and c == colour)
+            colour, shape, count = rng.choice(self.colours), rng.choice(self.shapes), rng.randint(0, self.max_shapes)
+            scene = self._count_scene(rng, colour, shape, count)
             text, answer = f"how many {colour} {shape}s?", str(count)
         return PromptRecord(prompt_id, text, {"scene": scene, "answer": answer, "question": kind})
+
+    def _count_scene(self, rng: random.Random, colour: str, shape: str, count: int) -> list[list[Any]]:
+        """``count`` shapes of the asked kind and up to ``max_shapes - count`` others (another colour or shape), in
+        random cells: the answer is drawn first, uniformly, so a policy blind to the image scores ``1 / (max_shapes +
+        1)`` at best."""
+        others = [(s, c) for s in self.shapes for c in self.colours if (s, c) != (shape, colour)]
+        extra = rng.randint(0, self.max_shapes - count) if others else 0
+        cells = rng.sample(range(4), count + extra)
+        scene = [[cell, shape, colour] for cell in cells[:count]]
+        scene += [[cell, *rng.choice(others)] for cell in cells[count:]]
+        return sorted(scene)
 
     def images(self, prompt: PromptRecord) -> list[Any]:
         """The prompt's image, drawn from its scene (a PIL ``RGB`` image)."""

@@ -54,6 +54,16 @@ def test_shapes_task_is_deterministic_from_the_prompt_id_and_draws_its_scene() -
     assert TASK.reward(record, record.metadata["answer"] + "x") == 0.0
 
 
+def test_count_answers_are_drawn_uniformly_and_match_the_scene() -> None:
+    task = ShapesTask(num_prompts=200, questions=["count"], colours=["red", "blue"], shapes=["square"], max_shapes=3)
+    answers = [r.metadata["answer"] for r in task.prompts()]
+    assert sorted(set(answers)) == ["0", "1", "2", "3"] and max(answers.count(a) for a in "0123") < 0.35 * 200
+    for record in task.prompts():
+        _, colour, shape = record.text.removesuffix("s?").split()[-3:]
+        drawn = sum(1 for _, s, c in record.metadata["scene"] if (s, c) == (shape, colour))
+        assert str(drawn) == record.metadata["answer"] and len(record.metadata["scene"]) <= 3
+
+
 def test_prompt_records_carry_no_images_so_the_controller_never_sees_one() -> None:
     blob = pickle.dumps(TASK.prompts())  # what the controller gets: ids, text and plain metadata
     assert b"PIL" not in blob and len(blob) < 100 * len(TASK.prompts())
@@ -127,3 +137,22 @@ def test_grpo_trains_a_vision_policy_on_vision_rows() -> None:
 
     module = GRPO(policy=SPEC)
     assert module.row_schema is VISION_SCHEMA and {"pixel_values", "image_grid_thw"} <= set(module.row_schema.names)
+
+
+def test_hf_vision_lm_loads_a_saved_qwen2_vl_with_its_processor(tmp_path: object) -> None:
+    from screl.models import HFVisionLM
+
+    path = str(tmp_path)
+    model = SPEC.build_model()
+    model.save_pretrained(path)
+    SPEC.build_tokenizer().save_pretrained(path)
+    SPEC.build_processor().save_pretrained(path)
+    spec = HFVisionLM(path, chat_template=False)
+    record = TASK.prompts()[0]
+    mine = SPEC.prompt_inputs(SPEC.build_tokenizer(), record.text, TASK.images(record))
+    theirs = spec.prompt_inputs(spec.build_tokenizer(), record.text, TASK.images(record))
+    assert mine[0] == theirs[0] and torch.equal(mine[1].pixel_values, theirs[1].pixel_values)  # type: ignore[union-attr]
+    loaded = spec.build_model()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True))
+    with pytest.raises(FileNotFoundError, match=r"HFVisionLM: path='/nope' is not a local directory"):
+        HFVisionLM("/nope").build_model()
