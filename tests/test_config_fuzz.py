@@ -2,7 +2,8 @@
 out-of-range numbers, unknown and missing keys, blocks from the other algorithm. It never crashes with a traceback:
 it accepts the config, or exits 2 listing the problems, naming the key.
 
-Seeded (``derandomize``) and bounded: the same examples on every run, ~40 s on two cores.
+Seeded (``derandomize``) and bounded: the same examples on every run, ~40 s on two cores. A seeded sample of the
+accepted mutations of the tiny config then trains 2 steps each (slow).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import copy
 import io
 import math
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -140,3 +142,58 @@ def test_a_scalar_in_place_of_a_block_is_a_problem_naming_it(path: tuple[str, ..
     _parent(cfg, path)[path[-1]] = value
     rc, out = run_check(cfg, tmp_path / "cfg.yaml")
     assert rc == 2 and f"{'.'.join(path)} = {value!r}: must be a block of settings" in out, out
+
+
+# -- a sample of the accepted mutations trains ------------------------------------------------------------------
+FIT_OWNED = {("trainer",), ("seed_everything",), ("grpo", "max_num_steps")}
+"""Set by the run below (2 steps, its own directories): never mutated, or the run would undo the mutation."""
+
+
+def accepted_mutations(n: int, seed: int, tmp: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The first ``n`` mutations of ``grpo_tiny.yaml`` (a wrong value or a missing key, drawn with ``seed``) that
+    ``screl check`` accepts: (what was mutated, the config)."""
+    rng = random.Random(seed)
+    base = LOADED["grpo_tiny.yaml"]
+    paths = [p for p in _paths(base) if p[:1] not in FIT_OWNED and p[:2] not in FIT_OWNED]
+    out: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(200):
+        cfg = copy.deepcopy(base)
+        path = rng.choice(paths)
+        parent = _parent(cfg, path)
+        if rng.random() < 0.5:
+            del parent[path[-1]]
+            what = f"{'.'.join(map(str, path))} removed"
+        else:
+            value = copy.deepcopy(rng.choice(WRONG_VALUES))
+            parent[path[-1]] = value
+            what = f"{'.'.join(map(str, path))} = {value!r}"
+        if run_check(cfg, tmp / "candidate.yaml")[0] == 0:
+            out.append((what, cfg))
+            if len(out) == n:
+                return out
+    raise AssertionError(f"fewer than {n} accepted mutations in 200 draws: {[w for w, _ in out]}")
+
+
+@pytest.mark.slow
+def test_a_sample_of_the_accepted_mutations_trains_two_steps(tmp_path: Path) -> None:
+    """Three accepted mutations of the tiny config (seeded), each ``screl fit`` for 2 steps in this process on one
+    shared Ray cluster: every run finishes its 2 steps, and its event log passes the checker."""
+    from _ray_session import session_ray
+
+    from screl.cli import ScrelCLI
+    from screl.data.event_check import check_events
+
+    sample = accepted_mutations(3, seed=40, tmp=tmp_path)
+    print("\n" + "\n".join(what for what, _ in sample))
+    with session_ray(num_cpus=8, namespace="screl-tests"):
+        for i, (what, cfg) in enumerate(sample):
+            cfg["trainer"].update(max_steps=2, default_root_dir=str(tmp_path / f"run_{i}"), enable_progress_bar=False,
+                                  enable_model_summary=False)
+            cfg["grpo"]["max_num_steps"] = 2
+            path = tmp_path / f"run_{i}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            cli = ScrelCLI(args=["--config", str(path)], run=False)
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+            assert cli.trainer.global_step == 2, f"{what}: stopped at step {cli.trainer.global_step}"
+            report = check_events(Path(cli.trainer.log_dir) / "events.jsonl")
+            assert report.ok and report.events > 0, f"{what}: {report.violations[:5]}"
