@@ -129,8 +129,10 @@ def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int)
             figures = asyncio.run(drive(url, server, sessions, duration_s, max_tokens))
             left = ray.get(server.__ray_call__.remote(  # every per-session record the server keeps
                 lambda self: sum(map(len, (self.sessions, self.replies, self.responses, self.sticky, self.inflight,
-                                           self.cancelled)))), timeout=60)
-            figures.update(rss_start_mb=before, rss_end_mb=rss_mb(pid), server_sessions_left=int(left))
+                                           self.cancelled, self.seen)))), timeout=60)
+            after = rss_mb(pid)
+            figures.update(rss_start_mb=before, rss_end_mb=after, server_sessions_left=int(left),
+                           rss_growth_kb_per_request=(after - before) * 1024 / max(1, figures["requests"]))
             out.append(figures)
             print(f"{sessions} sessions: {figures['requests_per_s']:.1f} req/s, p50 {figures['p50_ms']:.0f} ms, "
                   f"p99 {figures['p99_ms']:.0f} ms, errors {figures['errors']}", flush=True)

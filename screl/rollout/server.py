@@ -23,12 +23,11 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from screl.config_generation import bind_problem
-from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text, message_text
+from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.openai_api import (
     ChatRequest,
@@ -54,6 +53,15 @@ from screl.rollout.openai_api import (
 from screl.rollout.openai_schema import max_request_tokens, route_responses, validation_error_message
 from screl.rollout.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
 from screl.rollout.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.server_sessions import (
+    MAX_ABORTED_NOTES,
+    SESSION_IDLE_TIMEOUT_S,
+    assistant_message,
+    forget_idle,
+    forget_session,
+    record_reply,
+    same_reply,
+)
 from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
 from screl.rollout.trajectory import turn_of
 
@@ -110,7 +118,9 @@ class PolicyServer:
 
     def __init__(self, workers: Sequence[Any], policy: Any, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16,
-                 temperature: float = 1.0, tool_parser: str = "auto") -> None:
+                 temperature: float = 1.0, tool_parser: str = "auto",
+                 session_idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         check_bind(host, api_key)
         self.workers = list(workers)
         self.tokenizer = policy.build_tokenizer()
@@ -126,7 +136,10 @@ class PolicyServer:
         self.cancelled: set[str] = set()
         self._next = itertools.count()
         self.stats = {"requests": 0, "disconnect_aborts": 0, "errors": 0}
-        self.aborted: list[dict[str, Any]] = []
+        self.aborted: deque[dict[str, Any]] = deque(maxlen=MAX_ABORTED_NOTES)
+        self.seen: dict[str, float] = {}  # session -> the time of its last request (or abort)
+        self.session_idle_timeout_s, self.clock = session_idle_timeout_s, clock
+        self._swept = clock()
         self._server: Any = None
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -161,17 +174,13 @@ class PolicyServer:
     # -- recorded conversations -------------------------------------------------------------------------
     async def take_session(self, session_id: str) -> tuple[list[dict[str, Any]], bool]:
         """The turns recorded for ``session_id`` and whether it was aborted (all of it forgotten afterwards)."""
-        self.sticky.pop(session_id, None)
-        self.replies.pop(session_id, None)
-        for rid in [r for r, v in self.responses.items() if v["session"] == session_id]:
-            del self.responses[rid]
-        aborted = session_id in self.cancelled
-        self.cancelled.discard(session_id)
-        return self.sessions.pop(session_id, []), aborted
+        return forget_session(self, session_id)
 
     async def abort_sessions(self, session_ids: Sequence[str]) -> None:
         """End these sessions: their requests in flight are aborted in the engine, later ones get a 409."""
         self.cancelled.update(session_ids)
+        for sid in session_ids:
+            self._touch(sid)
         pending = {sid: self.inflight[sid] for sid in session_ids if self.inflight.get(sid) and sid in self.sticky}
         while pending:  # until they end: an abort that reaches the engine before its requests finds nothing
             for sid, requests in pending.items():
@@ -314,7 +323,7 @@ class PolicyServer:
             return Response(status_code=499)
         [reply] = replies
         out = response_object(self.model_name, body, job.prompts[0], reply, choice)
-        self.responses[out["id"]] = {"session": session, "messages": [*messages, _assistant(reply)]}
+        self.responses[out["id"]] = {"session": session, "messages": [*messages, assistant_message(reply)]}
         while len(self.responses) > self.MAX_STORED_RESPONSES:
             self.responses.popitem(last=False)
         return out
@@ -349,7 +358,7 @@ class PolicyServer:
             return [*map(int, last["prompt_token_ids"]), *map(int, last["generation_token_ids"])]
         turns = self.sessions.get(session or "", [])
         if turns:
-            if _same_reply(last, self.replies.get(session or "")):
+            if same_reply(last, self.replies.get(session or "")):
                 prev = turns[-1]
                 return [*prev["prompt_token_ids"], *prev["token_ids"]]
             raise SpliceError(f"session {session!r}: the last assistant message is not the reply this session "
@@ -385,9 +394,18 @@ class PolicyServer:
                                   dataclasses.replace(sampling, seed=None if seed is None else seed + i))
                 for p in prompts for i in range(n)]
 
+    def _touch(self, session: str) -> None:
+        """Note the session's activity; now and then, forget the sessions idle too long (:func:`forget_idle`)."""
+        now = self.clock()
+        self.seen[session] = now
+        if now - self._swept >= min(60.0, self.session_idle_timeout_s):
+            self._swept = now
+            forget_idle(self, now)
+
     def _route(self, session: str | None) -> int:
         if session is None:
             return next(self._next) % len(self.workers)
+        self._touch(session)
         if session not in self.sticky:
             self.sticky[session] = next(self._next) % len(self.workers)
         return self.sticky[session]
@@ -424,7 +442,7 @@ class PolicyServer:
             turns = self.sessions.setdefault(job.session, [])
             tags = {**(job.rollout or {}), "turn": len(turns), "session": job.session}
             turns.append(turn_of(replies[0].result, tags).as_dict())
-            self.replies[job.session] = _record(replies[0])
+            self.replies[job.session] = record_reply(replies[0])
         return replies
 
     def _parse(self, job: _Job, text: str) -> ParsedReply | None:
@@ -498,37 +516,6 @@ class PolicyServer:
 
 class _SessionAborted(Exception):
     pass
-
-
-def _assistant(reply: Reply) -> dict[str, Any]:
-    """The reply as the assistant message a conversation continues from."""
-    msg: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        msg["tool_calls"] = reply.tool_calls
-    return msg
-
-
-def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    out = []
-    for c in message.get("tool_calls") or []:
-        fn = c.get("function") or {}
-        args = fn.get("arguments")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        out.append((str(fn.get("name")), args))
-    return out
-
-
-def _record(reply: Reply) -> dict[str, Any]:
-    return {"content": reply.content or "", "calls": _calls(_assistant(reply))}
-
-
-def _same_reply(message: Mapping[str, Any], recorded: Mapping[str, Any] | None) -> bool:
-    """Whether the client sent the session's last reply back as it got it (text and tool calls)."""
-    return recorded is not None and message_text(message.get("content")) == recorded["content"] and \
-        _calls(message) == recorded["calls"]
 
 
 async def _await(ref: Any) -> Any:

@@ -1,7 +1,7 @@
 """The policy server fuzzed from its own OpenAPI schema (issue 40, item 3) with ``schemathesis``: FastAPI's
 ``/openapi.json`` of :meth:`screl.rollout.server.PolicyServer.app`, called in-process over ASGI, in front of a real
 :class:`~screl.rollout.worker.GenerationWorker` (the torch engine and its batching decode thread, a tiny model) in
-this process: only Ray's hop between the server and the worker is left out (:class:`InProcess`).
+this process: only Ray's hop between the server and the worker is left out (``tests/rollout/inprocess_server.py``).
 
 Bounded and seeded (``derandomize``): the same examples on every run. For every answer:
 
@@ -21,7 +21,6 @@ Below the fuzzing, one regression test per defect it found.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -38,39 +37,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from screl.models import TinyCausalLM
 from screl.rollout.server import PolicyServer
-from screl.rollout.worker import GenerationWorker
+from tests.rollout.inprocess_server import POLICY, InProcess, build_server
 
-POLICY = TinyCausalLM(hidden_size=32, num_layers=1)
-
-
-class InProcess:
-    """A worker handle whose ``.method.remote(...)`` runs the method in the caller's event loop (Ray's actor call
-    without Ray): the server awaits what it returns, as it awaits an ``ObjectRef``."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._target, name)
-
-        class _Method:
-            @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> Any:
-                return method(*args, **kwargs)
-
-        return _Method
-
-
-def build_app() -> tuple[PolicyServer, Any]:
-    worker = GenerationWorker(POLICY)
-    asyncio.run(worker.update_weights([POLICY.build_model().eval().state_dict()], 0))
-    server = PolicyServer([InProcess(worker)], POLICY, max_tokens=8)
-    return server, server.app()
-
-
-SERVER, APP = build_app()
+SERVER = build_server()
+APP = SERVER.app()
 SCHEMA = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
@@ -204,5 +175,5 @@ def test_a_token_budget_beyond_the_context_is_a_400_not_an_allocation(path: str,
 
 
 def test_the_runs_max_new_tokens_is_allowed_beyond_the_context() -> None:
-    server = PolicyServer([InProcess(SERVER.workers[0]._target)], POLICY, max_tokens=200)
+    server = PolicyServer([InProcess(SERVER.workers[0].target)], POLICY, max_tokens=200)
     assert server.max_request_tokens == 200
