@@ -3,12 +3,13 @@
 
 * ``pixels`` (what screl writes: ``screl.rollout.rows.VISION_SCHEMA``): the row carries the processor's
   ``pixel_values`` and ``image_grid_thw``; the trainer reads them back as they are.
+  ``trainer_get_step_s`` is the get alone: the part on the trainer's path (the workers put while it trains).
 * ``reference``: the row carries the text fields only (the prompt id is in the metadata already); the trainer would
   redraw or reload each prompt's images and run the processor again (``ShapesTask.images`` +
   ``TinyVisionLM.prompt_inputs``), timed here per step as ``trainer_redraw_s``.
 
-One step of ``configs/grpo_vlm_tiny.yaml`` (P=8 prompts x G=8 rows, real rows from the torch engine): bytes per row,
-and the median over ``--iters`` of one put + get + clear of the step's 64 rows through TransferQueue
+One step of ``configs/grpo_vlm_tiny.yaml`` (P=16 prompts x G=8 rows, real rows from the torch engine): bytes per row,
+and the median over ``--iters`` of one put + get + clear of the step's 128 rows through TransferQueue
 (``screl.dataplane.DataPlane``, one storage unit), for each layout. Light: a few seconds of CPU.
 
     python bench/vlm_dataplane.py [--iters 10]
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _common as c  # noqa: E402
 
-P, G = 8, 8
+P, G = 16, 8
 
 
 def step_rows() -> tuple[list[dict[str, Any]], Any, Any, list[Any]]:
@@ -41,7 +42,7 @@ def step_rows() -> tuple[list[dict[str, Any]], Any, Any, list[Any]]:
     from screl.rollout.torch_engine import TorchGenerationEngine
 
     spec = TinyVisionLM()
-    task = ShapesTask(num_prompts=256, questions=["count"], colours=["red", "blue"], shapes=["square"])
+    task = ShapesTask(num_prompts=256, questions=["count"], colours=["red"], shapes=["square"], max_shapes=1)
     engine = TorchGenerationEngine(spec, seed=0)
     requests = []
     for p, record in enumerate(task.prompts()[:P]):
@@ -76,20 +77,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dp = DataPlane.start(num_storage_units=1, partition_id="bench-vlm")
         try:
             times: dict[str, list[float]] = {k: [] for k in layouts}
+            gets: dict[str, list[float]] = {k: [] for k in layouts}
             for i in range(args.iters + 2):  # two warm-up rounds
                 for name, fields in layouts.items():
                     keys = [f"{name}{i}_{j}" for j in range(len(rows))]
                     t0 = time.perf_counter()
                     dp.put(keys, {f: [r[f] for r in rows] for f in fields})
+                    t1 = time.perf_counter()
                     dp.get(keys, fields)
+                    t2 = time.perf_counter()
                     dp.clear(keys)
                     if i >= 2:
                         times[name].append(time.perf_counter() - t0)
+                        gets[name].append(t2 - t1)
         finally:
             dp.shutdown()
     finally:
         c.stop_bench_ray(started)
     result["dataplane_step_s"] = {k: statistics.median(v) for k, v in times.items()}
+    # the trainer waits on the get only (the workers put while it trains)
+    result["trainer_get_step_s"] = {k: statistics.median(v) for k, v in gets.items()}
     redraw = []
     for _ in range(args.iters):
         t0 = time.perf_counter()

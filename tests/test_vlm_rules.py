@@ -18,6 +18,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "model.init_args.policy", "TinyCausalLM is a text-only policy"),
     ("ppo_vlm", "grpo_vlm_tiny.yaml", {"model": PPO_MODEL},
      "model.class_path", "its values would ignore what the policy sees"),
+    ("distill_vlm", "grpo_vlm_tiny.yaml", {"model.class_path": "screl.Distill"},
+     "model.class_path", "the teachers would score the completions without them"),
     ("megatron_vlm", "grpo_vlm_tiny.yaml",
      {"trainer.strategy": {"class_path": "screl.strategies.MegatronStrategy", "init_args": {}}},
      "trainer.strategy", "vision tower and multimodal positions are not built there"),
@@ -56,4 +58,4 @@ def test_a_refused_vlm_config_fails_check_naming_its_key(
 def test_the_vlm_config_passes_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = run_check(load_config("grpo_vlm_tiny.yaml"), tmp_path, capsys)
     assert rc == 0, out
-    assert "rows per step        64" in out
+    assert "rows per step        128" in out

@@ -43,8 +43,9 @@ def mrope_positions(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
                     image_grid_thw: Tensor) -> tuple[Tensor, Tensor]:
     """The multimodal rotary positions ``[3, rows, length]`` of a (left- or right-) padded batch, and each row's delta
     (``[rows, 1]``: a decoded token at sequence index ``n`` sits at position ``n + delta``)."""
-    inner: Any = model.model
-    image_token = int(model.config.image_token_id)  # type: ignore[union-attr]
+    hf: Any = model
+    inner = hf.model
+    image_token = int(hf.config.image_token_id)
     types = (input_ids == image_token).int()
     positions, delta = inner.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
                                             attention_mask=attention_mask)
@@ -122,7 +123,7 @@ class TinyVisionLM(VisionPolicy):
         start, end, image, video = (int(tok.convert_tokens_to_ids(t)) for t in VISION_TOKENS)
         from screl.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
 
-        ids = dict(pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, bos_token_id=BOS_TOKEN_ID)
+        ids: dict[str, Any] = dict(pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, bos_token_id=BOS_TOKEN_ID)
         heads = max(1, self.hidden_size // 16)
         head_dim = self.hidden_size // heads
         section = [head_dim // 8, (head_dim // 2 - head_dim // 8) // 2]
@@ -144,7 +145,7 @@ class TinyVisionLM(VisionPolicy):
             if self.seed is not None:
                 torch.manual_seed(self.seed)
             model = Qwen2VLForConditionalGeneration(cfg)
-        return model.to(dtype=resolve_dtype(self.dtype))
+        return model.to(dtype=resolve_dtype(self.dtype))  # type: ignore[call-arg]  # transformers' wrapped .to
 
     def build_processor(self) -> Any:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -202,7 +203,8 @@ class HFVisionLM(VisionPolicy):
     def build_processor(self) -> Any:
         from transformers import AutoImageProcessor
 
-        kwargs = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+        kwargs: dict[str, Any] = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels))
+                                  if v is not None}
         return AutoImageProcessor.from_pretrained(self._dir(), local_files_only=True, **kwargs)
 
     def prompt_token_ids(self, tokenizer: Any, text: str) -> list[int]:

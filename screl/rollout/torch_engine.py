@@ -168,16 +168,14 @@ class TorchGenerationEngine:
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
         if self.vision:
-            banned = [t for t in vision_token_ids(self.model.config) if t < self.vocab_size]
-            self._banned = torch.zeros(self.vocab_size, dtype=torch.bool)
-            self._banned[banned] = True
-            self._banned = self._banned.to(self.device)
+            banned = torch.zeros(self.vocab_size, dtype=torch.bool)
+            banned[[t for t in vision_token_ids(self.model.config) if t < self.vocab_size]] = True
+            self._banned = banned.to(self.device)
 
     def _init_settings(self, policy: PolicySpec, num_threads: int | None, max_batch_size: int | None,
                        recompute_kv_cache: bool, model: Any, autocast: torch.dtype | None) -> None:
         """The settings every engine on this request loop takes first: threads, batch size, re-prefill, the policy's
         tokenizer, and whether it decodes with a module it shares (``model``, computing in ``autocast``)."""
-        self._banned: torch.Tensor | None = None  # never sampled: a vision-language model's image placeholders
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if max_batch_size is not None and max_batch_size < 1:
@@ -239,6 +237,8 @@ class TorchGenerationEngine:
 
     vision = False
     """A vision-language model (set from the model): requests may carry images (``GenerationRequest.vision``)."""
+    _banned: torch.Tensor | None = None
+    """Tokens never sampled: a vision-language model's image placeholders (``[vocabulary]`` bool)."""
 
     streams_weight_buckets = True
     """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""

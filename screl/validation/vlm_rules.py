@@ -3,7 +3,7 @@
 
 What is built: GRPO on the torch engine in generation workers, single-turn, under the default strategy (or DDP).
 Everything else is refused here, naming the key and the fix: a task whose prompts carry images with a text-only
-policy, PPO (its critic reads token ids only), ``MegatronStrategy`` (no vision path in the Megatron model provider),
+policy, PPO (its critic reads token ids only), distillation (its rows carry no images), ``MegatronStrategy`` (no vision path in the Megatron model provider),
 vLLM (its CPU build does not run the Qwen2-VL family here), the Megatron engine, colocated generation, the static
 decode path and multi-turn workflows.
 """
@@ -55,6 +55,10 @@ def vlm_rules(c: RuleContext) -> None:
     if model_kind(c.cfg) == "ppo":
         c.bad("model.class_path", get(c.cfg, "model.class_path"), f"PPO's critic (screl.models.ValueModel) reads token "
               f"ids only: it cannot take {name}'s images, so its values would ignore what the policy sees",
+              "use model.class_path: screl.GRPO for a vision-language policy")
+    if str(get(c.cfg, "model.class_path", "")).rsplit(".", 1)[-1] == "Distill":
+        c.bad("model.class_path", get(c.cfg, "model.class_path"), "distillation rows carry the teachers' logprobs, "
+              f"not {name}'s images (the teachers would score the completions without them)",
               "use model.class_path: screl.GRPO for a vision-language policy")
     if is_megatron_strategy(c.cfg):
         c.bad("trainer.strategy", "MegatronStrategy", f"the Megatron model provider builds text-only GPT models: "

@@ -23,7 +23,8 @@ def test_vlm_grpo_learns_to_count_shapes_and_audits(tmp_path: Path) -> None:
     assert cfg["model"]["init_args"]["policy"]["class_path"] == "screl.models.TinyVisionLM"
     cfg["trainer"].update(max_steps=STEPS, default_root_dir=str(tmp_path), enable_progress_bar=False,
                           enable_model_summary=False)
-    cfg["grpo"]["max_num_steps"] = STEPS
+    cfg["grpo"].update(max_num_steps=STEPS, num_prompts_per_step=8)  # half the config's images a step: a shorter test
+    cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
     cfg["data"]["init_args"]["step_timeout_s"] = 120
     run_dir = run_fit(cfg, tmp_path)
     rows = metrics(run_dir)
