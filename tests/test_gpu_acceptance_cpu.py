@@ -1,5 +1,10 @@
-"""``examples/gpu/acceptance.py --cpu`` runs in CI so the GPU acceptance command cannot rot while no GPU is lent:
-every CPU part passes with plausible figures, every GPU-only part is skipped with its reason (never passed)."""
+"""``examples/gpu/acceptance.py --cpu`` runs in CI so the GPU acceptance command cannot rot between GPU runs: every
+CPU part passes with plausible figures, every GPU-only part is skipped with its reason (never passed).
+
+The ``colocated`` and ``megatron_generation`` parts are left out here: on a CPU they are ``screl fit`` of
+``configs/grpo_colocated_tiny.yaml`` through the same ``_fit_and_read`` as ``grpo``, which
+``tests/e2e/test_colocated.py`` and ``tests/e2e/test_megatron_generation.py`` already run (~75 s saved); the GPU run
+of 2026-12-04 (``bench/results/gpu_acceptance.json``) ran both."""
 
 from __future__ import annotations
 
@@ -29,13 +34,14 @@ def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
 
 @pytest.mark.slow
 def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path: Path) -> None:
-    proc, result = _run(tmp_path)
+    proc, result = _run(tmp_path, "--parts", "grpo,vllm_standalone,nccl_refit,pipeline;megatron,ppo_offload,memory")
     parts = result["parts"]
     assert proc.returncode == 0, json.dumps(parts, indent=1)[-4000:]
     assert result["ok"] is True and result["mode"] == "cpu"
-    assert set(parts) == {"grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory",
-                          "colocated", "megatron_generation"}
-    for name in ("grpo", "megatron", "ppo_offload", "memory", "colocated", "megatron_generation"):
+    assert result["lanes"] == [["grpo", "vllm_standalone", "nccl_refit", "pipeline"],
+                               ["megatron", "ppo_offload", "memory"]]
+    assert list(parts) == ["grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory"]
+    for name in ("grpo", "megatron", "ppo_offload", "memory"):
         assert parts[name]["status"] == "passed", (name, parts[name])
     for name in ("nccl_refit", "pipeline"):
         assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"], parts[name]
@@ -49,13 +55,6 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     assert grpo["completion_tokens"] > 0 and grpo["generation_tokens_per_s"] > 0
     assert grpo["refits"] >= 2 and grpo["refit_s_median"] > 0
     assert 0.0 <= grpo["logprob_mismatch_max"] < 1e-3  # fp32 on CPU: the same numerics on both sides
-
-    colocated = parts["colocated"]
-    assert colocated["backend"] == "torch" and colocated["steps"] == 3
-    assert colocated["refits"] >= 2 and colocated["logprob_mismatch_max"] < 1e-5  # the trainer's own module
-    megatron_generation = parts["megatron_generation"]
-    assert megatron_generation["backend"] == "megatron" and megatron_generation["steps"] == 3
-    assert megatron_generation["logprob_mismatch_max"] < 1e-5  # the trainer's own GPTModel generated
 
     meg = parts["megatron"]
     assert meg["logits_max_abs_diff"] < 1e-3 and meg["export_max_abs_diff"] == 0.0
@@ -77,6 +76,9 @@ def test_acceptance_unknown_part_is_refused(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--parts", "grpo,nope"], capture_output=True,
                           text=True, cwd=REPO, check=False, timeout=120)
     assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--parts", "memory;grpo,memory"], capture_output=True,
+                          text=True, cwd=REPO, check=False, timeout=120)
+    assert proc.returncode == 2 and "a part is named twice" in proc.stderr
 
 
 @pytest.mark.vllm
