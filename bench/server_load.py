@@ -11,6 +11,7 @@ p50/p99 latency of a request, errors (target 0), and the server actor's RSS at t
 
     .venv/bin/python bench/server_load.py                      # 64, 128, 256 sessions x 100 s: a 5-minute run
     .venv/bin/python bench/server_load.py --sessions 64 --duration-s 30 --out-name server_load_quick
+    .venv/bin/python bench/server_load.py --sessions 32 --duration-s 40 --tracemalloc   # where the Python heap grows
 """
 
 from __future__ import annotations
@@ -115,13 +116,47 @@ def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int) -> dict[str, Any]:
+def _trace_start(self: Any) -> None:
+    """In the server actor: start tracemalloc (12 frames a trace) and take the baseline snapshot."""
+    import gc
+    import tracemalloc
+
+    tracemalloc.start(12)
+    gc.collect()
+    self._trace_base = tracemalloc.take_snapshot()
+
+
+def _trace_diff(self: Any, top: int = 10) -> dict[str, Any]:
+    """In the server actor: the Python heap's growth since :func:`_trace_start` (imports and tracemalloc's own left
+    out), the part allocated with a frame of screl's code on the stack, and where it grew most."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    skip = [tracemalloc.Filter(False, f) for f in ("<frozen importlib._bootstrap>",
+                                                   "<frozen importlib._bootstrap_external>", tracemalloc.__file__,
+                                                   "*/linecache.py")]
+    diff = tracemalloc.take_snapshot().filter_traces(skip).compare_to(self._trace_base.filter_traces(skip),
+                                                                        "traceback")
+    tracemalloc.stop()
+    ours = [d for d in diff if any("/screl/" in f.filename for f in d.traceback)]
+    return {"growth_bytes": sum(d.size_diff for d in diff), "screl_growth_bytes": sum(d.size_diff for d in ours),
+            "top": [{"kb": d.size_diff / 1024, "count": d.count_diff, "where": d.traceback.format()[-6:]}
+                    for d in diff[:top]]}
+
+
+def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int,
+        trace: bool = False) -> dict[str, Any]:
     import ray
 
     load_before = list(os.getloadavg())
     server, url, workers, pid = start_server(num_workers, max_tokens)
+    traced: dict[str, Any] | None = None
     try:
         asyncio.run(drive(url, server, 4, 0.01, max_tokens))  # warm-up: one session each of 4, not counted
+        if trace:  # past the first-time imports and caches of every code path
+            asyncio.run(drive(url, server, 16, 5.0, max_tokens))
+            ray.get(server.__ray_call__.remote(_trace_start), timeout=60)
         rss_start = rss_mb(pid)
         out = []
         for sessions in levels:
@@ -137,6 +172,11 @@ def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int)
             print(f"{sessions} sessions: {figures['requests_per_s']:.1f} req/s, p50 {figures['p50_ms']:.0f} ms, "
                   f"p99 {figures['p99_ms']:.0f} ms, errors {figures['errors']}", flush=True)
         rss_end = rss_mb(pid)
+        if trace:
+            traced = ray.get(server.__ray_call__.remote(_trace_diff), timeout=120)
+            n = max(1, sum(lv["requests"] for lv in out))
+            traced.update(growth_bytes_per_request=traced["growth_bytes"] / n,
+                          screl_growth_bytes_per_request=traced["screl_growth_bytes"] / n)
     finally:
         for actor in (server, *workers):
             ray.kill(actor)
@@ -144,7 +184,7 @@ def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int)
     return {"levels": out, "turns_per_session": TURNS, "max_tokens": max_tokens, "num_workers": num_workers,
             "server_rss_start_mb": rss_start, "server_rss_end_mb": rss_end,
             "server_rss_growth": rss_end / rss_start - 1.0, "errors": sum(lv["errors"] for lv in out),
-            "loadavg_before": load_before}
+            "loadavg_before": load_before, **({"tracemalloc": traced} if traced is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4, help="per reply (the agent config's max_new_tokens)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--out-name", default="server_load")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace the server actor's Python heap over the run (slower): its growth and where it grew")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.sessions.split(",")]
     started = time.time()
-    result = run(levels, args.duration_s, args.workers, args.max_tokens)
+    result = run(levels, args.duration_s, args.workers, args.max_tokens, args.tracemalloc)
     result["machine"] = machine_info()
     result["bench_wall_s"] = time.time() - started
     print_table(["sessions", "req/s", "p50 ms", "p99 ms", "errors", "RSS start MB", "RSS end MB"],
@@ -167,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server RSS {result['server_rss_start_mb']:.0f} MB -> {result['server_rss_end_mb']:.0f} MB "
           f"({100 * result['server_rss_growth']:+.1f}%), errors {result['errors']}, load average before "
           f"{result['loadavg_before']}")
+    if "tracemalloc" in result:
+        t = result["tracemalloc"]
+        print(f"server Python heap (tracemalloc): {t['growth_bytes'] / 1024:+.1f} KB, "
+              f"{t['growth_bytes_per_request']:.1f} bytes per request, of which allocated under screl's code "
+              f"{t['screl_growth_bytes_per_request']:.1f}; most:")
+        for d in t["top"][:5]:
+            print(f"  {d['kb']:+.1f} KB ({d['count']:+d} blocks) at {' | '.join(x.strip() for x in d['where'][-2:])}")
     path = write_result(args.out_name, result, args.out_dir)
     print(f"wrote {path}")
     return 0 if result["errors"] == 0 else 1
