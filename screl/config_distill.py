@@ -14,6 +14,7 @@ from typing import Any
 from screl.models.spec import PolicySpec
 
 KEY = "model.init_args.distillation"
+ESTIMATORS = ("sampled", "top_k")
 
 
 @dataclass
@@ -43,7 +44,18 @@ class DistillationConfig:
     """Weight of the task reward's GRPO advantage added to every token's distillation advantage (0: pure
     distillation; the reward is still logged)."""
     kl_coef: float = 1.0
-    """Weight of the per-token reverse-KL advantage (teacher logprob - student behaviour logprob)."""
+    """Weight of the reverse-KL term (``sampled``: the per-token advantage teacher logprob - student behaviour
+    logprob; ``top_k``: the exact reverse KL over the teacher's top-k tokens at each completion position)."""
+    estimator: str = "sampled"
+    """How the reverse KL toward the teacher is estimated. ``sampled``: from the sampled token alone, as a per-token
+    advantage through the clipped policy-gradient surrogate (the teacher returns one logprob per token).
+    ``top_k``: exactly at each completion position, over the teacher's ``top_k`` most likely next tokens plus one
+    bucket for the rest of the vocabulary (the teacher returns k ids and logprobs per token; with k = vocabulary size
+    it is the full reverse KL). It needs no lucky sample of the teacher's answer, so it pulls a student that starts
+    far from its teacher (see docs/distillation.md)."""
+    top_k: int = 16
+    """``estimator: top_k``: how many of the teacher's most likely tokens each position carries (capped at the
+    vocabulary; each costs 8 bytes per completion token in the row)."""
     num_cpus_per_teacher: float = 1.0
     """Logical CPUs Ray reserves for each teacher worker."""
     teacher_threads: int = 1
@@ -104,6 +116,8 @@ class DistillationConfig:
             ("num_cpus_per_teacher", self.num_cpus_per_teacher, self.num_cpus_per_teacher >= 0.0, "use e.g. 1"),
             ("teacher_threads", self.teacher_threads, self.teacher_threads >= 1, "use e.g. 1"),
             ("score_timeout_s", self.score_timeout_s, self.score_timeout_s > 0.0, "use e.g. 120"),
+            ("estimator", self.estimator, self.estimator in ESTIMATORS, f"use one of {list(ESTIMATORS)}"),
+            ("top_k", self.top_k, self.top_k >= 1, "use e.g. 16 (the vocabulary size for the full reverse KL)"),
         ):
             if not ok:
                 out.append((f"{KEY}.{key}", value, "out of range", fix))

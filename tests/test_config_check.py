@@ -391,6 +391,13 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "model.init_args.distillation.teachers[0].policy",
      "teacher 'count' (HFCausalLM(path='examples/distill/teachers/count', tokenizer_path='tests/data/digit_tokenizer'"
      ")) has a tokenizer that differs from the student's (TinyCausalLM(scale='tiny'))"),
+    ("distill_estimator_unknown", "distill_tiny.yaml", {"model.init_args.distillation.estimator": "exact"},
+     "model.init_args.distillation.estimator", "out of range"),
+    ("distill_top_k_not_under_megatron", "distill_tiny.yaml",
+     {"model.init_args.distillation.estimator": "top_k", "trainer.strategy": {
+         "class_path": "screl.strategies.MegatronStrategy",
+         "init_args": {"parallelism": {"tensor_model_parallel_size": 1}}}},
+     "model.init_args.distillation.estimator", "MegatronStrategy shards over the tensor-parallel ranks"),
 ]
 
 

@@ -12,6 +12,13 @@ Mixed with the task reward: ``A_t = kl_coef (log pi_t - log pi_beh) + reward_wei
 the row's GRPO advantage, the same for all its tokens. The surrogate is :class:`ClippedPGLoss`'s, so its
 ratio clipping and importance-sampling correction (``use_importance_sampling_correction`` when the sampler admits
 stale rows) apply exactly as for GRPO.
+
+The ``top_k`` estimator (:func:`top_k_reverse_kl`) is exact at each visited position instead: the teacher returns
+its ``k`` most likely next tokens with their logprobs, and the loss is ``KL(pi_s || pi_t)`` over those ``k`` tokens
+plus one bucket holding the rest of the vocabulary (both distributions coarsened the same way, so it is a lower
+bound of the full KL, equal to it at ``k`` = vocabulary size). Its gradient moves the student's mass toward the
+teacher's likely tokens whether or not the student sampled them; the sampled estimator only moves the tokens it
+sampled, which is slow when the student starts far from the teacher.
 """
 
 from __future__ import annotations
@@ -22,7 +29,31 @@ from torch import Tensor, nn
 from screl.algos.losses import ClippedPGLoss
 from screl.algos.stats import masked_mean, valid_mask
 
-__all__ = ["ReverseKLDistillLoss", "distill_advantages"]
+__all__ = ["ReverseKLDistillLoss", "distill_advantages", "top_k_reverse_kl"]
+
+REST_FLOOR = 1e-12
+"""Floor of a "rest of the vocabulary" bucket's probability (k = vocabulary size leaves it at rounding level)."""
+
+
+def top_k_reverse_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """``KL(pi_s || pi_t)`` per position over the teacher's top-k tokens plus a rest-of-vocabulary bucket.
+
+    Args:
+        student_logprobs: ``[..., k]`` the student's logprobs of the teacher's top-k tokens (normalized over the
+            whole vocabulary).
+        teacher_logprobs: ``[..., k]`` the teacher's logprobs of them.
+
+    Returns ``[...]``: ``sum_v p_s(v) (log p_s(v) - log p_t(v)) + r_s (log r_s - log r_t)`` with ``r = 1 - sum_v p``.
+    """
+    if student_logprobs.shape != teacher_logprobs.shape:
+        raise ValueError(f"student logprobs of shape {tuple(student_logprobs.shape)} against teacher top-k logprobs "
+                         f"of shape {tuple(teacher_logprobs.shape)}: they must match")
+    teacher = teacher_logprobs.detach().to(student_logprobs.dtype)
+    ps = student_logprobs.exp()
+    in_top = (ps * (student_logprobs - teacher)).sum(-1)
+    rest_s = (1.0 - ps.sum(-1)).clamp_min(REST_FLOOR)
+    rest_t = (1.0 - teacher.exp().sum(-1)).clamp_min(REST_FLOOR)
+    return in_top + rest_s * (rest_s.log() - rest_t.log())
 
 
 def distill_advantages(

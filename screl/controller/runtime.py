@@ -283,13 +283,13 @@ class RolloutRuntime:
     def _start_teachers(self) -> Any:
         """Distillation: one scoring worker per teacher (started beside the fleet, ready before the workers roll
         out); the workers get a router to them and write ``teacher_logprobs`` into every row."""
-        from screl.rollout.teachers import DISTILL_SCHEMA, TeacherRouter, check_teachers_fit, spawn_teachers
+        from screl.rollout.teachers import TeacherRouter, check_teachers_fit, distill_schema, spawn_teachers
 
         g, cfg = self.generation, self.distillation
         check_teachers_fit(cfg, g.num_cpus_per_worker * g.num_workers, ray.cluster_resources())
         t0 = time.perf_counter()
         self.teachers = spawn_teachers(cfg, g.temperature, self.run.ray.namespace)
-        self.row_fields = DISTILL_SCHEMA.names
+        self.row_fields = distill_schema(cfg).names
         startup.info("screl: %d teacher worker(s) started in %.1f s (%s)", len(self.teachers),
                      time.perf_counter() - t0, ", ".join(self.teachers))
         return TeacherRouter(dict(self.teachers), cfg)

@@ -11,18 +11,30 @@ the objective is (per-token advantages), and they must be started with the rollo
 so in its ``class_path``, a GRPO config stays exactly what it was, and ``screl check`` validates the teachers where
 they are written (``model.init_args.distillation``). Everything else (optimizer, micro-batching, IS, refits,
 Megatron) is GRPO's, inherited.
+
+With ``distillation.estimator: top_k`` the rows also carry the teacher's top-k tokens and logprobs at each completion
+position, and the loss adds the exact reverse KL over them (:func:`screl.algos.top_k_reverse_kl`) to the clipped
+surrogate of the reward advantage alone. The student's logprobs of the k tokens come from the final hidden states
+and the output layer's k rows, normalized by the sampled token's logprob (``log pi(v) = (z_v - z_y) / T +
+log pi(y)``), so no full-vocabulary logits are held.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from screl.algos import ClippedPGLoss, ReverseKLDistillLoss
-from screl.config_distill import DistillationConfig
+from screl.algos.distill import top_k_reverse_kl
+from screl.algos.stats import masked_mean, valid_mask
+from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
 from screl.modules.grpo import GRPO, _Chunk
+from screl.modules.logprobs import chunked_logprobs_of_hidden, output_head
+from screl.modules.routing_replay import replayed
+from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout.rows import RowSchema
 
 
@@ -68,16 +80,51 @@ class Distill(GRPO):
             raise ValueError("; ".join(f"{key} = {value!r}: {why}. Fix: {fix}" for key, value, why, fix in problems))
         self.distill_loss = ReverseKLDistillLoss(self.loss_fn, self.distillation.reward_weight,
                                                  self.distillation.kl_coef)
+        self._student_top: Tensor | None = None  # estimator top_k: the micro-batch's [valid positions, k] logprobs
+        if self.distillation.estimator == "top_k":
+            output_head(self.model)  # the top-k logits come from the output layer's rows: refuse a model without one
 
     @property
     def row_schema(self) -> RowSchema:
-        """The rows this module trains on: the standard fields and ``teacher_logprobs`` (the data module reads it)."""
-        from screl.rollout.teachers import DISTILL_SCHEMA
+        """The rows this module trains on: the standard fields and ``teacher_logprobs`` (the data module reads it),
+        and with ``estimator: top_k`` the teacher's top-k ids and logprobs."""
+        from screl.rollout.teachers import distill_schema
 
-        return DISTILL_SCHEMA
+        return distill_schema(self.distillation)
+
+    def _micro_batch_loss(self, batch: dict[str, Any], chunk: _Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.distillation.estimator != "top_k":
+            return super()._micro_batch_loss(batch, chunk, sl)
+        if self._megatron_strategy is not None:
+            raise RuntimeError(f"{KEY}.estimator: top_k runs under the default strategy and DDPStrategy, not "
+                               "MegatronStrategy (its output layer is sharded); use estimator: sampled")
+        if "teacher_top_ids" not in batch:
+            raise RuntimeError(f"{KEY}.estimator is top_k but the chunk's rows carry no teacher_top_ids: they were "
+                               "written by a run with estimator: sampled; restart the run (or resume it with sampled)")
+        ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+        head = output_head(self.model)
+        with replayed(self.routing_replay, self.model, batch, sl):
+            trunk: Any = self.model.base_model
+            hidden = trunk(input_ids=ids, attention_mask=attention,
+                           **vision_forward_inputs(self.model, batch, sl)).last_hidden_state[:, :-1]
+        curr, _ = chunked_logprobs_of_hidden(hidden, head.weight, ids[:, 1:], self.temperature,
+                                             self.logprob_chunk_tokens or None)
+        mask = valid_mask(chunk.token_mask[sl], chunk.sample_mask[sl], curr.shape)
+        h = hidden[mask].float()
+        top = batch["teacher_top_ids"][sl][mask].long()
+        weight = head.weight
+        z_top = torch.einsum("nh,nkh->nk", h, weight[top].float())
+        z_tok = (h * weight[ids[:, 1:][mask]].float()).sum(-1)
+        self._student_top = (z_top - z_tok[:, None]) / self.temperature + curr[mask][:, None]
+        try:
+            return self._loss_of(batch, chunk, sl, curr)
+        finally:
+            self._student_top = None
 
     def _objective(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor, prev: Tensor, gen: Tensor,
                    ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+        if self._student_top is not None:
+            return self._top_k_objective(batch, chunk, sl, curr, prev, gen, ref, self._student_top)
         if "teacher_logprobs" not in batch:
             raise RuntimeError("screl.Distill got a chunk without teacher_logprobs: its rows were written by workers "
                                "started without the teachers (model.init_args.distillation); restart the run")
@@ -86,3 +133,28 @@ class Distill(GRPO):
             chunk.sample_mask[sl], reward_advantages=chunk.advantages[sl], reference_logprobs=ref,
             global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
         )
+
+    def _top_k_objective(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor, prev: Tensor,
+                         gen: Tensor, ref: Tensor | None, student_top: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """``estimator: top_k``: the clipped surrogate of ``reward_weight`` x the reward advantage (0 with pure
+        distillation: its IS statistics still log) plus ``kl_coef`` x the top-k reverse KL, aggregated as the
+        surrogate aggregates (over the chunk's valid tokens, or per row then over the rows)."""
+        token_mask, sample_mask = chunk.token_mask[sl], chunk.sample_mask[sl]
+        token_level = self.loss_fn.token_level_loss
+        adv = (self.distillation.reward_weight * chunk.advantages[sl, None]).expand_as(curr)
+        loss, metrics = self.loss_fn(curr, prev, gen, adv, token_mask, sample_mask, reference_logprobs=ref,
+                                     global_normalizer=chunk.valid_tokens if token_level else None)
+        mask = valid_mask(token_mask, sample_mask, curr.shape)
+        kl = top_k_reverse_kl(student_top, batch["teacher_top_logprobs"][sl][mask])
+        if token_level:
+            kl_loss = kl.sum() / chunk.valid_tokens
+        else:  # per row's mean over its tokens, then the mean over the micro-batch's rows
+            per_row = torch.zeros(curr.shape, dtype=kl.dtype, device=kl.device).masked_scatter(mask, kl)
+            kl_loss = (per_row.sum(1) / mask.sum(1).clamp_min(1)).sum() / curr.shape[0]
+        m = mask.to(curr.dtype)
+        metrics["reverse_kl"] = kl.detach().mean() if kl.numel() else kl.detach().sum()
+        metrics["teacher_logprob"] = masked_mean(torch.where(mask, batch["teacher_logprobs"][sl].to(curr.dtype),
+                                                             torch.zeros_like(curr)), m)
+        metrics["teacher_top_k_mass"] = (batch["teacher_top_logprobs"][sl][mask].exp().sum(-1).mean()
+                                         if kl.numel() else kl.detach().sum())
+        return loss + self.distillation.kl_coef * kl_loss, metrics

@@ -42,8 +42,9 @@ class RowField:
       with ``pad_id`` into ``(rows, length)``, with ``attention_mask`` (1 on real tokens) and
       ``token_mask`` (``(rows, length - 1)``, 1 where position ``j`` predicts a completion token).
     * ``prompt_len``: ``[prompt length]`` (exactly one). Places the completion; not collated itself.
-    * ``per_completion_token``: one value per completion token. Collated next-token aligned like
-      ``token_mask``: row ``i``'s values at positions ``p - 1 .. p - 2 + resp``, ``fill`` elsewhere.
+    * ``per_completion_token``: one value (of any trailing shape) per completion token. Collated next-token aligned
+      like ``token_mask``: row ``i``'s values at positions ``p - 1 .. p - 2 + resp``, ``fill`` elsewhere, into
+      ``(rows, length - 1, ...)`` (a distillation teacher's top-k ids and logprobs carry a trailing ``k``).
     * ``completion_mask``: one 0/1 value per completion token (exactly one per schema), multiplied into
       ``token_mask``: a multi-turn row's environment and tool tokens carry 0, so the loss, the advantages'
       token weights and the IS diagnostics see the model's own tokens only. Not collated itself.
@@ -121,9 +122,10 @@ def _per_completion_token(field: RowField, column: Sequence[torch.Tensor],
                           chunk: _Chunk) -> dict[str, torch.Tensor]:
     fill = chunk.meta[field.fill] if isinstance(field.fill, str) else field.fill
     fill = float(fill) if field.dtype.is_floating_point else int(fill)
-    out = torch.full((chunk.rows, chunk.token_width), fill, dtype=field.dtype)
+    trailing = tuple(column[0].shape[1:]) if chunk.rows else ()
+    out = torch.full((chunk.rows, chunk.token_width, *trailing), fill, dtype=field.dtype)
     for i, (n, p) in enumerate(zip(chunk.lengths, chunk.prompts, strict=True)):
-        out[i, p - 1:n - 1] = column[i].to(field.dtype).reshape(-1)[:n - p]
+        out[i, p - 1:n - 1] = column[i].to(field.dtype).reshape(-1, *trailing)[:n - p]
     return {field.collated[0]: out}
 
 

@@ -124,9 +124,7 @@ class GenerationWorker:
         self.rows.schema = schema
         self.teachers = teachers  # distillation: a screl.rollout.teachers.TeacherRouter; rows gain teacher_logprobs
         if teachers is not None:
-            from screl.rollout.teachers import DISTILL_SCHEMA
-
-            self.rows.schema = DISTILL_SCHEMA
+            self.rows.schema = teachers.schema
         self.reward_transform = reward_transform
         self.val_task = val_task
         self.deadlines = deadlines or Deadlines()
@@ -244,11 +242,14 @@ class GenerationWorker:
                  int(o.row["prompt_len"][0])) for o in sealed if o.row is not None]
         scores = await self.teachers.score(rows)
         kept = []
-        for o, lp in zip(sealed, scores, strict=True):
-            if isinstance(lp, BaseException):
-                o.status, o.row, o.detail = "data_error", None, repr(lp)[:200]
+        for o, scored in zip(sealed, scores, strict=True):
+            if isinstance(scored, BaseException):
+                o.status, o.row, o.detail = "data_error", None, repr(scored)[:200]
                 continue
             assert o.row is not None
+            lp = scored
+            if isinstance(scored, tuple):  # estimator: top_k
+                lp, o.row["teacher_top_ids"], o.row["teacher_top_logprobs"] = scored
             o.row["teacher_logprobs"] = torch.tensor(lp, dtype=torch.float32)
             kept.append(o)
         return kept

@@ -13,6 +13,7 @@ from typing import Any
 
 from screl.config_distill import KEY, DistillationConfig, Teacher
 from screl.validation.context import RuleContext, get
+from screl.validation.megatron_generation_rules import is_megatron_strategy
 
 
 def _is_distill(cfg: Mapping[str, Any]) -> bool:
@@ -72,10 +73,15 @@ def distill_rules(c: RuleContext) -> None:
         teachers=[Teacher(str(t.get("name")), t.get("policy")) for t in teachers],  # type: ignore[arg-type]
         teacher_map=dict(raw.get("teacher_map") or {}), default_teacher=raw.get("default_teacher"),
         **{k: raw[k] for k in ("reward_weight", "kl_coef", "num_cpus_per_teacher", "teacher_threads",
-                               "score_timeout_s") if isinstance(raw.get(k), (int, float))},
+                               "score_timeout_s", "top_k") if isinstance(raw.get(k), (int, float))},
+        **({"estimator": raw["estimator"]} if "estimator" in raw else {}),
     )
     for key, value, why, fix in cfg.problems():
         c.bad(key, value, why, fix)
+    if cfg.estimator == "top_k" and is_megatron_strategy(c.cfg):
+        c.bad(f"{KEY}.estimator", "top_k", "the top-k estimator reads the output layer's rows of the teacher's tokens, "
+              "which MegatronStrategy shards over the tensor-parallel ranks (not built)",
+              "use estimator: sampled under MegatronStrategy, or train under the default strategy or DDPStrategy")
     student = _spec(get(c.cfg, "model.init_args.policy"))
     if student is None:
         return

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from screl.algos import ClippedPGLoss, ReverseKLDistillLoss, distill_advantages
+from screl.algos.distill import top_k_reverse_kl
 
 TEACHER = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -3.0, 0.0]])
 BEHAVIOUR = torch.tensor([[-1.5, -1.0, -0.5], [-1.25, -2.0, -9.0]])
@@ -101,3 +102,49 @@ def test_gradcheck_float64(kwargs: dict, reward_weight: float) -> None:
         return loss_fn(c, prev, gen, teacher, token_mask, torch.tensor([1, 1, 0]), reward_adv)[0]
 
     assert torch.autograd.gradcheck(fn, (curr,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+# -- the top-k estimator ---------------------------------------------------------------------------------------
+
+
+def test_top_k_reverse_kl_by_hand_with_a_rest_bucket() -> None:
+    """Three tokens, the teacher's top 2: p_s = (0.5, 0.25 | rest 0.25), p_t = (0.75, 0.125 | rest 0.125)."""
+    student = torch.tensor([[0.5, 0.25]]).log()
+    teacher = torch.tensor([[0.75, 0.125]]).log()
+    want = 0.5 * math.log(0.5 / 0.75) + 0.25 * math.log(0.25 / 0.125) + 0.25 * math.log(0.25 / 0.125)
+    assert top_k_reverse_kl(student, teacher).item() == pytest.approx(want, abs=1e-6)
+    assert top_k_reverse_kl(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)  # equal distributions
+
+
+def test_top_k_reverse_kl_over_the_whole_vocabulary_is_the_full_kl() -> None:
+    g = torch.Generator().manual_seed(0)
+    s = torch.log_softmax(torch.randn(4, 7, generator=g, dtype=torch.float64) * 2, -1)
+    t = torch.log_softmax(torch.randn(4, 7, generator=g, dtype=torch.float64) * 2, -1)
+    order = torch.argsort(t, -1, descending=True)  # the teacher's top-7 of 7, in its own order
+    full = (s.exp() * (s - t)).sum(-1)
+    got = top_k_reverse_kl(s.gather(-1, order), t.gather(-1, order))
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
+
+
+def test_top_k_reverse_kl_pulls_mass_to_the_teachers_token_the_student_never_sampled() -> None:
+    """The gradient at a position raises the logit of the teacher's answer (the sampled estimator would only push
+    down the sampled tokens)."""
+    logits = torch.zeros(1, 5, dtype=torch.float64, requires_grad=True)  # a uniform student
+    teacher = torch.tensor([[-1e-3, -8.0]], dtype=torch.float64)  # the teacher: token 3 almost surely, then token 0
+    top = torch.tensor([[3, 0]])
+    top_k_reverse_kl(torch.log_softmax(logits, -1).gather(-1, top), teacher).sum().backward()
+    assert logits.grad is not None and int(logits.grad[0].argmin()) == 3  # descent raises token 3's logit most
+
+
+def test_top_k_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    top = torch.tensor([[0, 2], [5, 1], [3, 4]])
+    teacher = torch.log_softmax(torch.randn(3, 6, generator=g, dtype=torch.float64), -1).gather(-1, top)
+    assert torch.autograd.gradcheck(
+        lambda z: top_k_reverse_kl(torch.log_softmax(z, -1).gather(-1, top), teacher), (logits,))
+
+
+def test_top_k_shape_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"student logprobs of shape \(1, 2\) against teacher top-k logprobs"):
+        top_k_reverse_kl(torch.zeros(1, 2), torch.zeros(1, 3))

@@ -20,7 +20,14 @@ from screl.models import TinyCausalLM
 from screl.modules.logprobs import full_token_logprobs
 from screl.rollout.engine import SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.teachers import DISTILL_SCHEMA, TeacherRouter, completion_logprobs, spawn_teachers
+from screl.rollout.teachers import (
+    DISTILL_SCHEMA,
+    DISTILL_TOP_K_SCHEMA,
+    TeacherRouter,
+    completion_logprobs,
+    completion_top_k,
+    spawn_teachers,
+)
 from screl.rollout.worker import GenerationWorker
 
 SEQS = [([5, 6, 7, 8, 9, 10], 2), ([11, 12, 13, 14], 3), ([7, 7, 7, 7, 7, 7, 7, 7], 5)]
@@ -129,6 +136,41 @@ def test_worker_writes_teacher_logprobs_and_a_failed_teacher_call_is_a_data_fail
         assert [r.status for r in reports] == ["sealed", "data_error"]
         assert "teacher 'add' failed" in reports[1].detail
         assert list(plane.rows) == [again[0].attempt], "no row is written without its teacher logprobs"
+    finally:
+        for a in actors.values():
+            ray.kill(a, no_restart=True)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_top_k_teachers_write_their_top_tokens_into_each_row() -> None:
+    """``estimator: top_k``: the worker's rows carry the teacher's top-k ids and logprobs at each completion position
+    (the teacher actor's forward), beside ``teacher_logprobs``; the rows collate to ``[rows, length - 1, k]``."""
+    cfg = _config(score_timeout_s=30.0, estimator="top_k", top_k=5)
+    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test-topk")
+    task = TaskMixture({"count": CountLetter(), "add": CountLetter(letter="b")})
+    try:
+        router = TeacherRouter(actors, cfg)
+        assert router.schema is DISTILL_TOP_K_SCHEMA
+        worker = GenerationWorker(TinyCausalLM(seed=0), task=task, teachers=router,
+                                  sampling=SamplingParams(max_new_tokens=4, min_new_tokens=4), row_window_s=0.0)
+        plane = RecordingPlane()
+        worker.set_data_plane(plane)
+        pid = task.prompts()[1].prompt_id  # an "add" prompt: the seed-2 teacher
+        reports = asyncio.run(worker.rollout([Dispatch(f"g{pid}_a0", f"g{pid}", 0, pid, 7, 0, 0)]))
+        assert [r.status for r in reports] == ["sealed"]
+        [row] = plane.rows.values()
+        assert set(row) == set(DISTILL_TOP_K_SCHEMA.names)
+        ids, p = row["input_ids"].tolist(), int(row["prompt_len"][0])
+        [(lp, top_ids, top_lp)] = completion_top_k(TinyCausalLM(seed=2).build_model().eval(), [(ids, p)], 5)
+        assert row["teacher_top_ids"].dtype == torch.int32 and row["teacher_top_ids"].shape == (4, 5)
+        assert torch.equal(row["teacher_top_ids"], top_ids)
+        torch.testing.assert_close(row["teacher_top_logprobs"], top_lp, rtol=0, atol=2e-6)
+        torch.testing.assert_close(row["teacher_logprobs"], torch.tensor(lp), rtol=0, atol=2e-6)
+        assert (row["teacher_top_logprobs"][:, 0] >= row["teacher_logprobs"] - 1e-6).all()  # the top-1 bounds it
+        data = DISTILL_TOP_K_SCHEMA.merge([row])
+        out = DISTILL_TOP_K_SCHEMA.collate({"keys": ["k"], "trainer_version": 0, "start_weight": [0]}, data, 0)
+        assert out["teacher_top_ids"].shape == (1, len(ids) - 1, 5)
+        assert torch.equal(out["teacher_top_ids"][0, p - 1:], top_ids)
     finally:
         for a in actors.values():
             ray.kill(a, no_restart=True)
