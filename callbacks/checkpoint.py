@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from screl.checkpoint.resume import DATA_PLANE, LIGHTNING_CKPT, write_controller_parts
 from screl.checkpoint.store import CheckpointStore
+from screl.checkpoint.writer import PublishedReadBackError
 from screl.config import CheckpointingConfig
 from screl.dataplane.errors import DataPlaneLostError
 
@@ -85,11 +86,18 @@ class DataPlaneCheckpoint(Callback):
         if dm is None:
             return
         metric = self._ranking_metric(trainer, step)  # before anything is written: a missing one fails here
+        saved_before = self.last_saved
         try:
             self._save(trainer, dm, step, metric)
         except Exception as err:
             if isinstance(err, CheckpointSaveError):
                 raise
+            published = isinstance(err, PublishedReadBackError) or self.last_saved != saved_before  # then retention
+            if published:  # the store failed after the publish: the bundle is there, and a resume uses it
+                raise CheckpointSaveError(
+                    f"checkpoint bundle step_{step} was published to {self.store.url()}, but the store failed right "
+                    f"after: {type(err).__name__}: {err}. The run stops. Once the store is reachable again, run the "
+                    f"same command: it resumes from step_{step}.") from err
             last = f"step_{self.last_saved}" if self.last_saved is not None else "the newest bundle before it"
             again = "Run the same command again" if isinstance(err, DataPlaneLostError) else \
                 "Once the store is writable again (space, credentials, endpoint), run the same command"

@@ -33,7 +33,11 @@ from screl.checkpoint.layout import (
 if TYPE_CHECKING:
     from screl.checkpoint.store import CheckpointStore
 
-__all__ = ["BundleWriter", "StagedWriter", "fsync_path", "fsync_tree"]
+__all__ = ["BundleWriter", "PublishedReadBackError", "StagedWriter", "fsync_path", "fsync_tree"]
+
+
+class PublishedReadBackError(RuntimeError):
+    """The bundle was published (its manifest is in place: a resume can use it), but reading it back failed."""
 
 
 def fsync_path(path: str) -> None:
@@ -305,4 +309,8 @@ class BundleWriter(StagedWriter):
             "metadata": dict(metadata or {}),
         }
         self._publish(manifest)
-        return self.store.open(self.step)
+        try:
+            return self.store.open(self.step)
+        except Exception as err:  # the store failed after the publish: say the bundle is there
+            raise PublishedReadBackError(f"{self.store.url(self.final_relpath)} was published, but reading it back "
+                                         f"failed: {type(err).__name__}: {err}") from err

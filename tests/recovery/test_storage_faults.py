@@ -210,6 +210,30 @@ def test_an_object_store_stopped_mid_save_publishes_nothing_and_resume_uses_the_
     assert store.scan().temporaries == ()
 
 
+def test_an_object_store_stopped_right_after_the_publish_says_the_bundle_is_there(
+    moto: Moto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found end to end (tests/recovery/test_storage_faults_e2e.py): the store went away between the manifest's
+    publish and the read-back that ends ``commit``; the save then said "nothing of it was published", while a resume
+    used that very bundle. Now the error says it is there."""
+    from screl.checkpoint.writer import BundleWriter, PublishedReadBackError
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    store = CheckpointStore(url, moto.options)
+    real_publish = BundleWriter._publish
+
+    def publish_then_stop(self: BundleWriter, manifest: dict[str, Any]) -> None:
+        real_publish(self, manifest)
+        moto.kill()
+
+    monkeypatch.setattr(BundleWriter, "_publish", publish_then_stop)
+    with pytest.raises(PublishedReadBackError, match=r"step_1 was published, but reading it back failed"):
+        save_bundle(store, 1)
+    monkeypatch.undo()
+    moto.start(replay=True)
+    assert [b.step for b in store.scan().complete] == [1]
+
+
 # -- a full disk --------------------------------------------------------------------------------------------------
 class FullDiskFileSystem(LocalFileSystem):
     """The local filesystem of a disk with ``free`` bytes left: a write past them raises ENOSPC, as write(2) does
