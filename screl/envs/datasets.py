@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from screl.envs.base import PromptRecord, Task, Verifier, load_reward_fn
+from screl.envs.dataset_images import ROW_REF, check_images, decode_images, image_base_dir, undecoded
 from screl.envs.tasks import json_object, split_holdout, text_lines
 
 if TYPE_CHECKING:
@@ -120,6 +121,10 @@ class DatasetTask(Task):
         answer_column: Column holding the reference answer (``metadata["answer"]``); None: no answer.
         id_column: Column holding a unique integer id per row; None: the row index.
         task_source_column: Column naming each row's task source (``metadata["task_source"]``).
+        image_column: Column holding each row's image(s) for a vision-language policy (a path relative to the
+            dataset file's folder, encoded bytes, a Hugging Face ``Image`` feature, or a list of them): checked when
+            the dataset is read, decoded on the rollout worker (:meth:`images`); the prompt record holds only its
+            row (``metadata["dataset_row"]``), never the image.
         system_prompt: With ``chat_template``: a system turn before the prompt (unless its messages start with
             one).
         chat_template: Render each prompt with the policy tokenizer's chat template (user turn, then the
@@ -147,6 +152,7 @@ class DatasetTask(Task):
         answer_column: str | None = "answer",
         id_column: str | None = None,
         task_source_column: str | None = None,
+        image_column: str | None = None,
         system_prompt: str | None = None,
         chat_template: bool = False,
         max_prompt_tokens: int | None = None,
@@ -177,6 +183,8 @@ class DatasetTask(Task):
         self.prompt_column = prompt_column if given else "prompt"
         self.messages_column, self.prompt_template = messages_column, prompt_template
         self.answer_column, self.id_column, self.task_source_column = answer_column, id_column, task_source_column
+        self.image_column = image_column
+        self._splits: dict[str, Any] = {}  # split -> its dataset, read back for images on the worker (not pickled)
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.max_prompt_tokens, self.holdout, self.val_split = max_prompt_tokens, holdout, val_split
         self.verifier, self.reward_fn = verifier, reward_fn
@@ -195,11 +203,14 @@ class DatasetTask(Task):
         columns = set(ds.column_names)
         needed = {"prompt_column": self.prompt_column if not (self.messages_column or self.prompt_template)
                   else None, "messages_column": self.messages_column, "answer_column": self.answer_column,
-                  "id_column": self.id_column, "task_source_column": self.task_source_column}
+                  "id_column": self.id_column, "task_source_column": self.task_source_column,
+                  "image_column": self.image_column}
         for knob, column in needed.items():
             if column is not None and column not in columns:
                 raise KeyError(f"{KEY}.{knob}={column!r} is not a column of {self.path!r} ({key}={split!r});"
                                f" its columns: {sorted(columns)}")
+        if self.image_column is not None:
+            ds = undecoded(ds, self.image_column)  # reading the rows decodes no image
         records: list[Any] = []
         seen: dict[Any, int] = {}
         for index, row in enumerate(ds):
@@ -254,6 +265,9 @@ class DatasetTask(Task):
             meta["answer"] = row[self.answer_column]
         if self.task_source_column is not None:
             meta["task_source"] = str(row[self.task_source_column])
+        if self.image_column is not None:
+            check_images(meta.pop(self.image_column, None), where, self.image_column, image_base_dir(self.path))
+            meta[ROW_REF] = {"split": split, "index": index}
         return PromptRecord(prompt_id=pid, text=text, metadata=meta)
 
     # -- preparing for the run's policy -----------------------------------------------------------------
@@ -343,6 +357,20 @@ class DatasetTask(Task):
         assert self._fn is not None
         return [float(self._fn(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
+    def images(self, prompt: PromptRecord) -> list[Any]:
+        """With ``image_column``: the prompt's row's images (PIL ``RGB``), read from the dataset where they are used."""
+        if self.image_column is None:
+            return []
+        ref = prompt.metadata.get(ROW_REF)
+        if not isinstance(ref, Mapping):
+            raise KeyError(f"prompt {prompt.prompt_id} carries no {ROW_REF!r}: it was not read by this DatasetTask")
+        split = str(ref["split"])
+        if split not in self._splits:
+            self._splits[split] = undecoded(_load(self.path, split, self.data_files, self.revision, self.name),
+                                            self.image_column)
+        value = self._splits[split][int(ref["index"])][self.image_column]
+        return decode_images(value, image_base_dir(self.path))
+
     def masked(self, prompt: PromptRecord, completion: str) -> bool:
         """The verifier's mask (e.g. ``MathVerify(mask_unparsable=true)``); never with a reward function."""
         return self.verifier.masked(prompt, completion) if self.verifier is not None else False
@@ -350,4 +378,5 @@ class DatasetTask(Task):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_by_id", None)
+        state["_splits"] = {}  # the worker reads its own
         return state

@@ -35,9 +35,13 @@ def _class(class_path: Any) -> type | None:
     return found if isinstance(found, type) else None
 
 
-def _task_has_images(cls: type | None) -> bool:
+def _task_has_images(cls: type | None, init_args: Any) -> bool:
+    """Whether the task's prompts carry images: a task that draws them, or a ``DatasetTask`` with ``image_column``."""
     from screl.envs.base import Task
+    from screl.envs.datasets import DatasetTask
 
+    if cls is not None and issubclass(cls, DatasetTask):
+        return isinstance(init_args, dict) and init_args.get("image_column") is not None
     return cls is not None and issubclass(cls, Task) and cls.images is not Task.images
 
 
@@ -46,7 +50,7 @@ def vlm_rules(c: RuleContext) -> None:
     task_path = get(c.cfg, f"{TASK}.class_path")
     vlm = bool(policy is not None and getattr(policy, "is_vlm", False))
     if not vlm:
-        if policy is not None and _task_has_images(_class(task_path)):
+        if policy is not None and _task_has_images(_class(task_path), get(c.cfg, f"{TASK}.init_args")):
             c.bad(POLICY, policy.__name__, f"the task's prompts carry images ({task_path} draws them) and "
                   f"{policy.__name__} is a text-only policy: it cannot see them",
                   "use a vision-language policy (screl.models.TinyVisionLM, screl.models.HFVisionLM), or a text task")
