@@ -15,6 +15,8 @@ loopback Ray cluster. Runs:
 * ``mix_distill``: ``screl.Distill`` on ``TaskMixture({count: CountLetter, add: Addition})`` (prompts tagged
   ``count 3+4=`` / ``add 3+4=``), ``teacher_map: {count: count, add: addition}``; the reward of each source's rows
   is logged per step;
+* ``mix_distill_top_k``: the ``mix_distill`` run with ``estimator: top_k`` (``top_k: 16``): the exact reverse KL over
+  the teacher's 16 most likely tokens at each position instead of the sampled token's advantage;
 * ``mix_grpo``: GRPO from scratch on the same mixture (the baseline of the per-source curves).
 
 Figures (``bench/results/distill.json``): the per-step reward curves; ``teacher_reward`` (mean over its steps);
@@ -22,7 +24,8 @@ Figures (``bench/results/distill.json``): the per-step reward curves; ``teacher_
 ``--target-fraction`` (0.9) of the teacher's reward (null: never within ``--steps``), and
 ``distill_over_grpo_steps`` per learning rate; for the mixture (``--mix-steps``, completions of at most
 ``--mix-length`` tokens that may stop early), each source's reward over its first and last 5 steps, and in the
-distill run the teacher's mean logprob of each source's trained tokens (``mix_distill_teacher_logprob_*``).
+distill runs the teacher's mean logprob of each source's trained tokens (``teacher_logprob_per_step`` and
+``teacher_logprob_first5_last5``, per distill run).
 """
 
 from __future__ import annotations
@@ -183,15 +186,18 @@ def main() -> None:
                 curves[f"distill_lr{lr:g}"] = run(f"distill_lr{lr:g}", as_distill(
                     base(work, args.steps, args.seed, lr), {"count": "count"}, {}), work)
             per_source: dict[str, dict[str, list[float]]] = {}
-            teacher_lp: dict[str, list[float]] = {}
+            teacher_lp: dict[str, dict[str, list[float]]] = {}
             teachers, routes = {"count": "count", "addition": "addition"}, {"count": "count", "add": "addition"}
-            for name, distill in (("mix_distill", True), ("mix_grpo", False)):
+            for name, estimator in (("mix_distill", "sampled"), ("mix_distill_top_k", "top_k"), ("mix_grpo", None)):
                 cfg = mixture(base(work, args.mix_steps, args.seed), args.mix_length)
+                if estimator is not None:
+                    cfg = as_distill(cfg, teachers, routes)
+                    cfg["model"]["init_args"]["distillation"].update(estimator=estimator, top_k=16)
                 probe = SourceRewards()
-                curves[name] = run(name, as_distill(cfg, teachers, routes) if distill else cfg, work, probe)
+                curves[name] = run(name, cfg, work, probe)
                 per_source[name] = probe.per_step
-                if distill:
-                    teacher_lp = probe.teacher_logprob
+                if estimator is not None:
+                    teacher_lp[name] = probe.teacher_logprob
     finally:
         stop_bench_ray(ray_started)
     teacher = statistics.fmean(curves["teacher"])
@@ -203,9 +209,9 @@ def main() -> None:
         teacher_reward=teacher, target_reward=target, reward_per_step=curves, steps_to_teacher=reach,
         distill_over_grpo_steps=ratios, learning_rates=args.lrs, mix_steps=args.mix_steps,
         mix_max_new_tokens=args.mix_length,
-        per_source_reward_per_step=per_source, mix_distill_teacher_logprob_per_step=teacher_lp,
-        mix_distill_teacher_logprob_first5_last5={s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
-                                                  for s, v in teacher_lp.items() if v},
+        per_source_reward_per_step=per_source, teacher_logprob_per_step=teacher_lp,
+        teacher_logprob_first5_last5={run_name: {s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
+                                                 for s, v in lps.items() if v} for run_name, lps in teacher_lp.items()},
         per_source_first5_last5={run_name: {s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
                                             for s, v in sources.items() if v}
                                  for run_name, sources in per_source.items()},
@@ -218,9 +224,9 @@ def main() -> None:
         print_table(["run", "source", "first 5 steps", "last 5 steps"],
                     [[run_name, s, a, b] for run_name, d in r["per_source_first5_last5"].items()
                      for s, (a, b) in d.items()], title="two task sources, two teachers")
-        print_table(["source", "first 5 steps", "last 5 steps"],
-                    [[s, a, b] for s, (a, b) in r["mix_distill_teacher_logprob_first5_last5"].items()],
-                    title="mix_distill: the teacher's mean logprob of each source's tokens")
+        print_table(["run", "source", "first 5 steps", "last 5 steps"],
+                    [[run_name, s, a, b] for run_name, d in r["teacher_logprob_first5_last5"].items()
+                     for s, (a, b) in d.items()], title="the teacher's mean logprob of each source's tokens")
         print("curves (reward per step):")
         for k, v in r["reward_per_step"].items():
             print(f"  {k:12s} " + " ".join(f"{x:.2f}" for x in v))
