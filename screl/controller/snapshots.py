@@ -66,7 +66,8 @@ class SnapshotPump:
             try:
                 outcome = await self.attempt()
                 self.failures = 0
-            except (OSError, RuntimeError, ValueError) as err:
+            except Exception as err:  # noqa: BLE001 - any store's error (botocore's are not OSErrors): counted, bounded
+                # by max_consecutive_failures, then raised with its cause
                 self.failures += 1
                 outcome = "failed:io_error"
                 log.warning("screl: rollout snapshot failed (%d in a row): %r", self.failures, err)

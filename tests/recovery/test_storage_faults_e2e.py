@@ -11,19 +11,25 @@ the lineage finishes with ``screl events check`` passing and every step trained 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from _fit_env import fit_env
 
 from screl.checkpoint import CheckpointStore
 from screl.data.events import parse_event, read_events
 
-from .conftest import recovery_config
+from .conftest import kill_tree, recovery_config, start_fit, wait_for, with_snapshots
 from .faulty_fs import ENV, FIT, PROTOCOL, FaultyFileSystem
 from .kill_chain import IN_ORDER, final_outcome
+from .test_storage_faults import BUCKET, Moto
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +46,22 @@ def fit(config: Path, log: Path, enospc_at: str | None) -> int:
     with log.open("ab") as out:
         return subprocess.run([sys.executable, "-c", FIT, "fit", "--config", str(config)], stdout=out,
                               stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=600).returncode
+
+
+@pytest.fixture
+def moto(tmp_path: Path) -> Iterator[Moto]:
+    """A real ``moto_server`` on 127.0.0.1 with the bucket, recording what it holds (``Moto``)."""
+    import fsspec
+
+    server = Moto(tmp_path)
+    server.start()
+    fsspec.filesystem("s3", **server.options).mkdir(BUCKET)
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(timeout=10)
 
 
 def restores(run_dir: Path) -> list[int]:
@@ -86,3 +108,63 @@ def test_a_full_disk_in_the_model_then_in_the_data_plane_snapshot_publishes_noth
     assert restores(run_dir) == [1, 2]
     assert [b.step for b in store.scan().complete] == [2, 3, 4]  # keep_top_k: 3
     final_outcome(run_dir, STEPS, IN_ORDER)
+
+
+def test_the_object_store_stopping_during_periodic_rollout_snapshots_stops_the_run_and_resumes(
+    tmp_path: Path, moto: Moto
+) -> None:
+    """The periodic rollout snapshots (``rollout_checkpointing``), which the controller actor writes between bundles
+    (a bundle every 4 steps here): ``moto_server`` is SIGKILLed once step_4's bundle and a snapshot anchored to it
+    are published, while the next steps' rollouts keep the snapshot pump writing. ``max_consecutive_failures`` (2) failed
+    attempts in a row stop the run, naming the cause; nothing half-written is published; with the store back (what
+    it held replayed) the same command resumes from step_4's bundle or a snapshot anchored to it, and finishes."""
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt"
+    fast_fail = {**moto.options, "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1,
+                                                   "read_timeout": 5}}
+    steps = 8
+    config = with_snapshots(recovery_config(tmp_path, url, steps=steps, sampler=IN_ORDER, storage_options=fast_fail),
+                            max_consecutive_failures=2)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 2.0  # steps long enough for snapshot attempts
+    cfg["checkpointing"]["save_period"] = 4  # no bundle is saved during steps 5-7: the snapshots meet the outage
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir, log = tmp_path / "run", tmp_path / "fit.log"
+    watch = CheckpointStore(url, moto.options)
+
+    def step_4_published_and_snapshotted() -> bool:
+        if not (run_dir / "events.jsonl").exists() or not any(e.name == "snapshot" and e.step >= 4 for e in (parse_event(line) for _, line in
+                                                                   read_events(run_dir))):
+            return False
+        watch.fs.invalidate_cache()
+        return bool(watch.scan().complete)
+
+    proc = start_fit(config, log)
+    try:
+        assert wait_for(step_4_published_and_snapshotted, 300, proc, poll_s=0.2), log.read_text()[-3000:]
+        moto.kill()
+        killed = time.monotonic()
+        rc = proc.wait(timeout=300)
+        detect_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    out = log.read_text(errors="replace")
+    print(f"\nobject store stopped during rollout snapshots: the run exited {rc} after {detect_s:.1f} s")
+    assert rc != 0, out[-3000:]
+    assert "rollout snapshots failed in a row (rollout_checkpointing.max_consecutive_failures=2)" in out, out[-3000:]
+    assert f"127.0.0.1:{moto.port}" in out, out[-3000:]
+
+    moto.start(replay=True)
+    store = CheckpointStore(url, moto.options)
+    scan = store.scan()
+    published = [b.step for b in scan.complete]
+    assert published == [4], scan  # a staging dir the dead store kept is never selectable
+    said = re.search(r"CheckpointSaveError: checkpoint bundle step_(\d+) (was published|could not be saved)", out)
+    if said:  # what the error says of the bundle is true (was: "nothing of it was published" of a published one)
+        assert (int(said.group(1)) in published) == (said.group(2) == "was published"), (said.group(0), published)
+    for bundle in scan.complete:
+        store.verify(bundle)  # every published bundle is whole
+    restarted = start_fit(config, log)
+    assert restarted.wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
+    assert restores(run_dir)[0] == published[-1], (restores(run_dir), published)
+    final_outcome(run_dir, steps, IN_ORDER)
