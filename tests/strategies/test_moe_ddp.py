@@ -22,8 +22,8 @@ from typing import Any
 import _megatron_jobs as jobs
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from typing_extensions import override
+from lightning.pytorch import Trainer
+from test_ppo_dp import Record, _Once  # the one-chunk dataloader; Adam's eps raised, the step's metrics kept
 
 from screl.datamodule import collate_chunk, shard_groups
 from screl.models.moe import TinyMoECausalLM
@@ -34,7 +34,6 @@ from screl.rollout.torch_engine import TorchGenerationEngine
 SPEC = TinyMoECausalLM(num_experts=8, top_k=2)
 GROUPS, G = 4, 2
 TOL = 1e-6
-ADAM_EPS = 1e-3
 
 
 def make_module() -> GRPO:
@@ -60,36 +59,9 @@ def make_chunk() -> dict[str, Any]:
     return chunk
 
 
-class _Once:
-    """The train dataloader: the one chunk (an iterable, so no distributed sampler is injected)."""
-
-    def __init__(self, chunk: dict[str, Any]) -> None:
-        self.chunk = chunk
-
-    def __iter__(self) -> Any:
-        return iter([self.chunk])
-
-
-class _Record(Callback):
-    def __init__(self) -> None:
-        self.metrics: dict[str, float] = {}
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for opt in trainer.optimizers:
-            for group in opt.param_groups:
-                group["eps"] = ADAM_EPS
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-
-
 def fit_step(chunk: dict[str, Any], strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
     os.environ["PL_GLOBAL_SEED"] = "5"
-    module, record = make_module(), _Record()
+    module, record = make_module(), Record()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[record])
