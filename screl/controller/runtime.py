@@ -271,7 +271,7 @@ class RolloutRuntime:
             self.host = start_host(self.controller, policy, g, self.run, seed, model, autocast,
                                    self.dataplane, worker_kwargs, self.timeout_s, link=self.link)
         if g.expose_http_server:
-            self._start_server(policy)
+            self._start_server(policy, seed)
         if self.colocated:
             startup.info("screl: the colocated %s engine (the trainer's module) and the controller ready in %.1f s",
                          g.backend, time.perf_counter() - t1)
@@ -294,14 +294,14 @@ class RolloutRuntime:
                      time.perf_counter() - t0, ", ".join(self.teachers))
         return TeacherRouter(dict(self.teachers), cfg)
 
-    def _start_server(self, policy: PolicySpec) -> None:
+    def _start_server(self, policy: PolicySpec, seed: int = 0) -> None:
         """The OpenAI-compatible policy server in front of the workers (``generation.expose_http_server``)."""
         from screl.rollout.server import PolicyServer
 
         g, hs = self.generation, self.generation.http_server
         self.server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(
             self.workers, policy, host=hs.host, port=hs.port, api_key=hs.api_key, model_name=hs.model_name,
-            max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser)
+            max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser, seed=seed)
         self.server_url = self._wait(self.server.start.remote(), "start the policy server", self.timeout_s)
         self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers]
                    + [self.controller.watch_server.remote(self.server)], "attach the policy server", self.timeout_s)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -67,7 +68,15 @@ from screl.rollout.trajectory import turn_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PolicyServer", "apply_stops", "check_bind"]
+__all__ = ["PolicyServer", "apply_stops", "check_bind", "session_seed"]
+
+
+def session_seed(base: int, session: str, turn: int) -> int:
+    """The sampling seed of a session's ``turn``-th request that names none: a function of the run's seed, the
+    session (a rollout's attempt id) and the turn alone, so an agent run samples the same tokens whatever order its
+    concurrent requests reach the engine in (the engine would otherwise draw seeds in arrival order)."""
+    digest = hashlib.blake2b(f"{base}:{session}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # non-negative, with room for the n choices' seed + i
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -119,8 +128,8 @@ class PolicyServer:
     def __init__(self, workers: Sequence[Any], policy: Any, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16,
                  temperature: float = 1.0, tool_parser: str = "auto",
-                 session_idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 session_idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 seed: int = 0) -> None:
         check_bind(host, api_key)
         self.workers = list(workers)
         self.tokenizer = policy.build_tokenizer()
@@ -128,6 +137,7 @@ class PolicyServer:
         self.host, self.port, self.api_key = host, port, api_key
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         self.max_request_tokens = max_request_tokens(policy, max_tokens)
+        self.seed = seed  # a session's request without a seed samples with session_seed(seed, session, turn)
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.replies: dict[str, dict[str, Any]] = {}  # session -> its last reply as the client got it
         self.responses: OrderedDict[str, dict[str, Any]] = OrderedDict()  # response id -> session, messages
@@ -287,7 +297,10 @@ class PolicyServer:
         self._admit(session, body.n)
         sampling = self._sampling(self._max_tokens(body), body.temperature, body.top_p,
                                   body.top_k, body.min_tokens, body.stops)
-        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, body.seed), body.n, body.stops,
+        seed = body.seed
+        if seed is None and session is not None:
+            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
+        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, seed), body.n, body.stops,
                    rollout=body.rollout)
         logprobs = body.logprobs is not None
         if body.stream:
@@ -338,6 +351,8 @@ class PolicyServer:
         prompt = chat_prompt_ids(self.tokenizer, messages, prefix, [t.as_chat_tool() for t in tools], opener)
         self._admit(session, n)
         sampling = self._sampling(max_tokens, temperature, top_p, top_k, min_tokens, stops)
+        if seed is None and session is not None:  # reproducible whatever order the agents' requests arrive in
+            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
         return _Job(session, [prompt], self._requests([prompt], sampling, n, seed), n, stops, tools, choice, opener,
                     parallel is not False, rollout)
 

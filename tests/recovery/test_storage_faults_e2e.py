@@ -125,7 +125,9 @@ def test_the_object_store_stopping_during_periodic_rollout_snapshots_stops_the_r
     config = with_snapshots(recovery_config(tmp_path, url, steps=steps, sampler=IN_ORDER, storage_options=fast_fail),
                             max_consecutive_failures=2)
     cfg = yaml.safe_load(config.read_text())
-    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 2.0  # steps long enough for snapshot attempts
+    # steps 5-8 (at least 4 x 3.5 s after the kill) outlast two failed snapshot attempts (6.2 s measured quiet) with
+    # room for a loaded machine: at 2.0 s a CI run reached step 8's bundle, whose save failed first
+    cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 3.5
     cfg["checkpointing"]["save_period"] = 4  # no bundle is saved during steps 5-7: the snapshots meet the outage
     config.write_text(yaml.safe_dump(cfg))
     run_dir, log = tmp_path / "run", tmp_path / "fit.log"
