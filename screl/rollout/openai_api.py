@@ -70,7 +70,7 @@ class _Sampling(ScrelRequest):
     temperature: float | None = Field(None, ge=0.0)
     """None: the run's ``generation.temperature`` (the trainer's logprobs use it)."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1, le=2**31 - 1)  # any k >= the vocabulary keeps every token
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None

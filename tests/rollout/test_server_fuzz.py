@@ -155,6 +155,16 @@ def test_a_seed_beyond_64_bits_is_a_400_naming_it(seed: int) -> None:
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("top_k", [2**31, 3 * 10**22])
+def test_a_top_k_beyond_32_bits_is_a_400_naming_it(top_k: int) -> None:
+    """Was: a 400 blaming ``messages`` with 'Overflow when unpacking long long' (the engine's top-k tensor); found by
+    the fuzz under xdist after its first landing."""
+    error = _error(CLIENT.post("/v1/chat/completions", json={"messages": USER, "top_k": top_k, "max_tokens": 2}), 400)
+    assert error["param"] == "top_k" and error["message"].startswith("top_k: "), error
+    ok = CLIENT.post("/v1/chat/completions", json={"messages": USER, "top_k": 2**31 - 1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # beyond the vocabulary: every token kept
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 3 * 10**9}, "max_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 4, "max_completion_tokens": 10**12},
