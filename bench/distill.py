@@ -17,7 +17,11 @@ loopback Ray cluster. Runs:
   is logged per step;
 * ``mix_distill_top_k``: the ``mix_distill`` run with ``estimator: top_k`` (``top_k: 16``): the exact reverse KL over
   the teacher's 16 most likely tokens at each position instead of the sampled token's advantage;
-* ``mix_grpo``: GRPO from scratch on the same mixture (the baseline of the per-source curves).
+* ``mix_grpo``: GRPO from scratch on the same mixture (the baseline of the per-source curves);
+* ``warm_*`` (``--warm-start-steps`` > 0): the three mixture runs again from a warm-started student, the usual recipe
+  (supervised fine-tuning, then on-policy distillation): the tiny policy fitted for that many full-batch steps on the
+  sums as the addition teacher was (``make_teachers.sft_addition_teacher``, 400 steps for the teacher), so that it
+  samples right answers some of the time (``warm_start_accuracy``, teacher-forced).
 
 Figures (``bench/results/distill.json``): the per-step reward curves; ``teacher_reward`` (mean over its steps);
 ``steps_to_teacher`` per run: the first step at which the reward's 3-step moving average reaches
@@ -148,6 +152,17 @@ def run(name: str, cfg: dict[str, Any], work: Path, probe: SourceRewards | None 
     return rewards
 
 
+def warm_student(out: Path, steps: int) -> tuple[dict[str, Any], float]:
+    """The tiny policy fitted ``steps`` full-batch steps on the sums (both prompt forms), saved to ``out``: its spec
+    and its teacher-forced accuracy."""
+    sys.path.insert(0, str(REPO / "examples" / "distill"))
+    from make_teachers import sft_addition_teacher
+
+    accuracy = sft_addition_teacher(out, steps)
+    return {"class_path": "screl.models.HFCausalLM",
+            "init_args": {"path": str(out), "tokenizer_path": str(out / "tokenizer")}}, accuracy
+
+
 def steps_to(rewards: list[float], target: float, window: int = 3) -> int | None:
     for i in range(window - 1, len(rewards)):
         if statistics.fmean(rewards[i - window + 1:i + 1]) >= target:
@@ -165,6 +180,8 @@ def main() -> None:
     parser.add_argument("--teacher-steps", type=int, default=8)
     parser.add_argument("--target-fraction", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-start-steps", type=int, default=100,
+                        help="supervised steps on the sums of the warm-started student (0: no warm_* runs)")
     parser.add_argument("--quick", action="store_true", help="12 steps, a smoke run")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -188,8 +205,17 @@ def main() -> None:
             per_source: dict[str, dict[str, list[float]]] = {}
             teacher_lp: dict[str, dict[str, list[float]]] = {}
             teachers, routes = {"count": "count", "addition": "addition"}, {"count": "count", "add": "addition"}
-            for name, estimator in (("mix_distill", "sampled"), ("mix_distill_top_k", "top_k"), ("mix_grpo", None)):
+            students: list[tuple[str, dict[str, Any] | None]] = [("", None)]
+            if args.warm_start_steps > 0:
+                warm, result["warm_start_accuracy"] = warm_student(work / "warm", args.warm_start_steps)
+                result["warm_start_steps"] = args.warm_start_steps
+                students.append(("warm_", warm))
+            runs = [(prefix + name, estimator, student) for prefix, student in students for name, estimator in
+                    (("mix_distill", "sampled"), ("mix_distill_top_k", "top_k"), ("mix_grpo", None))]
+            for name, estimator, student in runs:
                 cfg = mixture(base(work, args.mix_steps, args.seed), args.mix_length)
+                if student is not None:
+                    cfg["model"]["init_args"]["policy"] = student
                 if estimator is not None:
                     cfg = as_distill(cfg, teachers, routes)
                     cfg["model"]["init_args"]["distillation"].update(estimator=estimator, top_k=16)
