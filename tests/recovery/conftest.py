@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 from _fit_env import fit_env
 
@@ -110,3 +112,21 @@ def per_step(root: Path) -> dict[int, tuple[float, ...]]:
                 if all(row.get(k) for k in PARITY_KEYS):
                     out[int(row["step"])] = tuple(float(row[k]) for k in PARITY_KEYS)
     return out
+
+
+@pytest.fixture
+def moto(tmp_path: Path) -> Iterator[Any]:
+    """A real ``moto_server`` (:class:`~tests.recovery.moto_store.Moto`) with the bucket, killed at the end."""
+    import fsspec
+
+    from .moto_store import BUCKET, Moto
+
+    server = Moto(tmp_path)
+    server.start()
+    fsspec.filesystem("s3", **server.options).mkdir(BUCKET)
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(timeout=10)

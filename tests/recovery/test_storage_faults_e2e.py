@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from screl.data.events import parse_event, read_events
 from .conftest import kill_tree, recovery_config, start_fit, wait_for, with_snapshots
 from .faulty_fs import ENV, FIT, PROTOCOL, FaultyFileSystem
 from .kill_chain import IN_ORDER, final_outcome
-from .test_storage_faults import BUCKET, Moto
+from .moto_store import BUCKET, Moto
 
 pytestmark = pytest.mark.slow
 
@@ -46,22 +45,6 @@ def fit(config: Path, log: Path, enospc_at: str | None) -> int:
     with log.open("ab") as out:
         return subprocess.run([sys.executable, "-c", FIT, "fit", "--config", str(config)], stdout=out,
                               stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=600).returncode
-
-
-@pytest.fixture
-def moto(tmp_path: Path) -> Iterator[Moto]:
-    """A real ``moto_server`` on 127.0.0.1 with the bucket, recording what it holds (``Moto``)."""
-    import fsspec
-
-    server = Moto(tmp_path)
-    server.start()
-    fsspec.filesystem("s3", **server.options).mkdir(BUCKET)
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait(timeout=10)
 
 
 def restores(run_dir: Path) -> list[int]:
