@@ -30,6 +30,10 @@ def test_moe_with_routing_replay_learns_and_audits(tmp_path: Path) -> None:
     reward = column(rows, "reward")
     assert len(reward) == STEPS
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.1, reward
-    assert max(column(rows, "train/is_weight_max")) <= 2.0 + 1e-6  # is_truncation
+    # the engine's and the trainer's logprobs stay close (the raw IS weights are near uniform, and almost none fall
+    # outside is_truncation's bound: 2.0); is_weight_max is the raw weight, which may pass the bound now and then
+    assert min(column(rows, "train/is_ess")) > 0.9, column(rows, "train/is_ess")
+    oob = column(rows, "train/is_oob_fraction")
+    assert len(oob) == STEPS and max(oob) < 0.01, oob
     report = check_events(run_dir, cfg["async_rl"]["sampler"], final=True)
     assert report.ok, report.format()

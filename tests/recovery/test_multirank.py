@@ -182,7 +182,7 @@ def _kill_and_resume(
 def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_path: Path) -> None:
     """screl.strategies.DDPStrategy over 2 ranks, each training half of every step's groups, reproduces a
     one-process run's loss and gradient norm step by step (the gradients are summed over the shards), before a
-    SIGKILL of one rank (rank 1, at a seeded step after a bundle: the chaos matrix's DDP row, which must end the job
+    SIGKILL of one rank (rank 1, after the first bundle: the chaos matrix's DDP row, which must end the job
     fast, its kill-to-exit time printed) and after the job's resume from rank 0's Lightning checkpoint; the same
     bundles resumed by one process reproduce the uninterrupted one-process run (resume parity in sync mode)."""
     reference_cfg = _ddp_config(tmp_path / "ref", devices=1)
@@ -191,7 +191,9 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     reference = per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
 
-    kill_after = random.Random("ddp").choice([1, 2])
+    # after step_1's bundle, two steps remain: after step_2's only the last one, which both ranks may finish (CI saw
+    # it) before the poll below sees the bundle, and then nothing is left to kill
+    kill_after = 1
     cut = tmp_path / "cut"
     config = _ddp_config(cut, devices=2)
     log = tmp_path / "cut.log"
@@ -205,7 +207,7 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
             ranks.see(tree)
         return (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists()
 
-    assert wait_for(bundle_published, 300, proc, poll_s=0.5), log.read_text()[-3000:]
+    assert wait_for(bundle_published, 300, proc, poll_s=0.2), log.read_text()[-3000:]
     # the chaos matrix's DDP row (issue 40): SIGKILL one rank (rank 1, started by `screl fit`), not the whole job;
     # rank 0 fails at its next collective and the job exits, then it is resumed below
     rank1 = _rank_one(proc.pid)
