@@ -85,14 +85,15 @@ def as_distill(cfg: dict[str, Any], teachers: dict[str, str], teacher_map: dict[
     return cfg
 
 
-def mixture(cfg: dict[str, Any], length: int) -> dict[str, Any]:
+def mixture(cfg: dict[str, Any], length: int, prompts: int = 100) -> dict[str, Any]:
     """The two-source task; completions may stop early (``min_new_tokens: 0``, at most ``length`` tokens): the
-    addition teacher ends its answer with <eos>, and a forced tail would be 15 tokens it rates unlikely."""
+    addition teacher ends its answer with <eos>, and a forced tail would be 15 tokens it rates unlikely. Each source
+    trains on ``prompts`` of its 100 (the rest held out)."""
     cfg = copy.deepcopy(cfg)
     cfg["data"]["init_args"]["generation"].update(min_new_tokens=0, max_new_tokens=length)
     cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.TaskMixture", "init_args": {"tasks": {
-        "count": {"class_path": "screl.envs.CountLetter", "init_args": {"letter": "a"}},
-        "add": {"class_path": "screl.envs.Addition", "init_args": {}}}}}
+        "count": {"class_path": "screl.envs.CountLetter", "init_args": {"letter": "a", "holdout": 100 - prompts}},
+        "add": {"class_path": "screl.envs.Addition", "init_args": {"holdout": 100 - prompts}}}}}
     cfg["grpo"]["max_num_epochs"] = 100
     return cfg
 
