@@ -1,6 +1,7 @@
 """On-policy distillation against GRPO from scratch, and two teachers for two task sources.
 
-    python bench/distill.py [--steps 50] [--lrs 3e-3,5e-4] [--mix-steps 40] [--quick] [--out-dir bench/results]
+    python bench/distill.py [--steps 50] [--lrs 3e-3,5e-4] [--mix-steps 100] [--mix-prompts 10] [--quick]
+                            [--out-dir bench/results]
 
 The teachers are the shipped ones (``examples/distill/make_teachers.py`` wrote them): ``count``, the tiny policy after
 30 GRPO steps on count-'a'; ``addition``, the same architecture fitted by cross-entropy on the sums. Every run is the
@@ -13,12 +14,13 @@ loopback Ray cluster. Runs:
 * ``grpo_lr<lr>``: GRPO from scratch on count-'a', for each ``--lrs`` learning rate (default 3e-3 and 5e-4);
 * ``distill_lr<lr>``: ``screl.Distill`` from the count teacher (pure distillation, ``reward_weight: 0``), the same;
 * ``mix_distill``: ``screl.Distill`` on ``TaskMixture({count: CountLetter, add: Addition})`` (prompts tagged
-  ``count 3+4=`` / ``add 3+4=``), ``teacher_map: {count: count, add: addition}``; the reward of each source's rows
-  is logged per step;
+  ``count 3+4=`` / ``add 3+4=``; each source keeps ``--mix-prompts`` of its 100 prompts, the rest held out),
+  ``teacher_map: {count: count, add: addition}``; the reward of each source's rows is logged per step;
 * ``mix_distill_top_k``: the ``mix_distill`` run with ``estimator: top_k`` (``top_k: 16``): the exact reverse KL over
   the teacher's 16 most likely tokens at each position instead of the sampled token's advantage;
+* ``mix_distill_top_k_forward``: the same with ``kl_direction: forward`` (the forward KL over those tokens);
 * ``mix_grpo``: GRPO from scratch on the same mixture (the baseline of the per-source curves);
-* ``warm_*`` (``--warm-start-steps`` > 0): the three mixture runs again from a warm-started student, the usual recipe
+* ``warm_*`` (``--warm-start-steps`` > 0, off by default): the mixture runs again from a warm-started student, the usual recipe
   (supervised fine-tuning, then on-policy distillation): the tiny policy fitted for that many full-batch steps on the
   sums as the addition teacher was (``make_teachers.sft_addition_teacher``, 400 steps for the teacher), so that it
   samples right answers some of the time (``warm_start_accuracy``, teacher-forced).
@@ -176,12 +178,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps of each count-'a' run")
     parser.add_argument("--lrs", type=lambda t: [float(x) for x in t.split(",")], default=[3e-3, 5e-4],
                         help="learning rates of the GRPO / distill pairs")
-    parser.add_argument("--mix-steps", type=int, default=40)
+    parser.add_argument("--mix-steps", type=int, default=100)
+    parser.add_argument("--mix-prompts", type=int, default=10, help="prompts each mixture source keeps (of 100)")
     parser.add_argument("--mix-length", type=int, default=8, help="max_new_tokens of the mixture runs")
     parser.add_argument("--teacher-steps", type=int, default=8)
     parser.add_argument("--target-fraction", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warm-start-steps", type=int, default=100,
+    parser.add_argument("--warm-start-steps", type=int, default=0,
                         help="supervised steps on the sums of the warm-started student (0: no warm_* runs)")
     parser.add_argument("--quick", action="store_true", help="12 steps, a smoke run")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -212,14 +215,16 @@ def main() -> None:
                 result["warm_start_steps"] = args.warm_start_steps
                 students.append(("warm_", warm))
             runs = [(prefix + name, estimator, student) for prefix, student in students for name, estimator in
-                    (("mix_distill", "sampled"), ("mix_distill_top_k", "top_k"), ("mix_grpo", None))]
+                    (("mix_distill", ("sampled", "reverse")), ("mix_distill_top_k", ("top_k", "reverse")),
+                     ("mix_distill_top_k_forward", ("top_k", "forward")), ("mix_grpo", None))]
             for name, estimator, student in runs:
-                cfg = mixture(base(work, args.mix_steps, args.seed), args.mix_length)
+                cfg = mixture(base(work, args.mix_steps, args.seed), args.mix_length, args.mix_prompts)
                 if student is not None:
                     cfg["model"]["init_args"]["policy"] = student
                 if estimator is not None:
                     cfg = as_distill(cfg, teachers, routes)
-                    cfg["model"]["init_args"]["distillation"].update(estimator=estimator, top_k=16)
+                    cfg["model"]["init_args"]["distillation"].update(estimator=estimator[0], top_k=16,
+                                                                      kl_direction=estimator[1])
                 probe = SourceRewards()
                 curves[name] = run(name, cfg, work, probe)
                 per_source[name] = probe.per_step
@@ -235,7 +240,7 @@ def main() -> None:
     result.update(
         teacher_reward=teacher, target_reward=target, reward_per_step=curves, steps_to_teacher=reach,
         distill_over_grpo_steps=ratios, learning_rates=args.lrs, mix_steps=args.mix_steps,
-        mix_max_new_tokens=args.mix_length,
+        mix_max_new_tokens=args.mix_length, mix_prompts_per_source=args.mix_prompts,
         per_source_reward_per_step=per_source, teacher_logprob_per_step=teacher_lp,
         teacher_logprob_first5_last5={run_name: {s: [statistics.fmean(v[:5]), statistics.fmean(v[-5:])]
                                                  for s, v in lps.items() if v} for run_name, lps in teacher_lp.items()},

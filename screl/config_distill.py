@@ -15,6 +15,7 @@ from screl.models.spec import PolicySpec
 
 KEY = "model.init_args.distillation"
 ESTIMATORS = ("sampled", "top_k")
+KL_DIRECTIONS = ("reverse", "forward")
 
 
 @dataclass
@@ -53,6 +54,11 @@ class DistillationConfig:
     bucket for the rest of the vocabulary (the teacher returns k ids and logprobs per token; with k = vocabulary size
     it is the full reverse KL). It needs no lucky sample of the teacher's answer, so it pulls a student that starts
     far from its teacher (see docs/distillation.md)."""
+    kl_direction: str = "reverse"
+    """``estimator: top_k``: ``reverse`` (``KL(student || teacher)``, mode-seeking, the default) or ``forward``
+    (``KL(teacher || student)`` at each position the student visited: the cross-entropy toward the teacher's
+    distribution, which raises a teacher's answer the student gives almost no mass; see docs/distillation.md). The
+    ``sampled`` estimator is reverse only."""
     top_k: int = 16
     """``estimator: top_k``: how many of the teacher's most likely tokens each position carries (capped at the
     vocabulary; each costs 8 bytes per completion token in the row)."""
@@ -118,7 +124,11 @@ class DistillationConfig:
             ("score_timeout_s", self.score_timeout_s, self.score_timeout_s > 0.0, "use e.g. 120"),
             ("estimator", self.estimator, self.estimator in ESTIMATORS, f"use one of {list(ESTIMATORS)}"),
             ("top_k", self.top_k, self.top_k >= 1, "use e.g. 16 (the vocabulary size for the full reverse KL)"),
+            ("kl_direction", self.kl_direction, self.kl_direction in KL_DIRECTIONS, f"use one of {list(KL_DIRECTIONS)}"),
         ):
             if not ok:
                 out.append((f"{KEY}.{key}", value, "out of range", fix))
+        if self.kl_direction == "forward" and self.estimator == "sampled":
+            out.append((f"{KEY}.kl_direction", "forward", "the sampled estimator sees one token per position, so it "
+                        "estimates the reverse KL only", "set estimator: top_k, or kl_direction: reverse"))
         return out

@@ -398,6 +398,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
          "class_path": "screl.strategies.MegatronStrategy",
          "init_args": {"parallelism": {"tensor_model_parallel_size": 1}}}},
      "model.init_args.distillation.estimator", "MegatronStrategy shards over the tensor-parallel ranks"),
+    ("distill_forward_kl_needs_top_k", "distill_tiny.yaml", {"model.init_args.distillation.kl_direction": "forward"},
+     "model.init_args.distillation.kl_direction", "estimates the reverse KL only"),
 ]
 
 

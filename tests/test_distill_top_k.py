@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from screl.algos import ClippedPGLoss
-from screl.algos.distill import top_k_reverse_kl
+from screl.algos.distill import TOP_K_KL
 from screl.config_distill import DistillationConfig
 from screl.datamodule import collate_chunk
 from screl.models import HFCausalLM, TinyCausalLM
@@ -26,9 +26,9 @@ TEACHER = HFCausalLM(path=str(TEACHERS / "addition"), tokenizer_path=str(TEACHER
 GROUPS, G = 2, 2
 
 
-def _module(k: int) -> Distill:
+def _module(k: int, direction: str = "reverse") -> Distill:
     cfg = DistillationConfig.coerce({"teachers": [{"name": "t", "policy": TEACHER}], "default_teacher": "t",
-                                     "estimator": "top_k", "top_k": k})
+                                     "estimator": "top_k", "top_k": k, "kl_direction": direction})
     return Distill(policy=STUDENT, distillation=cfg, loss_fn=ClippedPGLoss(),
                    algo={"num_prompts_per_step": GROUPS, "num_generations_per_prompt": G})
 
@@ -58,8 +58,8 @@ def _row(res: Any, i: int, lp: list[float], top_ids: torch.Tensor, top_lp: torch
     return row
 
 
-def _full_reference(module: Distill, batch: dict[str, Any], k: int) -> torch.Tensor:
-    """The top-k reverse KL from the student's and the teacher's full logits, over the chunk's valid tokens."""
+def _full_reference(module: Distill, batch: dict[str, Any], k: int, direction: str) -> torch.Tensor:
+    """The top-k KL (``direction``) from the student's and the teacher's full logits, over the chunk's valid tokens."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
     student = torch.log_softmax(module.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float(), -1)
     with torch.no_grad():
@@ -67,13 +67,13 @@ def _full_reference(module: Distill, batch: dict[str, Any], k: int) -> torch.Ten
                                     .logits[:, :-1].float(), -1)
     top_lp, top = teacher.topk(k, -1)
     mask = batch["token_mask"].bool()
-    kl = top_k_reverse_kl(student.gather(-1, top)[mask], top_lp[mask])
+    kl = TOP_K_KL[direction](student.gather(-1, top)[mask], top_lp[mask])
     return kl.sum() / mask.sum()
 
 
-@pytest.mark.parametrize("k", [3, 44])
-def test_the_micro_batch_loss_and_gradient_equal_the_full_logits_reference(k: int) -> None:
-    module = _module(k)
+@pytest.mark.parametrize(("k", "direction"), [(3, "reverse"), (44, "reverse"), (3, "forward"), (44, "forward")])
+def test_the_micro_batch_loss_and_gradient_equal_the_full_logits_reference(k: int, direction: str) -> None:
+    module = _module(k, direction)
     vocab = module.model.get_output_embeddings().weight.shape[0]
     k = min(k, vocab)  # 44: the whole vocabulary of the character tokenizer
     batch = _batch(k)
@@ -84,11 +84,11 @@ def test_the_micro_batch_loss_and_gradient_equal_the_full_logits_reference(k: in
     loss, metrics = module._micro_batch_loss(batch, chunk, slice(0, GROUPS * G))
     params = [p for p in module.model.parameters() if p.requires_grad]
     got = torch.autograd.grad(loss, params, allow_unused=True)
-    ref = _full_reference(module, batch, k)
+    ref = _full_reference(module, batch, k, direction)
     want = torch.autograd.grad(ref, params, allow_unused=True)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-7)  # the surrogate of a 0 advantage adds 0
     assert ref.item() > 1.0  # a sharp teacher and a random student: a KL that could be wrong
-    assert metrics["reverse_kl"].item() == pytest.approx(ref.item(), rel=1e-5)
+    assert metrics[f"{direction}_kl"].item() == pytest.approx(ref.item(), rel=1e-5)
     for a, b in zip(got, want, strict=True):
         if b is None:
             assert a is None or float(a.abs().max()) == 0.0
@@ -114,3 +114,13 @@ def test_bad_estimator_settings_are_refused_naming_the_key() -> None:
     cfg = {"teachers": [{"name": "t", "policy": TEACHER}], "default_teacher": "t", "estimator": "exact", "top_k": 0}
     with pytest.raises(ValueError, match=r"distillation.estimator = 'exact'.*distillation.top_k = 0"):
         Distill(policy=STUDENT, distillation=DistillationConfig.coerce(cfg))
+
+
+def test_a_forward_kl_needs_the_top_k_estimator_and_a_known_direction() -> None:
+    base = {"teachers": [{"name": "t", "policy": TEACHER}], "default_teacher": "t"}
+    with pytest.raises(ValueError, match=r"distillation.kl_direction = 'forward'.*estimates the reverse KL only.*"
+                                         r"set estimator: top_k, or kl_direction: reverse"):
+        Distill(policy=STUDENT, distillation=DistillationConfig.coerce({**base, "kl_direction": "forward"}))
+    with pytest.raises(ValueError, match=r"distillation.kl_direction = 'sideways'.*\['reverse', 'forward'\]"):
+        Distill(policy=STUDENT, distillation=DistillationConfig.coerce(
+            {**base, "estimator": "top_k", "kl_direction": "sideways"}))

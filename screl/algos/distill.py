@@ -19,6 +19,12 @@ plus one bucket holding the rest of the vocabulary (both distributions coarsened
 bound of the full KL, equal to it at ``k`` = vocabulary size). Its gradient moves the student's mass toward the
 teacher's likely tokens whether or not the student sampled them; the sampled estimator only moves the tokens it
 sampled, which is slow when the student starts far from the teacher.
+
+With the top-k rows the direction may also be forward (:func:`top_k_forward_kl`, ``KL(pi_t || pi_s)`` at each position
+the student visited, the same coarsening). Reverse KL is mode-seeking: its pull on a token is weighted by the
+student's own probability of it, so a teacher's answer the student gives almost no mass rises slowly. Forward KL is
+weighted by the teacher's: at each visited position it is the cross-entropy toward the teacher's distribution (a
+teacher-forced fit on the student's own prefixes), which raises that answer directly.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import Tensor, nn
 from screl.algos.losses import ClippedPGLoss
 from screl.algos.stats import masked_mean, valid_mask
 
-__all__ = ["ReverseKLDistillLoss", "distill_advantages", "top_k_reverse_kl"]
+__all__ = ["ReverseKLDistillLoss", "distill_advantages", "top_k_forward_kl", "top_k_reverse_kl"]
 
 REST_FLOOR = 1e-12
 """Floor of a "rest of the vocabulary" bucket's probability (k = vocabulary size leaves it at rounding level)."""
@@ -45,15 +51,35 @@ def top_k_reverse_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tens
 
     Returns ``[...]``: ``sum_v p_s(v) (log p_s(v) - log p_t(v)) + r_s (log r_s - log r_t)`` with ``r = 1 - sum_v p``.
     """
+    teacher, rest_s, rest_t = _top_k_parts(student_logprobs, teacher_logprobs)
+    in_top = (student_logprobs.exp() * (student_logprobs - teacher)).sum(-1)
+    return in_top + rest_s * (rest_s.log() - rest_t.log())
+
+
+def top_k_forward_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """``KL(pi_t || pi_s)`` per position over the teacher's top-k tokens plus a rest-of-vocabulary bucket.
+
+    Arguments as :func:`top_k_reverse_kl`. Returns ``[...]``: ``sum_v p_t(v) (log p_t(v) - log p_s(v)) + r_t (log r_t -
+    log r_s)`` with ``r = 1 - sum_v p``.
+    """
+    teacher, rest_s, rest_t = _top_k_parts(student_logprobs, teacher_logprobs)
+    in_top = (teacher.exp() * (teacher - student_logprobs)).sum(-1)
+    return in_top + rest_t * (rest_t.log() - rest_s.log())
+
+
+TOP_K_KL = {"reverse": top_k_reverse_kl, "forward": top_k_forward_kl}
+"""``distillation.kl_direction`` -> the top-k divergence."""
+
+
+def _top_k_parts(student_logprobs: Tensor, teacher_logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The detached teacher logprobs (in the student's dtype) and both rest-of-vocabulary buckets' probabilities."""
     if student_logprobs.shape != teacher_logprobs.shape:
         raise ValueError(f"student logprobs of shape {tuple(student_logprobs.shape)} against teacher top-k logprobs "
                          f"of shape {tuple(teacher_logprobs.shape)}: they must match")
     teacher = teacher_logprobs.detach().to(student_logprobs.dtype)
-    ps = student_logprobs.exp()
-    in_top = (ps * (student_logprobs - teacher)).sum(-1)
-    rest_s = (1.0 - ps.sum(-1)).clamp_min(REST_FLOOR)
+    rest_s = (1.0 - student_logprobs.exp().sum(-1)).clamp_min(REST_FLOOR)
     rest_t = (1.0 - teacher.exp().sum(-1)).clamp_min(REST_FLOOR)
-    return in_top + rest_s * (rest_s.log() - rest_t.log())
+    return teacher, rest_s, rest_t
 
 
 def distill_advantages(

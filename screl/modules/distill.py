@@ -13,8 +13,9 @@ they are written (``model.init_args.distillation``). Everything else (optimizer,
 Megatron) is GRPO's, inherited.
 
 With ``distillation.estimator: top_k`` the rows also carry the teacher's top-k tokens and logprobs at each completion
-position, and the loss adds the exact reverse KL over them (:func:`screl.algos.top_k_reverse_kl`) to the clipped
-surrogate of the reward advantage alone. The student's logprobs of the k tokens come from the final hidden states
+position, and the loss adds the exact reverse KL over them (:func:`screl.algos.top_k_reverse_kl`; with
+``kl_direction: forward`` the forward KL, :func:`screl.algos.top_k_forward_kl`) to the clipped surrogate of the reward
+advantage alone. The student's logprobs of the k tokens come from the final hidden states
 and the output layer's k rows, normalized by the sampled token's logprob (``log pi(v) = (z_v - z_y) / T +
 log pi(y)``), so no full-vocabulary logits are held.
 """
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from screl.algos import ClippedPGLoss, ReverseKLDistillLoss
-from screl.algos.distill import top_k_reverse_kl
+from screl.algos.distill import TOP_K_KL
 from screl.algos.stats import masked_mean, valid_mask
 from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
@@ -145,14 +146,14 @@ class Distill(GRPO):
         loss, metrics = self.loss_fn(curr, prev, gen, adv, token_mask, sample_mask, reference_logprobs=ref,
                                      global_normalizer=chunk.valid_tokens if token_level else None)
         mask = valid_mask(token_mask, sample_mask, curr.shape)
-        kl = top_k_reverse_kl(student_top, batch["teacher_top_logprobs"][sl][mask])
+        kl = TOP_K_KL[self.distillation.kl_direction](student_top, batch["teacher_top_logprobs"][sl][mask])
         if token_level:
             kl_loss = kl.sum() / chunk.valid_tokens
         else:  # per row's mean over its tokens, then the mean over the micro-batch's rows
             per_row = torch.zeros(curr.shape, dtype=kl.dtype, device=kl.device).masked_scatter(mask, kl)
             kl_loss = (per_row.sum(1) / mask.sum(1).clamp_min(1)).sum() / curr.shape[0]
         m = mask.to(curr.dtype)
-        metrics["reverse_kl"] = kl.detach().mean() if kl.numel() else kl.detach().sum()
+        metrics[f"{self.distillation.kl_direction}_kl"] = kl.detach().mean() if kl.numel() else kl.detach().sum()
         metrics["teacher_logprob"] = masked_mean(torch.where(mask, batch["teacher_logprobs"][sl].to(curr.dtype),
                                                              torch.zeros_like(curr)), m)
         metrics["teacher_top_k_mass"] = (batch["teacher_top_logprobs"][sl][mask].exp().sum(-1).mean()

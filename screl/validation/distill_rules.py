@@ -74,7 +74,7 @@ def distill_rules(c: RuleContext) -> None:
         teacher_map=dict(raw.get("teacher_map") or {}), default_teacher=raw.get("default_teacher"),
         **{k: raw[k] for k in ("reward_weight", "kl_coef", "num_cpus_per_teacher", "teacher_threads",
                                "score_timeout_s", "top_k") if isinstance(raw.get(k), (int, float))},
-        **({"estimator": raw["estimator"]} if "estimator" in raw else {}),
+        **{k: raw[k] for k in ("estimator", "kl_direction") if k in raw},
     )
     for key, value, why, fix in cfg.problems():
         c.bad(key, value, why, fix)

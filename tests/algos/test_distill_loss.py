@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from screl.algos import ClippedPGLoss, ReverseKLDistillLoss, distill_advantages
-from screl.algos.distill import top_k_reverse_kl
+from screl.algos.distill import top_k_forward_kl, top_k_reverse_kl
 
 TEACHER = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -3.0, 0.0]])
 BEHAVIOUR = torch.tensor([[-1.5, -1.0, -0.5], [-1.25, -2.0, -9.0]])
@@ -148,3 +148,53 @@ def test_top_k_gradcheck_float64() -> None:
 def test_top_k_shape_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match=r"student logprobs of shape \(1, 2\) against teacher top-k logprobs"):
         top_k_reverse_kl(torch.zeros(1, 2), torch.zeros(1, 3))
+
+
+def test_top_k_forward_kl_by_hand_with_a_rest_bucket() -> None:
+    """The same two distributions as the reverse case: KL(p_t || p_s) weighs each log ratio by the teacher."""
+    student = torch.tensor([[0.5, 0.25]]).log()
+    teacher = torch.tensor([[0.75, 0.125]]).log()
+    want = 0.75 * math.log(0.75 / 0.5) + 0.125 * math.log(0.125 / 0.25) + 0.125 * math.log(0.125 / 0.25)
+    assert top_k_forward_kl(student, teacher).item() == pytest.approx(want, abs=1e-6)
+    assert top_k_forward_kl(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_top_k_forward_kl_over_the_whole_vocabulary_is_the_full_kl() -> None:
+    g = torch.Generator().manual_seed(2)
+    s = torch.log_softmax(torch.randn(4, 7, generator=g, dtype=torch.float64) * 2, -1)
+    t = torch.log_softmax(torch.randn(4, 7, generator=g, dtype=torch.float64) * 2, -1)
+    order = torch.argsort(t, -1, descending=True)
+    full = (t.exp() * (t - s)).sum(-1)
+    got = top_k_forward_kl(s.gather(-1, order), t.gather(-1, order))
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
+
+
+def test_forward_kl_raises_an_answer_the_student_gives_almost_no_mass_faster_than_reverse() -> None:
+    """A student sure of token 0 (p = 0.996), a teacher sure of token 3: the forward KL's gradient on token 3's logit
+    is about -(p_t - p_s) = -1, the reverse KL's is weighted by the student's p_s(3) = 0.001."""
+    base = torch.tensor([[7.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    teacher = torch.tensor([[-1e-3, -8.0]], dtype=torch.float64)  # token 3, then token 0
+    top = torch.tensor([[3, 0]])
+    grads = {}
+    for name, fn in (("forward", top_k_forward_kl), ("reverse", top_k_reverse_kl)):
+        logits = base.clone().requires_grad_(True)
+        fn(torch.log_softmax(logits, -1).gather(-1, top), teacher).sum().backward()
+        assert logits.grad is not None
+        grads[name] = float(logits.grad[0, 3])
+    p3 = float(torch.softmax(base, -1)[0, 3])
+    assert grads["forward"] == pytest.approx(-(1 - 1e-3 - p3) + 0.0, abs=2e-3)  # -(p_t(3) - p_s(3)), rest ~0
+    assert grads["reverse"] < 0 and abs(grads["forward"]) > 50 * abs(grads["reverse"])
+
+
+def test_top_k_forward_kl_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    top = torch.tensor([[0, 2], [5, 1], [3, 4]])
+    teacher = torch.log_softmax(torch.randn(3, 6, generator=g, dtype=torch.float64), -1).gather(-1, top)
+    assert torch.autograd.gradcheck(
+        lambda z: top_k_forward_kl(torch.log_softmax(z, -1).gather(-1, top), teacher), (logits,))
+
+
+def test_top_k_forward_kl_shape_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"student logprobs of shape \(2, 2\) against teacher top-k logprobs"):
+        top_k_forward_kl(torch.zeros(2, 2), torch.zeros(2, 3))
