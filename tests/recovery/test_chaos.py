@@ -2,7 +2,8 @@
 loopback, real TransferQueue actors, the tiny agent config, which runs every kind) at a seeded point, one kind after
 the other across one lineage of resumes:
 
-* a generation worker: Ray restarts it, its rollouts in flight are retried, the run goes on;
+* a generation worker: Ray restarts it, its rollouts in flight are retried (infra failures), the run goes on (this
+  row replaced the e2e test of a killed worker's retry: the lineage's audit also proves nothing was dropped);
 * the policy server: Ray does not restart it, so the agents' calls cannot succeed on a retry: the controller's health
   check fails the run naming it (not data failures);
 * the TransferQueue storage unit, then the TransferQueue controller: the run fails within seconds naming the actor
