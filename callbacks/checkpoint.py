@@ -40,6 +40,7 @@ class DataPlaneCheckpoint(Callback):
         self.config = config
         self.store = CheckpointStore(config.checkpoint_dir, config.storage_options or None)
         self.last_saved: int | None = None
+        self._committed: int | None = None  # several ranks: the step rank 0 last published (before the collective)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -98,6 +99,11 @@ class DataPlaneCheckpoint(Callback):
                     f"checkpoint bundle step_{step} was published to {self.store.url()}, but the store failed right "
                     f"after: {type(err).__name__}: {err}. The run stops. Once the store is reachable again, run the "
                     f"same command: it resumes from step_{step}.") from err
+            if self._committed == step:  # rank 0 published; the collective after it failed (a rank was lost)
+                raise CheckpointSaveError(
+                    f"checkpoint bundle step_{step} was published to {self.store.url()}, but the training ranks "
+                    f"failed right after: {type(err).__name__}: {err}. The run stops. Run the same command again: it "
+                    f"resumes from step_{step}.") from err
             last = f"step_{self.last_saved}" if self.last_saved is not None else "the newest bundle before it"
             again = "Run the same command again" if isinstance(err, DataPlaneLostError) else \
                 "Once the store is writable again (space, credentials, endpoint), run the same command"
@@ -140,6 +146,7 @@ class DataPlaneCheckpoint(Callback):
                 with writer, tempfile.TemporaryDirectory(prefix="screl-ckpt-") as tmp:
                     writer.adopt(LIGHTNING_CKPT)
                     self._write_rollout_side(writer, dm, tmp, metric)
+                self._committed = step
 
             dm._on_rank_zero(publish)
             return True

@@ -228,9 +228,15 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     assert "lightning.ckpt" in bundle.parts, sorted(bundle.parts)  # one file: every rank holds the same state
     alone = tmp_path / "alone"
     one = _copy_run(cut, alone, config)  # the killed job's bundles, resumed by one process below
+    # the newest bundle is never reported unsaved: a kill between rank 0's publish and the collective after it
+    # says the bundle was published (CI saw "could not be saved ... Nothing of it was published" of the bundle the
+    # resume then used)
+    assert f"checkpoint bundle step_{bundle.step} could not be saved" not in log.read_text()
     trained = _resume(cut, config, bundle.step)
-    assert sorted(trained) == list(range(STEPS))
-    for step in range(STEPS):  # loss, reward and grad norm are the whole chunk's (rank 0 logs the reduced means)
+    # the resumed steps, and the killed job's steps whose metrics reached the CSV before the kill (Lightning writes
+    # them at a bundle's save, so the last ones before a kill may be lost)
+    assert set(range(bundle.step, STEPS)) <= set(trained) <= set(range(STEPS)), sorted(trained)
+    for step in sorted(trained):  # loss, reward and grad norm are the whole chunk's (rank 0 logs the reduced means)
         assert trained[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), step
 
     # resume parity: a copy of the killed job's bundles resumed as one process reproduces the uninterrupted run's
