@@ -93,17 +93,15 @@ class DataPlaneCheckpoint(Callback):
         except Exception as err:
             if isinstance(err, CheckpointSaveError):
                 raise
-            published = isinstance(err, PublishedReadBackError) or self.last_saved != saved_before  # then retention
-            if published:  # the store failed after the publish: the bundle is there, and a resume uses it
+            # the bundle is there, and a resume uses it: the store failed after the publish (its read-back or the
+            # retention), or rank 0 published and the collective after it failed (a training rank was lost)
+            store_failed = isinstance(err, PublishedReadBackError) or self.last_saved != saved_before
+            if store_failed or self._committed == step:
+                what, again = (("the store", "Once the store is reachable again, run the same command") if store_failed
+                               else ("the training ranks", "Run the same command again"))
                 raise CheckpointSaveError(
-                    f"checkpoint bundle step_{step} was published to {self.store.url()}, but the store failed right "
-                    f"after: {type(err).__name__}: {err}. The run stops. Once the store is reachable again, run the "
-                    f"same command: it resumes from step_{step}.") from err
-            if self._committed == step:  # rank 0 published; the collective after it failed (a rank was lost)
-                raise CheckpointSaveError(
-                    f"checkpoint bundle step_{step} was published to {self.store.url()}, but the training ranks "
-                    f"failed right after: {type(err).__name__}: {err}. The run stops. Run the same command again: it "
-                    f"resumes from step_{step}.") from err
+                    f"checkpoint bundle step_{step} was published to {self.store.url()}, but {what} failed right "
+                    f"after: {type(err).__name__}: {err}. The run stops. {again}: it resumes from step_{step}.") from err
             last = f"step_{self.last_saved}" if self.last_saved is not None else "the newest bundle before it"
             again = "Run the same command again" if isinstance(err, DataPlaneLostError) else \
                 "Once the store is writable again (space, credentials, endpoint), run the same command"

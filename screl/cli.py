@@ -37,6 +37,7 @@ from screl.config import (
     TokenCaptureConfig,
     from_dict,
 )
+from screl.config_distill import distill_plan_name
 from screl.threads import ThreadPlan, thread_plan
 from screl.validation import ConfigError, config_problems
 
@@ -334,11 +335,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
     algo_name = "PPO" if run.ppo is not None else "GRPO"
     distill = (cfg.get("model") or {}).get("init_args", {}).get("distillation") if isinstance(cfg.get("model"), dict) else None
     if isinstance(distill, dict):  # screl.Distill: GRPO's step, the teachers' objective (docs/distillation.md)
-        names = [t.get("name") for t in distill.get("teachers") or [] if isinstance(t, dict)]
-        top_k = (f", top-{distill.get('top_k', 16)} {distill.get('kl_direction', 'reverse')} KL"
-                 if distill.get("estimator") == "top_k" else "")
-        algo_name = (f"Distill (GRPO steps; teachers {names}, map {distill.get('teacher_map') or {}}, default "
-                     f"{distill.get('default_teacher')!r}, reward_weight {distill.get('reward_weight', 0.0)}{top_k})")
+        algo_name = distill_plan_name(distill)
     knobs = {k: v for k, v in vars(sampler).items() if k != "name"}
     loss = (cfg.get("model") or {}).get("init_args", {}).get("loss_fn") or {}
     loss_args = loss.get("init_args", loss) if isinstance(loss, dict) else {}

@@ -132,3 +132,12 @@ class DistillationConfig:
             out.append((f"{KEY}.kl_direction", "forward", "the sampled estimator sees one token per position, so it "
                         "estimates the reverse KL only", "set estimator: top_k, or kl_direction: reverse"))
         return out
+
+
+def distill_plan_name(raw: Mapping[str, Any]) -> str:
+    """The algorithm line ``screl check`` prints for a (valid) raw ``distillation`` block."""
+    names = [t.get("name") for t in raw.get("teachers") or [] if isinstance(t, Mapping)]
+    top_k = (f", top-{raw.get('top_k', 16)} {raw.get('kl_direction', 'reverse')} KL"
+             if raw.get("estimator") == "top_k" else "")
+    return (f"Distill (GRPO steps; teachers {names}, map {raw.get('teacher_map') or {}}, default "
+            f"{raw.get('default_teacher')!r}, reward_weight {raw.get('reward_weight', 0.0)}{top_k})")

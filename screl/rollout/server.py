@@ -297,10 +297,7 @@ class PolicyServer:
         self._admit(session, body.n)
         sampling = self._sampling(self._max_tokens(body), body.temperature, body.top_p,
                                   body.top_k, body.min_tokens, body.stops)
-        seed = body.seed
-        if seed is None and session is not None:
-            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
-        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, seed), body.n, body.stops,
+        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, body.seed, session), body.n, body.stops,
                    rollout=body.rollout)
         logprobs = body.logprobs is not None
         if body.stream:
@@ -351,9 +348,7 @@ class PolicyServer:
         prompt = chat_prompt_ids(self.tokenizer, messages, prefix, [t.as_chat_tool() for t in tools], opener)
         self._admit(session, n)
         sampling = self._sampling(max_tokens, temperature, top_p, top_k, min_tokens, stops)
-        if seed is None and session is not None:  # reproducible whatever order the agents' requests arrive in
-            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
-        return _Job(session, [prompt], self._requests([prompt], sampling, n, seed), n, stops, tools, choice, opener,
+        return _Job(session, [prompt], self._requests([prompt], sampling, n, seed, session), n, stops, tools, choice, opener,
                     parallel is not False, rollout)
 
     def _admit(self, session: str | None, n: int) -> None:
@@ -402,9 +397,12 @@ class PolicyServer:
                               else temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k,
                               min_new_tokens=min(min_tokens, max_tokens), stop_token_ids=tuple(one_token))
 
-    @staticmethod
-    def _requests(prompts: list[list[int]], sampling: SamplingParams, n: int,
-                  seed: int | None) -> list[GenerationRequest]:
+    def _requests(self, prompts: list[list[int]], sampling: SamplingParams, n: int, seed: int | None,
+                  session: str | None) -> list[GenerationRequest]:
+        """One engine request per prompt and choice; a session's request without a seed gets
+        :func:`session_seed` (reproducible whatever order the agents' requests arrive in)."""
+        if seed is None and session is not None:
+            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
         return [GenerationRequest(f"srv-{uuid.uuid4().hex[:12]}", list(p),
                                   dataclasses.replace(sampling, seed=None if seed is None else seed + i))
                 for p in prompts for i in range(n)]
