@@ -109,6 +109,7 @@ class AgentWorkflow:
     async def _rollout(self, item: RolloutItem) -> RolloutOutcome:
         env = self.task.make_env(item.prompt) if isinstance(self.task, EnvTask) else None
         loop = asyncio.get_running_loop()
+        await self.server.open_session.remote(item.attempt, item.sampling.seed)  # the same tokens in every run
         self.running.add(item.attempt)
         failure: str | None = None
         result = AgentResult(0.0)

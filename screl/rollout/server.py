@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from screl.config_generation import bind_problem
 from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
 from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.multiturn import turn_seed
 from screl.rollout.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -138,6 +139,7 @@ class PolicyServer:
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         self.max_request_tokens = max_request_tokens(policy, max_tokens)
         self.seed = seed  # a session's request without a seed samples with session_seed(seed, session, turn)
+        self.session_seeds: dict[str, int] = {}  # a rollout's session -> its sibling's seed (open_session)
         self.sessions: dict[str, list[dict[str, Any]]] = {}
         self.replies: dict[str, dict[str, Any]] = {}  # session -> its last reply as the client got it
         self.responses: OrderedDict[str, dict[str, Any]] = OrderedDict()  # response id -> session, messages
@@ -182,6 +184,12 @@ class PolicyServer:
             await self._task
 
     # -- recorded conversations -------------------------------------------------------------------------
+    async def open_session(self, session_id: str, seed: int | None) -> None:
+        """A rollout's session samples its seedless requests with ``turn_seed(seed, turn)``, as the multi-turn
+        workflow does: the sibling's seed fixes its tokens in every run (its session id names a run's group)."""
+        if seed is not None:
+            self.session_seeds[session_id] = seed
+
     async def take_session(self, session_id: str) -> tuple[list[dict[str, Any]], bool]:
         """The turns recorded for ``session_id`` and whether it was aborted (all of it forgotten afterwards)."""
         return forget_session(self, session_id)
@@ -400,9 +408,11 @@ class PolicyServer:
     def _requests(self, prompts: list[list[int]], sampling: SamplingParams, n: int, seed: int | None,
                   session: str | None) -> list[GenerationRequest]:
         """One engine request per prompt and choice; a session's request without a seed gets
-        :func:`session_seed` (reproducible whatever order the agents' requests arrive in)."""
+        :func:`turn_seed` of its sibling's seed (:meth:`open_session`), or else :func:`session_seed` (reproducible
+        whatever order the agents' requests arrive in)."""
         if seed is None and session is not None:
-            seed = session_seed(self.seed, session, len(self.sessions.get(session, [])))
+            turn, sibling = len(self.sessions.get(session, [])), self.session_seeds.get(session)
+            seed = session_seed(self.seed, session, turn) if sibling is None else turn_seed(sibling, turn)
         return [GenerationRequest(f"srv-{uuid.uuid4().hex[:12]}", list(p),
                                   dataclasses.replace(sampling, seed=None if seed is None else seed + i))
                 for p in prompts for i in range(n)]

@@ -33,6 +33,7 @@ def forget_session(server: Any, session_id: str) -> tuple[list[dict[str, Any]], 
     server.sticky.pop(session_id, None)
     server.replies.pop(session_id, None)
     server.seen.pop(session_id, None)
+    server.session_seeds.pop(session_id, None)
     for rid in [r for r, v in server.responses.items() if v["session"] == session_id]:
         del server.responses[rid]
     aborted = session_id in server.cancelled

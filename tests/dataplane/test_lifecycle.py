@@ -111,6 +111,10 @@ def test_a_killed_storage_unit_fails_the_next_call_at_once_naming_it(ray_cluster
         [unit] = [n for n in tq_actors_alive() if "StorageUnit" in n]
         namespace, name = unit.split("/", 1)
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        deadline = time.monotonic() + 10  # ray.kill is asynchronous: a get before the unit dies still succeeds (CI)
+        while unit in tq_actors_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert unit not in tq_actors_alive(), "the killed storage unit is still alive after 10 s"
         t0 = time.monotonic()
         with pytest.raises(DataPlaneLostError, match=rf"get of 1 rows failed: the TransferQueue storage unit 0 "
                                                      rf"\({unit}\) died .* resumes from the last checkpoint bundle"):

@@ -37,3 +37,28 @@ def test_a_seedless_session_request_samples_the_same_tokens_whatever_came_before
     assert a == b
     replies = {_reply(TestClient(build_server(worker, seed=s).app()), "g5_a1") for s in range(8)}
     assert len(replies) > 1  # the run's seed changes what is sampled
+
+
+def test_a_rollouts_session_samples_by_its_siblings_seed_whatever_the_session_is_called() -> None:
+    """The agent workflow opens each rollout's session with its sibling's seed: the session id names the run's group
+    (a fresh prefix in every run), so deriving from it made the same config sample other tokens in every run (CI:
+    an Agents SDK run that never learned). The turns sample as the multi-turn workflow's (turn_seed)."""
+    import asyncio
+
+    from screl.rollout.multiturn import turn_seed
+
+    worker = build_worker()
+    replies = []
+    for session in ("1a2b3c4d-5_g1_a0", "9f8e7d6c-5_g1_a0"):  # two runs' names for the same sibling
+        server = build_server(worker, seed=7)
+        asyncio.run(server.open_session(session, 1234))
+        client = TestClient(server.app())
+        replies.append(_reply(client, session))
+        assert server.session_seeds == {session: 1234}
+        asyncio.run(server.take_session(session))
+        assert server.session_seeds == {}  # forgotten with the session
+    assert replies[0] == replies[1]
+    explicit = _reply(TestClient(build_server(worker, seed=7).app()), None, seed=turn_seed(1234, 0))
+    assert replies[0] == explicit  # turn 0 samples with turn_seed(sibling seed, 0)
+    others = {_reply(TestClient(build_server(worker, seed=7).app()), "1a2b3c4d-5_g1_a0", seed=s) for s in range(8)}
+    assert len(others) > 1  # the seed decides what is sampled
