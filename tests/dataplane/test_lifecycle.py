@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 import torch
@@ -110,11 +111,16 @@ def test_a_killed_storage_unit_fails_the_next_call_at_once_naming_it(ray_cluster
         plane.put(["lost_g0"], {"reward": [torch.zeros(())]})
         [unit] = [n for n in tq_actors_alive() if "StorageUnit" in n]
         namespace, name = unit.split("/", 1)
+        [process] = [p for p in psutil.process_iter(["cmdline"])
+                     if (p.info["cmdline"] or [""])[0].startswith("ray::SimpleStorageUnit")]
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        deadline = time.monotonic() + 10  # ray.kill is asynchronous: a get before the unit dies still succeeds (CI)
+        # ray.kill is asynchronous: a get while the unit's process still runs is served (CI), so wait until the
+        # process is gone and Ray says so
+        _, alive = psutil.wait_procs([process], timeout=10)
+        deadline = time.monotonic() + 10
         while unit in tq_actors_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert unit not in tq_actors_alive(), "the killed storage unit is still alive after 10 s"
+        assert not alive and unit not in tq_actors_alive(), "the killed storage unit is still alive after 10 s"
         t0 = time.monotonic()
         with pytest.raises(DataPlaneLostError, match=rf"get of 1 rows failed: the TransferQueue storage unit 0 "
                                                      rf"\({unit}\) died .* resumes from the last checkpoint bundle"):

@@ -22,7 +22,7 @@ KINDS = ["generation", "mid_step", "checkpoint_write", "snapshot_write"]
 @pytest.mark.parametrize("seed", [0])
 def test_kill9_at_seeded_points_of_every_kind_loses_no_group(seed: int, tmp_path: Path) -> None:
     """Four kills in a row, each kind of point once, in a seeded order. With the other kill chains
-    (tests/recovery/test_kill_resume_algos.py: 3 + 2 + 2) the slow tier kills 11 runs at seeded points."""
+    (tests/recovery/test_kill_resume_algos.py: 3 + 1 + 1; distillation, VLM: 1 each) the slow tier kills 11 runs at seeded points."""
     rng = random.Random(seed)
     ck_root = tmp_path / "bundles"
     steps = 30  # long enough that every incarnation reaches its kill point

@@ -101,6 +101,7 @@ def test_the_object_store_stopping_during_periodic_rollout_snapshots_stops_the_r
     # room for a loaded machine: at 2.0 s a CI run reached step 8's bundle, whose save failed first
     cfg["data"]["init_args"]["generation"]["injected_latency_s"] = 3.5
     cfg["checkpointing"]["save_period"] = 4  # no bundle is saved during steps 5-7: the snapshots meet the outage
+    cfg["checkpointing"].update(metric_name="train:reward", keep_top_k=2)  # ranked by the reward each step logged
     config.write_text(yaml.safe_dump(cfg))
     run_dir, log = tmp_path / "run", tmp_path / "fit.log"
     watch = CheckpointStore(url, moto.options)
@@ -141,4 +142,10 @@ def test_the_object_store_stopping_during_periodic_rollout_snapshots_stops_the_r
     restarted = start_fit(config, log)
     assert restarted.wait(timeout=600) == 0, log.read_text(errors="replace")[-3000:]
     assert restores(run_dir)[0] == published[-1], (restores(run_dir), published)
+    assert f"resuming from {url}/step_{published[-1]}" in log.read_text(errors="replace")
     final_outcome(run_dir, steps, IN_ORDER)
+    kept = store.scan().complete
+    assert [b.step for b in kept] == [4, 8]
+    for bundle in kept:  # the value the step logged, recorded in the manifest for ranking
+        metric = bundle.metadata["metric"]
+        assert metric["name"] == "train:reward" and metric["key"] == "reward" and 0.0 <= metric["value"] <= 1.0
