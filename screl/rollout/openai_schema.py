@@ -16,11 +16,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from screl.rollout.openai_api import IGNORED_FIELDS
+from screl.rollout.openai_api import IGNORED_FIELDS, RequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ErrorBody", "max_request_tokens", "route_responses", "validation_error_message"]
+__all__ = ["ErrorBody", "check_token_ids", "max_request_tokens", "model_vocab_size", "route_responses",
+           "validation_error_message"]
 
 
 class ErrorDetail(BaseModel):
@@ -125,3 +126,24 @@ def max_request_tokens(policy: Any, default_max_tokens: int) -> int:
                 "may ask for at most %d tokens", type(config).__name__, ", ".join(CONTEXT_FIELDS),
                 max(UNKNOWN_CONTEXT_MAX_TOKENS, default_max_tokens))
     return max(UNKNOWN_CONTEXT_MAX_TOKENS, default_max_tokens)
+
+
+def model_vocab_size(policy: Any) -> int | None:
+    """The model's vocabulary size (its config's ``vocab_size``, or its text model's); ``None`` when it names none."""
+    config = policy.build_config()
+    for cfg in (config, getattr(config, "text_config", None)):
+        value = getattr(cfg, "vocab_size", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
+    """Refuse token ids a client sent that the model has no embedding for (a 400 naming ``param``; the engine
+    would refuse them too, without naming the field)."""
+    if vocab_size is None:
+        return
+    bad = [int(t) for t in ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise RequestError(f"{param}: token ids outside the model's vocabulary (0 to {vocab_size - 1}): {bad[:5]}",
+                           param)

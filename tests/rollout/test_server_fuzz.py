@@ -187,3 +187,22 @@ def test_a_token_budget_beyond_the_context_is_a_400_not_an_allocation(path: str,
 def test_the_runs_max_new_tokens_is_allowed_beyond_the_context() -> None:
     server = PolicyServer([InProcess(SERVER.workers[0].target)], POLICY, max_tokens=200)
     assert server.max_request_tokens == 200
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": [6693]}, "prompt"),
+    ("/v1/completions", {"prompt": [[3, 4], [5, 10**6]]}, "prompt"),  # negative ids: the schema refuses them
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "content": "x", "prompt_token_ids": [3],
+                                                   "generation_token_ids": [10**6]}, *USER]}, "messages"),
+])
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(path: str, body: dict[str, Any],
+                                                                     param: str) -> None:
+    """Was: a 400 whose message was the engine's ('generate: request 'srv-…' has token ids outside the vocabulary')
+    and named no field; found by the fuzz in CI (``{"prompt": [6693]}``)."""
+    vocab = SERVER.vocab_size
+    assert vocab is not None and 0 < vocab <= 6693
+    error = _error(CLIENT.post(path, json={**body, "max_tokens": 2}), 400)
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: token ids outside the model's vocabulary (0 to {vocab - 1})"), error
+    ok = CLIENT.post("/v1/completions", json={"prompt": [vocab - 1], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
