@@ -20,7 +20,7 @@ from screl.rollout.openai_api import IGNORED_FIELDS, RequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ErrorBody", "check_token_ids", "max_request_tokens", "model_vocab_size", "route_responses",
+__all__ = ["ErrorBody", "client_token_ids", "max_request_tokens", "model_vocab_size", "route_responses",
            "validation_error_message"]
 
 
@@ -111,39 +111,40 @@ UNKNOWN_CONTEXT_MAX_TOKENS = 32768
 """The bound when the policy cannot tell its context length without loading the model (a warning says so)."""
 
 
-def max_request_tokens(policy: Any, default_max_tokens: int) -> int:
-    """The most tokens one request may ask the server to generate: the model's context length (its config's
+def _config_int(config: Any, names: Sequence[str]) -> int | None:
+    """The first positive int among ``names`` on the model's config, or on its text model's config (a VLM)."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def max_request_tokens(config: Any, default_max_tokens: int) -> int:
+    """The most tokens one request may ask the server to generate: the model's context length (its ``config``'s
     ``max_position_embeddings`` or the like), or the run's ``generation.max_new_tokens`` when that is larger. A
     request's budget sizes the engine's per-request buffers, so an unbounded one (``max_tokens: 10**12``) would
     exhaust the host's memory instead of getting a 400."""
-    config = policy.build_config()
-    for cfg in (config, getattr(config, "text_config", None)):
-        for name in CONTEXT_FIELDS:
-            value = getattr(cfg, name, None)
-            if isinstance(value, int) and value > 0:
-                return max(value, default_max_tokens)
+    context = _config_int(config, CONTEXT_FIELDS)
+    if context is not None:
+        return max(context, default_max_tokens)
     log.warning("screl: the policy server cannot tell the model's context length (%s has none of %s): a request "
                 "may ask for at most %d tokens", type(config).__name__, ", ".join(CONTEXT_FIELDS),
                 max(UNKNOWN_CONTEXT_MAX_TOKENS, default_max_tokens))
     return max(UNKNOWN_CONTEXT_MAX_TOKENS, default_max_tokens)
 
 
-def model_vocab_size(policy: Any) -> int | None:
-    """The model's vocabulary size (its config's ``vocab_size``, or its text model's); ``None`` when it names none."""
-    config = policy.build_config()
-    for cfg in (config, getattr(config, "text_config", None)):
-        value = getattr(cfg, "vocab_size", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def model_vocab_size(config: Any) -> int | None:
+    """The model's vocabulary size (its ``config``'s ``vocab_size``, or its text model's); ``None`` when it names none."""
+    return _config_int(config, ("vocab_size",))
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
-    """Refuse token ids a client sent that the model has no embedding for (a 400 naming ``param``; the engine
+def client_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> list[int]:
+    """Token ids a client sent, refused when the model has no embedding for one (a 400 naming ``param``; the engine
     would refuse them too, without naming the field)."""
-    if vocab_size is None:
-        return
-    bad = [int(t) for t in ids if not 0 <= int(t) < vocab_size]
-    if bad:
+    out = [int(t) for t in ids]
+    if vocab_size is not None and (bad := [t for t in out if not 0 <= t < vocab_size]):
         raise RequestError(f"{param}: token ids outside the model's vocabulary (0 to {vocab_size - 1}): {bad[:5]}",
                            param)
+    return out

@@ -53,7 +53,7 @@ from screl.rollout.openai_api import (
     parse_tools,
 )
 from screl.rollout.openai_schema import (
-    check_token_ids,
+    client_token_ids,
     max_request_tokens,
     model_vocab_size,
     route_responses,
@@ -143,8 +143,9 @@ class PolicyServer:
         self.parser = resolve_tool_parser(tool_parser, self.tokenizer)
         self.host, self.port, self.api_key = host, port, api_key
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
-        self.max_request_tokens = max_request_tokens(policy, max_tokens)
-        self.vocab_size = model_vocab_size(policy)  # client-sent token ids are checked against it
+        config = policy.build_config()
+        self.max_request_tokens = max_request_tokens(config, max_tokens)
+        self.vocab_size = model_vocab_size(config)  # client-sent token ids are checked against it
         self.seed = seed  # a session's request without a seed samples with session_seed(seed, session, turn)
         self.session_seeds: dict[str, int] = {}  # a rollout's session -> its sibling's seed (open_session)
         self.sessions: dict[str, list[dict[str, Any]]] = {}
@@ -305,10 +306,8 @@ class PolicyServer:
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Any:
         session = body.session_id or request.headers.get("x-session-id")
-        prompts = [list(map(int, p)) if isinstance(p, list) else encode_text(self.tokenizer, p) for p in body.prompts]
-        for p in body.prompts:
-            if isinstance(p, list):
-                check_token_ids(p, self.vocab_size, "prompt")
+        prompts = [client_token_ids(p, self.vocab_size, "prompt") if isinstance(p, list)
+                   else encode_text(self.tokenizer, p) for p in body.prompts]
         if session is not None and len(prompts) > 1:
             raise RequestError("a batch of prompts within a session_id cannot be recorded as one conversation",
                                "prompt")
@@ -383,9 +382,8 @@ class PolicyServer:
             return None
         last = assistant[-1]
         if last.get("prompt_token_ids") is not None and last.get("generation_token_ids") is not None:
-            ids = [*map(int, last["prompt_token_ids"]), *map(int, last["generation_token_ids"])]
-            check_token_ids(ids, self.vocab_size, "messages")
-            return ids
+            return client_token_ids([*last["prompt_token_ids"], *last["generation_token_ids"]], self.vocab_size,
+                                    "messages")
         turns = self.sessions.get(session or "", [])
         if turns:
             if same_reply(last, self.replies.get(session or "")):
