@@ -28,7 +28,7 @@ from typing import IO, Any
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.dispatch import groups_land_together, plan_calls
 from screl.controller.validation import ValidationRunner
-from screl.controller.watchdog import dead_for_good, health_checks, unreachable_workers
+from screl.controller.watchdog import HEALTH_CHECK, dead_for_good, health_checks, unreachable_workers
 from screl.data import create_sampler
 from screl.data.core import RolloutCore
 from screl.data.core_types import (
@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 10.0
 """How long :meth:`RolloutController.stats` waits for a worker's count (a hung worker's is left out)."""
+
+PUMP = "the rollout pump failed"
+SNAPSHOTS = "the periodic rollout snapshots stopped the run"
+STOPPERS = (PUMP, HEALTH_CHECK, SNAPSHOTS)
+"""What leads the trainer's error, by the part of the rollout side that stopped the run (its asyncio task's name)."""
 
 __all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 
@@ -115,7 +120,8 @@ class RolloutController:
                                 recovery_policy(run))
         self.latest_weights: list[Any] | None = None
         self.external_refit = False
-        self.pump_error: BaseException | None = None
+        self.pump_error: BaseException | None = None  # the first failure that stops the run (set by fail())
+        self.pump_error_by = PUMP
         self.shutting_down = False
         self.snapshots: Any = None
         self._calls: set[asyncio.Task[None]] = set()
@@ -181,8 +187,8 @@ class RolloutController:
         """Run a transition's effects: log, clear (behind the barrier), abort where the attempts run, dispatch."""
         for event in eff.events:
             self.emit(event)
-        if eff.error is not None and self.pump_error is None:
-            self.pump_error = eff.error
+        if eff.error is not None:
+            self.fail(eff.error, PUMP)
         for worker, attempts in eff.abort.items():
             self.workers[worker].abort.remote(attempts)
         # one call per group (its siblings share a decode, groups land independently), or per worker and step where
@@ -280,7 +286,7 @@ class RolloutController:
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
         if self.run.async_rl.watchdog.health_check_interval_s is not None:
-            self._health = asyncio.get_running_loop().create_task(health_checks(self))
+            self._health = asyncio.get_running_loop().create_task(health_checks(self), name=HEALTH_CHECK)
             self._health.add_done_callback(self._on_task_done)
         self._start_validation()
         rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
@@ -288,7 +294,7 @@ class RolloutController:
             from screl.controller.snapshots import SnapshotPump
 
             self.snapshots = SnapshotPump(self, ck, rc, self.config_dict)
-            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshots.run())
+            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshots.run(), name=SNAPSHOTS)
             self._snapshot_task.add_done_callback(self._on_task_done)
         return {"max_steps": self.core.max_steps, "events_path": self.events_path,
                 "train_steps": self.core.train_steps}
@@ -312,9 +318,15 @@ class RolloutController:
         if task.cancelled():
             return
         err = task.exception()
-        if err is not None and self.pump_error is None:
-            self.pump_error = err
+        if err is not None:
+            self.fail(err, task.get_name() if task.get_name() in STOPPERS else PUMP)
         self.notify()
+
+    def fail(self, err: BaseException, by: str) -> None:
+        """Stop the run with ``err`` (the first failure wins); ``by`` (one of ``STOPPERS``) leads the trainer's
+        error, so that it says which part of the rollout side failed."""
+        if self.pump_error is None:
+            self.pump_error, self.pump_error_by = err, by
 
     async def _rollout_pump(self) -> None:
         # checks shutting_down as well as relying on cancel: before Python 3.12, asyncio.wait_for (in
@@ -376,7 +388,7 @@ class RolloutController:
         deadline = waiting_since + timeout_s
         while True:
             if self.pump_error is not None:
-                raise RuntimeError(f"the rollout pump failed: {self.pump_error!r}") from self.pump_error
+                raise RuntimeError(f"{self.pump_error_by}: {self.pump_error!r}") from self.pump_error
             eff, plan = self.core.next_chunk()
             await self._execute(eff)
             if plan.kind == "done":

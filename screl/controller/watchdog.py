@@ -10,6 +10,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+HEALTH_CHECK = "the controller's health check stopped the run"
+"""What leads the trainer's error when the health check fails the run (see ``RolloutController.fail``)."""
+
 
 class PolicyServerLostError(RuntimeError):
     """The OpenAI-compatible policy server's actor died: the agents' calls can no longer be served."""
@@ -117,8 +120,7 @@ async def _data_plane_lost(controller: Any) -> bool:
         return False
     err = lost_error(lost, "the controller's health check of the data plane")
     log.error("screl: %s", err)
-    if controller.pump_error is None:
-        controller.pump_error = err
+    controller.fail(err, HEALTH_CHECK)
     controller.notify()
     return True
 
@@ -137,8 +139,7 @@ async def _server_lost(controller: Any, timeout_s: float) -> bool:
         "calls cannot be served and Ray does not restart it. Run the same command again: it resumes from the last "
         "checkpoint bundle.")
     log.error("screl: %s", err)
-    if controller.pump_error is None:
-        controller.pump_error = err
+    controller.fail(err, HEALTH_CHECK)
     controller.notify()
     return True
 

@@ -57,13 +57,15 @@ def test_an_openai_client_agent_trains_through_the_server(tmp_path: Path) -> Non
 
 def test_an_agents_sdk_agent_learns_to_call_the_tool(tmp_path: Path) -> None:
     pytest.importorskip("agents", reason="the OpenAI Agents SDK is in the agents and dev extras")
-    steps = 25  # measured: the reward rises from ~0.01 to 0.25 (every rollout calls the tool) by step ~15
+    # measured (the curve is the same in every run: sessions sample by their siblings' seeds): the reward is ~0.01
+    # for 6 steps, then rises to 0.2 by step 12 and to 0.25 (every rollout calls the tool) by step 14
+    steps = 16
     cfg = _config("grpo_agent_sdk_tiny.yaml", tmp_path, steps=steps)
     run_dir = run_fit(cfg, tmp_path)
     rewards = column(metrics(run_dir), "reward")
     assert len(rewards) == steps
     # the reward needs the tool call: 0.25 for a well-formed call (an unaided right sum is rare for the tiny model)
-    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, (first, last, rewards)
     report = check_events(run_dir, cfg["async_rl"]["sampler"], final=True)
     assert report.ok, report.format()

@@ -1,14 +1,16 @@
 """Checkpoint bundles from 2 training processes (2 gloo ranks, started by ``screl fit`` itself, nothing listening
 beyond loopback). Under ``MegatronStrategy`` at DP=2 with ``use_distributed_optimizer`` every rank writes its
 shards (its half of the optimizer state) into the unpublished bundle, and rank 0 publishes it; the whole job is
-SIGKILLed at a seeded point after a bundle, then resumed at the same layout, and at TP=2 from a copy of the same
-bundles (the optimizer state resharded). Under screl's ``DDPStrategy`` rank 0 writes the one Lightning checkpoint,
-and the killed job resumes, at 2 ranks and as one process. In sync mode every resume reproduces the uninterrupted run's losses, and the event
-checker finds nothing lost or trained twice."""
+SIGKILLed at a seeded point after a bundle, then resumed at TP=2 from its bundles (the optimizer state resharded).
+This is also GRPO's DP=2 end-to-end run under Megatron (the groups sharded over the replicas): in sync mode its
+workers' logprobs equal the trainer's. Under screl's ``DDPStrategy`` rank 0 writes the one Lightning checkpoint, and
+the killed job resumes, at 2 ranks and as one process. In sync mode every resume reproduces the uninterrupted run's
+losses, and the event checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import random
 import shutil
 import subprocess
@@ -132,6 +134,10 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_layout(tmp_path: 
     assert not wide, f"listening beyond loopback: {sorted(set(wide))}"  # the ranks met through a file
     reference = per_step(tmp_path / "ref" / "root")
     assert sorted(reference) == list(range(STEPS))
+    # sync mode, every token on-policy: the workers' logprobs equal the DP=2 trainer's (each replica a shard of the
+    # groups) on every step, so the workers hold exactly the weights the replicas exported after each step
+    mismatch = _column(tmp_path / "ref" / "root", "train/logprob_mismatch")
+    assert len(mismatch) == STEPS and max(mismatch) < 1e-5, mismatch
     _kill_and_resume(tmp_path, _config(tmp_path / "cut", LAYOUTS["dp2"], **sharded), "tp2", reference, "multirank")
     latest = CheckpointStore(str(tmp_path / "cut" / "bundles")).latest()
     assert latest is not None
@@ -139,6 +145,12 @@ def test_two_rank_bundles_survive_a_kill_and_resume_at_another_layout(tmp_path: 
                         weights_only=False)
     saved = common["optimizer_states"][0]  # megatron's layout, its tensors in the ranks' shard files
     assert saved["param_state_sharding_type"] == "fully_reshardable", sorted(saved)
+
+
+def _column(root: Path, key: str) -> list[float]:
+    """``key`` of every logged step, from the run's metrics.csv files under ``root``."""
+    return [float(row[key]) for path in sorted(root.rglob("metrics.csv"))
+            for row in csv.DictReader(path.read_text().splitlines()) if row.get(key)]
 
 
 def _resume(base: Path, config: Path, bundle_step: int) -> dict[int, tuple[float, ...]]:

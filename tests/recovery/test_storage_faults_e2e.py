@@ -127,6 +127,7 @@ def test_the_object_store_stopping_during_periodic_rollout_snapshots_stops_the_r
     print(f"\nobject store stopped during rollout snapshots: the run exited {rc} after {detect_s:.1f} s")
     assert rc != 0, out[-3000:]
     assert "rollout snapshots failed in a row (rollout_checkpointing.max_consecutive_failures=2)" in out, out[-3000:]
+    assert "RuntimeError: the periodic rollout snapshots stopped the run: " in out, out[-3000:]  # not "the pump"
     assert f"127.0.0.1:{moto.port}" in out, out[-3000:]
 
     moto.start(replay=True)

@@ -1,4 +1,7 @@
-"""GRPO under ``MegatronStrategy`` end to end on CPU: TP=2, DP=2 and PP=2 over 2 gloo ranks on loopback.
+"""GRPO under ``MegatronStrategy`` end to end on CPU: TP=2 and PP=2 over 2 gloo ranks on loopback. (DP=2 end to end,
+the groups sharded over the replicas, is tests/recovery/test_multirank.py's Megatron run: in sync mode its logprobs
+equal the workers', and its bundles resumed at TP=2 reproduce it step for step, so it equals this file's reference
+too; the step at DP=2 against DP=1 is tests/strategies/test_megatron_strategy.py's and test_distributed_optimizer.py's.)
 
 Each spawned rank (``torch.multiprocessing.spawn``, file:// rendezvous, see ``_megatron_jobs.spawn``)
 builds ``screl fit``'s CLI objects for ``configs/grpo_megatron_tiny.yaml`` (shortened) and fits them;
@@ -127,11 +130,10 @@ def reference_step(cfg: dict[str, Any], chunk: dict[str, Any], weights: dict[str
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp2": {"tensor_model_parallel_size": 2},
-    "dp2": {"tensor_model_parallel_size": 1},
     "pp2": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2},
 }
-"""Parallel sizes over the 2 ranks (``dp2``: each replica a shard of groups; ``pp2``: two pipeline stages, the
-activations sent between them over gloo, the loss and metrics on the last stage)."""
+"""Parallel sizes over the 2 ranks (``pp2``: two pipeline stages, the activations sent between them over gloo, the
+loss and metrics on the last stage)."""
 
 Run = tuple[str, dict[str, Any], list[dict[str, Any]]]
 
@@ -149,21 +151,12 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return layout, cfg, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
 
 
-def full_chunk(layout: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chunk of one step: TP and PP peers hold all of it; DP replicas a contiguous shard of groups each."""
-    from screl.datamodule import ROW_KEYS
-
+def full_chunk(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chunk of one step: TP and PP peers hold all of it (broadcast, not sharded)."""
     first = chunks[0]
-    if layout in ("tp2", "pp2"):
-        assert "dp_shards" not in first
-        assert all(torch.equal(c["input_ids"], first["input_ids"]) for c in chunks)  # broadcast, not sharded
-        return first
-    assert [c["dp_shards"] for c in chunks] == [2, 2]
-    assert [c["input_ids"].shape[0] for c in chunks] == [first["chunk_rows"] // 2] * 2
-    merged = {k: v for k, v in first.items() if k not in ("chunk_rows", "chunk_valid_tokens", "dp_shards")}
-    merged.update({k: torch.cat([c[k] for c in chunks]) for k in ROW_KEYS})
-    assert float((merged["token_mask"] * merged["sample_mask"][:, None]).sum()) == first["chunk_valid_tokens"]
-    return merged
+    assert "dp_shards" not in first
+    assert all(torch.equal(c["input_ids"], first["input_ids"]) for c in chunks)
+    return first
 
 
 @pytest.mark.slow
@@ -193,7 +186,7 @@ def test_grpo_runs_end_to_end(run: Run) -> None:
 def test_workers_generate_with_the_exported_weights(run: Run) -> None:
     """Sync mode: every token is on-policy, so the worker's logprobs must equal the trainer's. At steps
     1 and 2 the worker holds the full weights that rank 0 exported after the previous step (HF-named for the torch
-    engine at DP=2 and PP=2; Megatron-named for the Megatron engine at TP=2)."""
+    engine at PP=2; Megatron-named for the Megatron engine at TP=2)."""
     _, _, ranks = run
     mismatch = [step["train/logprob_mismatch"] for step in ranks[0]["steps"]]
     assert len(mismatch) == STEPS
@@ -202,13 +195,13 @@ def test_workers_generate_with_the_exported_weights(run: Run) -> None:
 
 @pytest.mark.slow
 def test_every_step_matches_single_process_reference(run: Run) -> None:
-    layout, cfg, ranks = run
+    _, cfg, ranks = run
     starts = ranks[0]["starts"]
     assert len(starts) == STEPS  # one chunk per step
     assert any(step["train/grad_norm"] > 0.01 for step in ranks[0]["steps"])  # some step has a gradient
     steps = zip(starts, ranks[1]["starts"], ranks[0]["steps"], strict=True)
     for version, (start, peer, step) in enumerate(steps):
-        chunk = full_chunk(layout, [start["chunk"], peer["chunk"]])
+        chunk = full_chunk([start["chunk"], peer["chunk"]])
         assert chunk["trainer_version"] == version
         expected = reference_step(cfg, chunk, start["weights"])
         assert step["train/loss"] == pytest.approx(expected["train/loss"], abs=TOL)
