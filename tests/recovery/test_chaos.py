@@ -195,7 +195,8 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     assert all(e.reason == "infra" for e in _events(run_dir) if e.name == "fail")
 
     # the policy server (same incarnation), then one kind per resumed incarnation: each run fails naming what died
-    kills = [("PolicyServer", "PolicyServerLostError: the OpenAI-compatible policy server", "policy server"),
+    kills = [("PolicyServer", "RuntimeError: the controller's health check stopped the run: PolicyServerLostError(",
+              "policy server"),
              ("SimpleStorageUnit", "the TransferQueue storage unit 0 (", "storage unit"),
              ("TransferQueueController", "the TransferQueue controller (", "TQ controller"),
              ("RolloutController", "class_name: RolloutController", "rollout controller")]
