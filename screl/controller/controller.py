@@ -18,6 +18,7 @@ they are recorded sealed, and no clear lands during the save).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -59,8 +60,8 @@ STATS_TIMEOUT_S = 10.0
 
 PUMP = "the rollout pump failed"
 SNAPSHOTS = "the periodic rollout snapshots stopped the run"
-STOPPERS = (PUMP, HEALTH_CHECK, SNAPSHOTS)
-"""What leads the trainer's error, by the part of the rollout side that stopped the run (its asyncio task's name)."""
+"""What leads the trainer's error when the rollout pump (or one of its calls), or the snapshot pump, stops the run
+(the health check's is ``HEALTH_CHECK``)."""
 
 __all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 
@@ -286,16 +287,16 @@ class RolloutController:
         self._pump = asyncio.get_running_loop().create_task(self._rollout_pump())
         self._pump.add_done_callback(self._on_task_done)
         if self.run.async_rl.watchdog.health_check_interval_s is not None:
-            self._health = asyncio.get_running_loop().create_task(health_checks(self), name=HEALTH_CHECK)
-            self._health.add_done_callback(self._on_task_done)
+            self._health = asyncio.get_running_loop().create_task(health_checks(self))
+            self._health.add_done_callback(functools.partial(self._on_task_done, by=HEALTH_CHECK))
         self._start_validation()
         rc, ck = self.run.rollout_checkpointing, self.run.checkpointing
         if rc.snapshot_attempt_interval_s is not None and ck.enabled and ck.checkpoint_dir:
             from screl.controller.snapshots import SnapshotPump
 
             self.snapshots = SnapshotPump(self, ck, rc, self.config_dict)
-            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshots.run(), name=SNAPSHOTS)
-            self._snapshot_task.add_done_callback(self._on_task_done)
+            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshots.run())
+            self._snapshot_task.add_done_callback(functools.partial(self._on_task_done, by=SNAPSHOTS))
         return {"max_steps": self.core.max_steps, "events_path": self.events_path,
                 "train_steps": self.core.train_steps}
 
@@ -314,17 +315,17 @@ class RolloutController:
         if not self._val_redo and self._restored_from is None and runner.due(version):
             runner.start(version)
 
-    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+    def _on_task_done(self, task: asyncio.Task[None], by: str = PUMP) -> None:
         if task.cancelled():
             return
         err = task.exception()
         if err is not None:
-            self.fail(err, task.get_name() if task.get_name() in STOPPERS else PUMP)
+            self.fail(err, by)
         self.notify()
 
     def fail(self, err: BaseException, by: str) -> None:
-        """Stop the run with ``err`` (the first failure wins); ``by`` (one of ``STOPPERS``) leads the trainer's
-        error, so that it says which part of the rollout side failed."""
+        """Stop the run with ``err`` (the first failure wins); ``by`` (``PUMP``, ``HEALTH_CHECK`` or ``SNAPSHOTS``)
+        leads the trainer's error, so that it says which part of the rollout side stopped the run."""
         if self.pump_error is None:
             self.pump_error, self.pump_error_by = err, by
 
