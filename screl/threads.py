@@ -19,11 +19,15 @@ from screl.config import GenerationConfig, RunConfig
 
 
 def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, else the machine's count)."""
+    """Cores this process may run on (its CPU affinity, else the machine's count), capped by ``OMP_NUM_THREADS``
+    when it is set: the automatic plan then never gives a process more threads than the user allowed (CI's
+    single-thread parity pass relies on it)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(cores, int(cap)) if cap.isdigit() and int(cap) > 0 else cores
 
 
 @dataclass(frozen=True)

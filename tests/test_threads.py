@@ -76,3 +76,19 @@ def test_gpu_workers_leave_the_cores_to_the_trainer() -> None:
     plan = thread_plan(GenerationConfig(device="cuda"), run(ASYNC), cores=8)
     assert (plan.generation, plan.train) == (1, 8)
     assert "8 for training" in plan.describe() and "cores split" in plan.describe()
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, 2), ("1", 1), ("8", 2), ("0", 2), ("two", 2)])
+def test_omp_num_threads_caps_the_automatic_plan(monkeypatch: pytest.MonkeyPatch, env: str | None, want: int) -> None:
+    import os
+
+    from screl import threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert threads.available_cores() == want
+    plan = thread_plan(GenerationConfig(), run(SYNC))
+    assert (plan.generation, plan.train) == (want, want)
