@@ -266,7 +266,7 @@ def _count_rl_steps(callbacks: list[Any], trainer_cfg: Any) -> None:
 
 
 def _generation_line(cfg: dict[str, Any]) -> str:
-    from screl.controller.runtime import worker_resources
+    from screl.controller.resources import worker_resources
 
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
     if g.colocated.enabled:
@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plot_main(args[1:])
     if args and args[0] == "events":
-        from screl.data.events import main as events_main
+        from screl.data.event_check_cli import main as events_main
 
         return int(events_main(args[1:]) or 0)
     if "--verbose" in args:  # Ray's and the workers' own output too

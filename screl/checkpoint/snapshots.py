@@ -206,6 +206,8 @@ def _check_anchor(store: CheckpointStore, anchor: str) -> None:
 class SnapshotWriter(StagedWriter):
     """Writes ``tmp_snapshot_<seq>/``; :meth:`commit` publishes ``snapshot_<seq>/``."""
 
+    store: CheckpointStore  # the whole store: a snapshot reads its anchor and prunes its siblings
+
     def __init__(self, store: CheckpointStore, anchor: str, seq: int) -> None:
         base = _snapshots_rel(anchor)
         super().__init__(store, f"{base}/tmp_snapshot_{seq:06d}", f"{base}/snapshot_{seq:06d}")

@@ -4,6 +4,9 @@
 a fsync'd rename on a POSIX filesystem, a server-side copy with ``manifest.json`` written last on an object
 store. :class:`BundleWriter` is the trainer bundle's (``CheckpointStore.begin``); the rollout snapshots'
 writer builds on :class:`StagedWriter` too. :mod:`screl.checkpoint.store` re-exports both.
+
+The writers see the store through :class:`PublishTarget`, the few calls they make on it, so that this module
+never imports the store that imports it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from screl.checkpoint.layout import (
     BUNDLE_KIND,
@@ -30,10 +33,31 @@ from screl.checkpoint.layout import (
     check_part_name,
 )
 
-if TYPE_CHECKING:
-    from screl.checkpoint.store import CheckpointStore
+__all__ = ["BundleWriter", "PublishTarget", "PublishedReadBackError", "StagedWriter", "fsync_path", "fsync_tree"]
 
-__all__ = ["BundleWriter", "PublishedReadBackError", "StagedWriter", "fsync_path", "fsync_tree"]
+
+class PublishTarget(Protocol):
+    """What a writer uses of :class:`screl.checkpoint.store.CheckpointStore`: its filesystem and paths, and the
+    calls that publish, withdraw and read back a directory."""
+
+    fs: Any
+    atomic_rename: bool
+
+    def path(self, relpath: str = "") -> str: ...
+
+    def url(self, relpath: str = "") -> str: ...
+
+    def exists(self, relpath: str) -> bool: ...
+
+    def files(self, relpath: str) -> dict[str, int]: ...
+
+    def remove_tree(self, relpath: str) -> None: ...
+
+    def remove_published(self, relpath: str, trash_relpath: str) -> None: ...
+
+    def load_published(self, relpath: str) -> tuple[dict[str, Any], dict[str, PartInfo], tuple[str, ...]]: ...
+
+    def open(self, step: int) -> BundleInfo: ...
 
 
 class PublishedReadBackError(RuntimeError):
@@ -70,7 +94,7 @@ class StagedWriter:
     after any failed write the writer refuses to commit.
     """
 
-    def __init__(self, store: CheckpointStore, tmp_relpath: str, final_relpath: str) -> None:
+    def __init__(self, store: PublishTarget, tmp_relpath: str, final_relpath: str) -> None:
         self.store = store
         self.tmp_relpath = tmp_relpath
         self.final_relpath = final_relpath
@@ -292,7 +316,7 @@ class StagedWriter:
 class BundleWriter(StagedWriter):
     """Writes one trainer checkpoint bundle; :meth:`commit` publishes it."""
 
-    def __init__(self, store: CheckpointStore, step: int, tmp_relpath: str) -> None:
+    def __init__(self, store: PublishTarget, step: int, tmp_relpath: str) -> None:
         super().__init__(store, tmp_relpath, f"step_{step}")
         self.step = step
 

@@ -12,6 +12,9 @@ The state is captured under the data-plane barrier with the open step's claims r
 persisted copy (a restart retrains them); the native TransferQueue snapshot is written locally and
 published with the sidecars as ``rollout_snapshots/snapshot_<seq>/``; ``keep_latest_k`` are kept.
 ``max_consecutive_failures`` failed attempts in a row stop the run.
+
+The pump sees its controller as :class:`SnapshotSource` (its counters and its capture), so this module does
+not import the controller that starts it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import logging
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from screl.checkpoint import (
     BOOTSTRAP_ANCHOR,
@@ -35,10 +38,20 @@ from screl.checkpoint import (
 from screl.checkpoint.resume import DATA_PLANE, write_controller_parts
 from screl.config import CheckpointingConfig, RolloutCheckpointingConfig
 
-if TYPE_CHECKING:
-    from screl.controller.controller import RolloutController
-
 log = logging.getLogger(__name__)
+
+
+class SnapshotSource(Protocol):
+    """What the pump uses of :class:`screl.controller.RolloutController`."""
+
+    @property
+    def train_steps(self) -> int: ...
+
+    @property
+    def mutation_version(self) -> int: ...
+
+    async def capture(self, data_plane_dir: str | None, open_step: str = "reject",
+                      remote: dict[str, Any] | None = None) -> dict[str, Any]: ...
 
 
 class SnapshotPump:
@@ -46,7 +59,7 @@ class SnapshotPump:
 
     def __init__(
         self,
-        ctl: RolloutController,
+        ctl: SnapshotSource,
         checkpointing: CheckpointingConfig,
         config: RolloutCheckpointingConfig,
         config_dict: dict[str, Any],

@@ -8,6 +8,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from screl.controller.resources import worker_resources
+
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK = "the controller's health check stopped the run"
@@ -148,8 +150,6 @@ async def health_checks(controller: Any) -> None:
     """The controller's loop between requests, every ``async_rl.watchdog.health_check_interval_s``: a TransferQueue
     actor or the policy server that died fails the run naming it; a worker dead for good, or on a lost node that no live node can replace, gets no more work and its rollouts move to the
     others (``RolloutCore.worker_lost``)."""
-    from screl.controller.runtime import worker_resources
-
     interval = float(controller.run.async_rl.watchdog.health_check_interval_s or 5.0)
     tracker = NodeTracker(controller.workers, worker_resources(controller.generation).demand())
     await tracker.learn(range(len(controller.workers)), 5.0)

@@ -1,7 +1,7 @@
 """Pure core of the single controller: replay buffer slots, staleness samplers, rollout ledger, event log.
 
 No Ray, Lightning, threads or clocks in here: every piece is a deterministic value. The event-log
-names load lazily, so that ``python -m screl.data.events`` runs without a double import.
+names load lazily: importing the package loads neither the event log nor its checker.
 """
 
 import importlib

@@ -18,15 +18,19 @@ A row is keyed by its attempt id (``<group>_g<i>_a<n>``), so a late write of an 
 overwrites a live one: the core clears it when its report arrives. A row counts only once the core has
 recorded the sibling sealed; one written but not recorded when a state is captured is regenerated with
 the same seed after a restore (under a new attempt key, the orphan is cleared on restore).
+
+Three collaborators hold parts of the transitions, each handed the core's fields it needs and calling nothing
+back: :mod:`~screl.data.core_admission` (the dataloader cursor, the replacement spares, the sampler's gate),
+:mod:`~screl.data.core_drops` (a dropped group's slot, once the core has ended its run) and
+:mod:`~screl.data.core_state` (capture and restore).
 """
 
 from __future__ import annotations
 
 import collections
-import random
 from typing import Any
 
-from screl.data import core_drops, core_state
+from screl.data import core_admission, core_drops, core_state
 from screl.data.buffer import ReplayBuffer
 from screl.data.core_types import (
     ChunkPlan,
@@ -41,7 +45,6 @@ from screl.data.core_types import (
 )
 from screl.data.events import (
     AbortEvent,
-    AdmitEvent,
     CommitEvent,
     DropEvent,
     EvictEvent,
@@ -54,7 +57,7 @@ from screl.data.events import (
 )
 from screl.data.ledger import RecoveryPolicy, RolloutLedger, SiblingState
 from screl.data.reserve import ReplacementReserve
-from screl.data.samplers import PromptGroupSampler, call_admit
+from screl.data.samplers import PromptGroupSampler
 
 
 class RolloutCore:
@@ -123,7 +126,7 @@ class RolloutCore:
                 if not self.buffer.can_reserve():
                     break
                 eff.extend(self._reserve_next(now))
-            elif not self._admit(eff):
+            elif not core_admission.admit(self, eff):
                 break
         return eff
 
@@ -136,51 +139,8 @@ class RolloutCore:
             eff.events.append(WindowEvent(trainer_version=self.trainer_version, window=window))
 
     def epoch_order(self, epoch: int) -> list[int]:
-        order = list(self.prompts)
-        random.Random(seed_for(self.settings.seed, "epoch", epoch)).shuffle(order)
-        return order
-
-    def _loader_open(self) -> bool:
-        """Whether the dataloader has a batch left (moving on to the next epoch when this one is done)."""
-        if self.batch_index >= self.batches_per_epoch:
-            self.epoch, self.batch_index = self.epoch + 1, 0
-        return self.epoch < self.settings.max_num_epochs
-
-    def _loader_batch(self) -> list[int]:
-        batch = self.epoch_order(self.epoch)[self.batch_index * self.P:(self.batch_index + 1) * self.P]
-        self.batch_index += 1
-        return batch
-
-    def hold_spares(self, eff: Effects, drained: bool = False) -> None:
-        """Hold dataloader batches back as replacement spares while the reserve is short (``drained``: only
-        while it is empty, after a burst of drops took every spare)."""
-        def short() -> bool:
-            return self.reserve.policy.enabled and not len(self.reserve) if drained else self.reserve.wants_batch()
-
-        while short() and self._loader_open():
-            eff.events.append(self.reserve.hold(self._loader_batch(), self.epoch, self.trainer_version))
-
-    def _admit(self, eff: Effects) -> bool:
-        """Admit the next batch: the dataloader's (after holding back batches while the replacement reserve is
-        short), or once it is exhausted a step's worth of spares."""
-        self.hold_spares(eff)
-        from_loader = self._loader_open()
-        if not from_loader and len(self.reserve) < self.P:
-            self.admission_closed = True
-            return False
-        adm = call_admit(self.sampler, self.trainer_version, outstanding_groups=self.outstanding)
-        if not adm.allowed:
-            return False
-        spares = None if from_loader else self.reserve.take_batch(self.P)
-        batch = [(pid, self.epoch) for pid in self._loader_batch()] if spares is None else spares
-        self.reserve.started = True
-        self.admitted.extend((pid, adm.target_step, epoch, 0) for pid, epoch in batch)
-        eff.events.append(AdmitEvent(
-            trainer_version=self.trainer_version, step=self.sampler.dispatch_index, target_step=adm.target_step,
-            prompt_ids=tuple(pid for pid, _ in batch),
-            extra={"epoch": self.epoch} if spares is None else {"from_reserve": True},
-        ))
-        return True
+        """The prompt ids of ``epoch`` in the order the dataloader serves them."""
+        return core_admission.epoch_order(self, epoch)
 
     def _reserve_next(self, now: float) -> Effects:
         prompt_id, stamp, epoch, replacements = self.admitted.popleft()
@@ -314,7 +274,7 @@ class RolloutCore:
     def _commit(self, run: GroupRun, now: float) -> Effects:
         rewards = [run.rewards[s] for s in range(self.G)]
         if self.settings.dynamic_sampling and max(rewards) == min(rewards):
-            return core_drops.filter_group(self, run, rewards[0])
+            return core_drops.filter_group(self, run, rewards[0], self._end_run(run, "filtered"))
         end = max(run.end_weight, run.start_weight)
         self.buffer.commit(run.group_id, end)
         self.ledger.finalize(run.group_id)
@@ -343,7 +303,7 @@ class RolloutCore:
         return eff
 
     def _drop(self, run: GroupRun, reason: str, detail: str) -> Effects:
-        return core_drops.drop(self, run, reason, detail)
+        return core_drops.drop(self, run, reason, detail, self._end_run(run, reason))
 
     def _abort_run(self, run: GroupRun, reason: str) -> Effects:
         eff = self._end_run(run, "aborted_stale" if reason == "stale" else reason)
@@ -462,7 +422,8 @@ class RolloutCore:
     def restore(self, state: ControllerState, present_keys: set[str] | None) -> tuple[Effects, dict[str, Any]]:
         """Load ``state`` before the pump starts; ``present_keys``: the rows the restored data plane holds (None:
         no data plane was restored). Raises if a row the state counts on is missing; clears orphan rows."""
-        return core_state.restore(self, state, present_keys)
+        eff, stats, self._restored = core_state.restore(self, state, present_keys)
+        return eff, stats
 
     def resume(self, now: float = 0.0) -> Effects:
         """Dispatch the unfinished siblings of the groups a restore brought back (at start)."""

@@ -4,26 +4,38 @@ transitions): after its retries (``drop``), or by dynamic sampling (``filter_gro
 Its slot in the step is refilled from the replacement reserve (``on_dropped_prompt: replace``) or left empty: the
 step shrinks, down to ``min_step_batch_fraction`` (PPO: not at all), and below that the run stops with an error
 that names the knobs. Pure, like the core.
+
+The core ends the group's run itself and hands in its effects, with itself as :class:`DropState`, the fields
+these functions read and move; they call nothing of the core's, so this module does not import it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from screl.data import core_admission
 from screl.data.core_types import Effects, GroupRun, RolloutFailure
 from screl.data.events import DropEvent, ReplaceEvent
 
-if TYPE_CHECKING:
-    from screl.data.core import RolloutCore
+
+class DropState(core_admission.AdmissionState, Protocol):
+    """What the drops read and move of the core's state: admission's (a refill holds spares back and takes one),
+    the drop budget's counters, the steps' shortfall and the metrics."""
+
+    consecutive_drops: int
+    skipped_prompts: int
+    shortfall: dict[int, int]
+    metrics: dict[str, float]
 
 
-def drop(core: RolloutCore, run: GroupRun, reason: str, detail: str) -> Effects:
+def drop(core: DropState, run: GroupRun, reason: str, detail: str, eff: Effects) -> Effects:
+    """Count a group dropped after its retries (``eff``: the effects of ending its run) against the drop budget,
+    then refill or shrink its slot; past the budget, ``eff.error`` stops the run."""
     f = core.settings.failure
     core.consecutive_drops += 1
     budget_ok = ((reason.startswith("data") and core.skipped_prompts < f.max_skipped_prompts)
                  or (reason.startswith("infra") and core.consecutive_drops <= f.max_consecutive_dropped_prompts))
-    eff = core._end_run(run, reason)
     eff.events.append(DropEvent(reason=reason, group_id=run.group_id, prompt_id=run.prompt_id))
     core.metrics["dropped"] += 1
     if not budget_ok:
@@ -38,10 +50,9 @@ def drop(core: RolloutCore, run: GroupRun, reason: str, detail: str) -> Effects:
     return eff
 
 
-def filter_group(core: RolloutCore, run: GroupRun, reward: float) -> Effects:
-    """Dynamic sampling: a group whose rewards all agree teaches nothing; drop it (reason ``filtered``) and
-    refill its slot. Not a failure: no drop budget is spent."""
-    eff = core._end_run(run, "filtered")
+def filter_group(core: DropState, run: GroupRun, reward: float, eff: Effects) -> Effects:
+    """Dynamic sampling: a group whose rewards all agree teaches nothing; drop it (reason ``filtered``; ``eff``:
+    the effects of ending its run) and refill its slot. Not a failure: no drop budget is spent."""
     eff.events.append(DropEvent(reason="filtered", group_id=run.group_id, prompt_id=run.prompt_id,
                                 extra={"reward": reward}))
     core.metrics["filtered"] += 1
@@ -50,11 +61,11 @@ def filter_group(core: RolloutCore, run: GroupRun, reward: float) -> Effects:
     return eff
 
 
-def _refill(core: RolloutCore, run: GroupRun, eff: Effects) -> bool:
+def _refill(core: DropState, run: GroupRun, eff: Effects) -> bool:
     """Hand a dropped group's slot to a spare from the replacement reserve, stamped for the same step; it is
     reserved ahead of the queue. False: no spare, or the slot's ``max_replacement_attempts`` is spent."""
     stamp = run.target_step
-    core.hold_spares(eff, drained=True)
+    core_admission.hold_spares(core, eff, drained=True)
     if (stamp is not None and stamp < core.trainer_version) or not core.reserve.can_replace(run.replacements):
         return False
     prompt_id, epoch = core.reserve.take()
@@ -66,7 +77,7 @@ def _refill(core: RolloutCore, run: GroupRun, eff: Effects) -> bool:
     return True
 
 
-def _shrink(core: RolloutCore, run: GroupRun, eff: Effects, cause: str) -> None:
+def _shrink(core: DropState, run: GroupRun, eff: Effects, cause: str) -> None:
     """The slot stays empty: its step trains fewer groups, down to ``min_step_batch_fraction`` (PPO: none)."""
     step, f = run.target_step, core.settings.failure
     if step is None:  # no step to shrink (``screl check`` keeps drops away from samplers that cannot cope)
@@ -88,7 +99,7 @@ def _shrink(core: RolloutCore, run: GroupRun, eff: Effects, cause: str) -> None:
     eff.error = RolloutFailure(f"step {step} lost {lost} of {core.P} groups to {cause}, below {limit}; {fix}")
 
 
-def filter_hint(core: RolloutCore) -> str:
+def filter_hint(core: DropState) -> str:
     """What to add to a starvation error when dynamic sampling filtered groups."""
     n = int(core.metrics["filtered"])
     if not n:

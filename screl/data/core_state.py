@@ -6,24 +6,50 @@ The promise a capture keeps: the replay index and the data plane describe the sa
 state counts on (a committed group's, or a sealed sibling's of a group in flight) was written before the
 core recorded it sealed, so a data-plane snapshot taken under the same barrier holds it; a row written but not
 yet recorded is an orphan there, cleared on restore, and its sibling is regenerated with the same seed.
+
+The core hands itself in as :class:`CoreFields`, the fields a capture reads and a restore sets; these functions
+call nothing of the core's, so this module does not import it.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from screl.data.buffer import ReplayBuffer
 from screl.data.core_types import ControllerState, Effects, GroupRun, replay_digest
 from screl.data.events import CheckpointEvent, ReserveEvent, RestoreEvent, SnapshotEvent
-from screl.data.ledger import GroupState, RolloutLedger
+from screl.data.ledger import GroupState, RecoveryPolicy, RolloutLedger
+from screl.data.reserve import ReplacementReserve
 from screl.data.sampler_factory import sampler_supports_buffer_checkpoint
-
-if TYPE_CHECKING:
-    from screl.data.core import RolloutCore
+from screl.data.samplers import PromptGroupSampler
 
 
-def replay_index(core: RolloutCore, with_claims: bool = False) -> list[dict[str, Any]]:
+class CoreFields(Protocol):
+    """What a capture reads and a restore sets of the core's state."""
+
+    G: int
+    policy: RecoveryPolicy
+    sampler: PromptGroupSampler
+    buffer: ReplayBuffer
+    ledger: RolloutLedger
+    reserve: ReplacementReserve
+    runs: dict[str, GroupRun]
+    group_keys: dict[str, list[str]]
+    step_claims: list[str]
+    admitted: collections.deque[tuple[int, int | None, int, int]]
+    shortfall: dict[int, int]
+    train_steps: int
+    trainer_version: int
+    gen_version: int
+    epoch: int
+    batch_index: int
+    skipped_prompts: int
+    mutation_version: int
+
+
+def replay_index(core: CoreFields, with_claims: bool = False) -> list[dict[str, Any]]:
     """The completed groups a restore re-offers: the ready ones, and with ``with_claims`` (a snapshot taken
     mid-step, whose open step is rolled back) also the groups that step claimed."""
     claimed = core.buffer.claimed_slots() if with_claims else []
@@ -34,7 +60,7 @@ def replay_index(core: RolloutCore, with_claims: bool = False) -> list[dict[str,
     ]
 
 
-def capture(core: RolloutCore, open_step: str) -> tuple[ControllerState, Effects]:
+def capture(core: CoreFields, open_step: str) -> tuple[ControllerState, Effects]:
     if core.step_claims and open_step != "rollback":
         raise RuntimeError("a trainer checkpoint is captured between steps: the open step still holds claims")
     rollback = open_step == "rollback"
@@ -59,7 +85,7 @@ def capture(core: RolloutCore, open_step: str) -> tuple[ControllerState, Effects
     return state, Effects(events=[event])
 
 
-def _check(core: RolloutCore, state: ControllerState) -> None:
+def _check(core: CoreFields, state: ControllerState) -> None:
     replay = state.replay_index
     if replay_digest(replay["groups"]) != replay["digest"]:
         raise ValueError("the replay index does not match its digest: the checkpoint is corrupt")
@@ -68,7 +94,7 @@ def _check(core: RolloutCore, state: ControllerState) -> None:
                          "num_generations_per_prompt cannot change on resume")
 
 
-def _shadow(core: RolloutCore, state: ControllerState) -> ControllerState:
+def _shadow(core: CoreFields, state: ControllerState) -> ControllerState:
     """A sampler without buffer checkpoints: keep the cursor and counters, restore no group."""
     return replace(state, replay_index={"groups": [], "digest": replay_digest([]), "group_size": core.G},
                    in_flight={}, ledger=RolloutLedger(core.policy).to_dict(), buffer=ReplayBuffer().state_dict())
@@ -79,7 +105,10 @@ def _expected_keys(state: ControllerState) -> set[str]:
     return keys | {k for info in state.in_flight.values() for k in info["keys"].values()}
 
 
-def restore(core: RolloutCore, state: ControllerState, present_keys: set[str] | None) -> tuple[Effects, dict[str, Any]]:
+def restore(core: CoreFields, state: ControllerState,
+            present_keys: set[str] | None) -> tuple[Effects, dict[str, Any], list[GroupRun]]:
+    """Load ``state`` into a fresh core; also returns the groups reopened, whose unfinished siblings the core
+    dispatches when it resumes."""
     if core.runs or core.train_steps or core.mutation_version:
         raise RuntimeError("restore() must run on a fresh core, before the rollout pump starts")
     _check(core, state)
@@ -112,14 +141,16 @@ def restore(core: RolloutCore, state: ControllerState, present_keys: set[str] | 
     ready = [g["group_id"] for g in state.replay_index["groups"]]
     eff.events.append(RestoreEvent(step=core.train_steps, group_ids=tuple(ready),
                                    mutation_version=core.mutation_version))
+    reopened: list[GroupRun] = []
     for gid in core.ledger.group_ids(GroupState.GENERATING):
-        eff.extend(_reopen(core, gid, state.in_flight.get(gid), plan.get(gid, [])))
-    return eff, {"ready_groups": len(ready), "redispatched_groups": len(core._restored),
+        eff.extend(_reopen(core, gid, state.in_flight.get(gid), plan.get(gid, []), reopened))
+    return eff, {"ready_groups": len(ready), "redispatched_groups": len(reopened),
                  "redispatched_siblings": sum(len(v) for v in plan.values()), "orphan_rows": len(eff.clear),
-                 "warnings": warnings}
+                 "warnings": warnings}, reopened
 
 
-def _reopen(core: RolloutCore, gid: str, info: dict[str, Any] | None, redo: list[int]) -> Effects:
+def _reopen(core: CoreFields, gid: str, info: dict[str, Any] | None, redo: list[int],
+            reopened: list[GroupRun]) -> Effects:
     """Re-reserve a group that was generating at capture; keep the rows of siblings that stay sealed."""
     rec = core.ledger.group(gid)
     info = info or {"epoch": core.epoch, "end_weight": rec.start_weight, "resamples": {}, "keys": {},
@@ -132,7 +163,7 @@ def _reopen(core: RolloutCore, gid: str, info: dict[str, Any] | None, redo: list
                    replacements=int(info.get("replacements", 0)))
     core.buffer.reserve(rec.prompt_id, rec.start_weight, rec.target_step, group_id=gid)
     core.runs[gid] = run
-    core._restored.append(run)
+    reopened.append(run)
     eff = Effects(clear=[k for s, k in keys.items() if s in redo])  # prompt_group: the whole group is redone
     eff.events.append(ReserveEvent(group_id=gid, prompt_id=rec.prompt_id, start_weight=rec.start_weight,
                                    target_step=rec.target_step, trainer_version=core.trainer_version))

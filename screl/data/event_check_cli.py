@@ -36,8 +36,9 @@ def _run_config(run_dir: Path) -> Mapping[str, Any] | None:
     return None
 
 
-def cli_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``screl events check`` / ``python -m screl.data.events check``."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``screl events check`` / ``python -m screl.data.event_check_cli check``: audit a run's event
+    log; non-zero on violations."""
     parser = argparse.ArgumentParser(prog="screl events", description="Audit a run's events.jsonl.")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
@@ -64,3 +65,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     report = check_events(log, sampler, max_buffered_rollouts=cap, final=args.final)
     print(report.format())
     return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,7 +32,8 @@ groups are claimed, a checkpoint/snapshot when its state is captured); a retried
 ``fail`` followed by a ``reserve`` of the same prompt id; a redispatch after a restart reserves
 the ledger's group id again.
 
-``python -m screl.data.events check RUN_DIR`` audits a run (see ``screl.data.event_check``).
+``screl events check RUN_DIR`` audits a run (:mod:`screl.data.event_check`, its command line in
+:mod:`screl.data.event_check_cli`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -386,14 +387,3 @@ class EventLogWriter:
             event = dataclasses.replace(event, time=self._clock())
         self._stream.write(event.to_json() + "\n")
         self._stream.flush()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m screl.data.events check RUN_DIR``: audit a run's event log; non-zero on violations."""
-    from screl.data.event_check_cli import cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,7 @@ import ray
 from _ray_session import ray_set_aside
 
 from screl.config import GenerationConfig, from_dict
-from screl.controller.runtime import check_cluster_fits, worker_resources
+from screl.controller.resources import check_cluster_fits, worker_resources
 from screl.dataplane import start_local_ray, stop_ray_if_started
 from screl.placement import DeviceMap, apply_trainer_devices, local_ray_gpu_ids
 

@@ -16,7 +16,8 @@ from _ray_session import ray_set_aside
 from recovery.ray_nodes import RayNodes
 
 from screl.config import GenerationConfig, from_dict
-from screl.controller.runtime import check_cluster_fits, check_joined_cluster, worker_resources
+from screl.controller.resources import check_cluster_fits, worker_resources
+from screl.controller.runtime import check_joined_cluster
 from screl.dataplane import start_local_ray, stop_ray_if_started
 from screl.placement import apply_trainer_devices
 

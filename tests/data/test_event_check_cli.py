@@ -9,7 +9,7 @@ import pytest
 from test_event_log import _step
 
 from screl.data import CommitEvent, Event, ReserveEvent, SelectEvent, TrainStepEvent
-from screl.data.events import main
+from screl.data.event_check_cli import main
 
 
 def _write_run(tmp_path: Path, events: list[Event], config: str | None = None) -> Path:

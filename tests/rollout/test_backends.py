@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from screl.config import GenerationConfig, RunConfig
-from screl.controller.runtime import check_cluster_fits, engine_options, worker_resources
+from screl.controller.resources import check_cluster_fits, engine_options, worker_resources
 from screl.envs import CountLetter
 from screl.models import TinyCausalLM
 from screl.rollout import EngineOptions, GenerationEngine, GenerationRequest, SamplingParams
