@@ -332,7 +332,7 @@ def capacity_plan(cfg: dict[str, Any]) -> str:
     """The human summary ``screl check`` prints for a valid config."""
     run = RunConfig.from_dict(cfg["data"]["init_args"]["run"])
     sampler = run.sampler
-    algo_name = "PPO" if run.ppo is not None else "GRPO"
+    algo_name = run.algorithm.title
     distill = (cfg.get("model") or {}).get("init_args", {}).get("distillation") if isinstance(cfg.get("model"), dict) else None
     if isinstance(distill, dict):  # screl.Distill: GRPO's step, the teachers' objective (docs/distillation.md)
         algo_name = distill_plan_name(distill)
@@ -411,7 +411,8 @@ def _drops_line(run: RunConfig) -> str:
     if f.on_dropped_prompt == "replace":
         return (f"{what}slots refilled from a reserve of >= {f.replacement_reserve_prompts} spare prompts (whole "
                 f"batches of {run.groups_per_step} held back), <= {f.max_replacement_attempts} per slot")
-    floor = "never (PPO trains full steps)" if run.ppo is not None else f">= {f.min_step_batch_fraction:g} of a step"
+    floor = (f">= {f.min_step_batch_fraction:g} of a step" if run.algorithm.step_may_shrink
+             else f"never ({run.algorithm.title} trains full steps)")
     return f"{what}the step shrinks, {floor}"
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from screl.algorithms import Algorithm, algorithm_of_run
 from screl.config_generation import ColocatedConfig, GenerationConfig
 from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
@@ -99,8 +100,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | T | None) -> T:
 class AdvantageEstimatorConfig:
     """How advantages are computed from rewards (GRPO) or values (PPO)."""
 
-    name: Literal["grpo", "gae"] = "grpo"
-    """``grpo``: group-relative baseline over the ``num_generations_per_prompt`` siblings; ``gae``: PPO's GAE."""
+    name: str = "grpo"
+    """A registered estimator (``screl.algos.register_adv_estimator``): ``grpo`` (group-relative, std-normalized),
+    ``rloo`` (leave-one-out, unnormalized) for GRPO; ``gae`` for PPO (it needs the critic's values)."""
     use_leave_one_out_baseline: bool = True
     """(grpo) Baseline each row with the mean of its siblings excluding itself (else the group mean)."""
     normalize_rewards: bool = True
@@ -418,9 +420,14 @@ class RunConfig:
         return from_dict(cls, data)
 
     @property
+    def algorithm(self) -> Algorithm:
+        """The registered algorithm whose block this run sets (its step rules: ``screl.algorithms``)."""
+        return algorithm_of_run(self)
+
+    @property
     def algo(self) -> GRPOConfig:
         """The step settings of whichever algorithm block is present."""
-        block = self.ppo if self.ppo is not None else self.grpo
+        block: GRPOConfig | None = getattr(self, self.algorithm.config_key)
         if block is None:
             raise ValueError("neither `grpo` nor `ppo` is set: add exactly one algorithm block")
         return block

@@ -130,11 +130,11 @@ class RolloutDataModule(LightningDataModule):
         self.task = task
         self.generation = generation if generation is not None else GenerationConfig()
         self.run = RunConfig.from_dict(run) if not isinstance(run, RunConfig) else run
-        if self.run.grpo is None and self.run.ppo is None:
+        if getattr(self.run, self.run.algorithm.config_key) is None:  # no block: GRPO's defaults
             from screl.config import GRPOConfig
 
             self.run.grpo = GRPOConfig()
-        self.val_task = _held_out(task, val_task, self.run.algo, "ppo" if self.run.ppo is not None else "grpo")
+        self.val_task = _held_out(task, val_task, self.run.algo, self.run.algorithm.config_key)
         self.step_timeout_s = step_timeout_s
         self.run_dir = run_dir
         self.seed = seed

@@ -113,6 +113,17 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      {IS_KEY: False, "async_rl.sampler.max_staleness_versions": 0}, IS_KEY, "stragglers"),
     ("stall_timeout_nonpositive", "grpo_tiny.yaml", {"async_rl.watchdog": {"stall_timeout_s": 0}},
      "async_rl.watchdog.stall_timeout_s", "must be a number of seconds > 0"),
+    ("grpo_estimator_needs_values", "grpo_tiny.yaml", {"grpo.adv_estimator.name": "gae"}, "grpo.adv_estimator.name",
+     "GRPO has no critic, and gae needs its values"),
+    ("ppo_estimator_group_relative", "ppo.yaml", {"ppo.adv_estimator.name": "rloo"}, "ppo.adv_estimator.name",
+     "rloo is group-relative"),
+    ("estimator_unknown", "grpo_tiny.yaml", {"grpo.adv_estimator.name": "dr_grpo"}, "grpo.adv_estimator.name",
+     "is not a registered advantage estimator (registered: ['gae', 'grpo', 'rloo'])"),
+    ("estimator_not_importable", "grpo_tiny.yaml", {"grpo.adv_estimator.name": "tests.estimator_plugins:nope"},
+     "grpo.adv_estimator.name", "cannot be imported"),
+    ("estimator_not_a_function", "grpo_tiny.yaml",
+     {"grpo.adv_estimator.name": "tests.estimator_plugins:NOT_A_FUNCTION"}, "grpo.adv_estimator.name",
+     "is a int, not a function"),
     ("std_floor_negative", "grpo_tiny.yaml", {"grpo.adv_estimator": {"std_floor": -0.1}},
      "grpo.adv_estimator.std_floor", "must be >= 0"),
     ("epochs_nonpositive", "grpo_tiny.yaml", {"grpo.max_num_epochs": -1}, "grpo.max_num_epochs",
@@ -126,7 +137,7 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("ppo_needs_value", "ppo.yaml", {"model.init_args.value": None}, "model.init_args.value", "needs a critic"),
     ("ppo_needs_value_loss", "ppo.yaml", {"model.init_args.value_loss_fn": None}, "model.init_args.value_loss_fn",
      "needs a value loss"),
-    ("ppo_needs_gae", "ppo.yaml", {"ppo.adv_estimator.name": "grpo"}, "ppo.adv_estimator.name", "GAE"),
+    ("ppo_needs_gae", "ppo.yaml", {"ppo.adv_estimator.name": "grpo"}, "ppo.adv_estimator.name", "from its critic's values"),
     ("ppo_needs_in_order", "ppo.yaml",
      {"async_rl.sampler": {"name": "weight_fifo", "max_staleness_versions": 1}}, "async_rl.sampler.name",
      "only the in_order sampler"),
@@ -241,7 +252,7 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      {"async_rl.rollout_failure": {"max_consecutive_dropped_prompts": 2}},
      "async_rl.rollout_failure.max_skipped_prompts", "stamps target steps"),
     ("warmup_on_grpo", "grpo_tiny.yaml", {"async_rl.sampler.warmup_lookahead_versions": 2},
-     "async_rl.sampler.warmup_lookahead_versions", "PPO critic-warmup knob"),
+     "async_rl.sampler.warmup_lookahead_versions", "critic-warmup knob and has no effect on GRPO"),
     ("warmup_needs_start_step", "ppo.yaml", {"ppo.policy_training_start_step": 0},
      "async_rl.sampler.warmup_lookahead_versions", "policy_training_start_step > 0"),
     ("warmup_below_max", "ppo.yaml", {"async_rl.sampler.warmup_lookahead_versions": 0},
@@ -277,7 +288,7 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("loss_fn_own_checks", "grpo_tiny.yaml", {IS_KEY: False, "async_rl.sampler.max_lookahead_versions": 0},
      "model.init_args.loss_fn", "truncation needs IS correction"),
     ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},
-     "grpo.num_generations_per_prompt", "at least two rollouts"),
+     "grpo.num_generations_per_prompt", "at least 2 rollouts per prompt"),
     ("workflow_missing", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.rollout.workflow.Nope"},
      "data.init_args.generation.workflow", "cannot import the workflow class"),
     ("workflow_no_run", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.envs.CountLetter"},
@@ -585,3 +596,12 @@ def test_the_plan_warns_of_shadow_mode_checkpoints(tmp_path: Path, capsys: pytes
     cfg["async_rl"]["sampler"]["target"] = "tests.sampler_plugins:DeclaresCheckpoint"
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0 and "SHADOW MODE" not in out, out
+
+
+def test_an_estimator_from_outside_screl_is_accepted_by_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["grpo"]["adv_estimator"] = {"name": "tests.estimator_plugins:mean_baseline"}
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out

@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO group-relative advantages and PPO's GAE.
+"""Advantage estimators, registered by name: GRPO's and RLOO's group-relative advantages, PPO's GAE.
 
 Pure tensor math (torch only). Shapes use ``B`` rows (samples), ``T`` token positions and ``G`` rows per
 group. All functions are dtype-generic and never return NaN for masked, empty or constant inputs.
@@ -6,10 +6,77 @@ group. All functions are dtype-generic and never return NaN for masked, empty or
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["gae_advantages", "grpo_advantages", "masked_whiten", "terminal_token_rewards"]
+__all__ = [
+    "AdvantageEstimator",
+    "adv_estimator_names",
+    "gae_advantages",
+    "get_adv_estimator",
+    "grpo_advantages",
+    "masked_whiten",
+    "register_adv_estimator",
+    "rloo_advantages",
+    "terminal_token_rewards",
+]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator: ``adv_estimator.name`` in a run's algorithm block chooses it.
+
+    Group estimators (``needs_values=False``) are called ``fn(rewards [B], group_size, config) -> [B]``; value
+    estimators (``needs_values=True``, for an algorithm with a critic) ``fn(token_rewards [B, T], values [B, T],
+    token_mask [B, T], config) -> (advantages, returns)``. ``config`` is the block's ``adv_estimator`` settings.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    needs_values: bool
+
+
+_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_estimator(name: str, *, needs_values: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` under ``name`` (a decorator); a second registration of one name is refused."""
+
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered ({_ESTIMATORS[name].fn.__qualname__})")
+        _ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_values)
+        return fn
+
+    return add
+
+
+def get_adv_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``, or your function given as ``"package.module:fn"`` (imported here; a
+    group estimator unless the function was registered with ``needs_values=True``)."""
+    if name in _ESTIMATORS:
+        return _ESTIMATORS[name]
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {adv_estimator_names()}, or give your "
+                         "function as 'package.module:fn'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"advantage estimator {name!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"advantage estimator {name!r} is a {type(fn).__name__}, not a function")
+    return next((e for e in _ESTIMATORS.values() if e.fn is fn), AdvantageEstimator(name, fn, needs_values=False))
+
+
+def adv_estimator_names(*, needs_values: bool | None = None) -> list[str]:
+    """The registered names, all of them or those that do (not) need a critic's values."""
+    return sorted(n for n, e in _ESTIMATORS.items() if needs_values is None or e.needs_values == needs_values)
 
 
 def _check_group_inputs(rewards: Tensor, group_size: int, sample_mask: Tensor | None) -> None:
@@ -77,6 +144,20 @@ def grpo_advantages(
     n_valid = m.sum(-1, keepdim=True)  # [N, 1]
     keep = valid & (n_valid > 1.0)
     return torch.where(keep, adv, torch.zeros_like(adv)).reshape(rewards.shape)
+
+
+@register_adv_estimator("grpo")
+def _grpo(rewards: Tensor, group_size: int, config: Any) -> Tensor:
+    """GRPO (Shao et al., 2024): each row against its group's (leave-one-out by default) mean, over its std."""
+    return grpo_advantages(rewards, group_size, leave_one_out=config.use_leave_one_out_baseline,
+                           normalize_std=config.normalize_rewards, std_floor=config.std_floor)
+
+
+@register_adv_estimator("rloo")
+def rloo_advantages(rewards: Tensor, group_size: int, config: Any = None) -> Tensor:
+    """RLOO (Ahmadian et al., 2024, eq. 6): ``A_i = r_i - mean_{j != i} r_j`` over the group, never divided by a
+    std, so a rare success among failures keeps its raw reward gap (``G / (G - 1) * (r_i - mean r)``)."""
+    return grpo_advantages(rewards, group_size, leave_one_out=True, normalize_std=False)
 
 
 def _relative_to_baseline(
@@ -214,3 +295,9 @@ def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: floa
         next_value = torch.where(m, values[:, t], next_value)
         next_adv = torch.where(m, adv_t, next_adv)
     return out
+
+
+@register_adv_estimator("gae", needs_values=True)
+def _gae_estimator(rewards: Tensor, values: Tensor, token_mask: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    """PPO's GAE over token positions with the block's ``gamma`` and ``lam`` (whitening is the module's)."""
+    return gae_advantages(rewards, values, token_mask, gamma=config.gamma, lam=config.lam, whiten=False)

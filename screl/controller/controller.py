@@ -69,6 +69,7 @@ __all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_prefix: str = "") -> CoreSettings:
     """The core's settings from the run config (prompt routing keys from each prompt's metadata)."""
     algo, f = run.algo, run.async_rl.rollout_failure
+    warmup = getattr(algo, "policy_training_start_step", 0) if run.algorithm.needs_critic else None
     prompts = tuple(
         CorePrompt(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent")) for p in task.prompts()
     )
@@ -78,10 +79,10 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         max_num_steps=algo.max_num_steps, min_groups=run.min_groups,
         max_buffered_rollouts=run.max_buffered_rollouts, max_inflight_prompts=run.max_inflight_prompts,
         num_workers=num_workers, seed=seed, id_prefix=id_prefix,
-        policy_training_start_step=run.ppo.policy_training_start_step if run.ppo is not None else None,
+        policy_training_start_step=warmup,
         failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
-        dynamic_sampling=algo.use_dynamic_sampling, step_may_shrink=run.ppo is None,
-        algo_key="grpo" if run.ppo is None else "ppo",
+        dynamic_sampling=algo.use_dynamic_sampling, step_may_shrink=run.algorithm.step_may_shrink,
+        algo_key=run.algorithm.config_key,
         reserve=ReservePolicy(enabled=f.on_dropped_prompt == "replace", size=f.replacement_reserve_prompts,
                               max_per_slot=f.max_replacement_attempts),
     )

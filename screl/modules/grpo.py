@@ -35,7 +35,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from typing_extensions import override
 
-from screl.algos import ClippedPGLoss, grpo_advantages
+from screl.algos import ClippedPGLoss, get_adv_estimator
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
 from screl.modules.logprobs import token_logprobs
@@ -333,14 +333,8 @@ class GRPO(WeightExport, LightningModule):
         sample_mask = loss_sample_mask(batch, self.algo.overlong_filtering)
         token_mask = batch["token_mask"].float()
         # every row stays in its group's baseline: a masked row's reward still says how hard the prompt is
-        advantages = grpo_advantages(
-            batch["rewards"].float(),
-            group_size,
-            None,
-            leave_one_out=self.algo.adv_estimator.use_leave_one_out_baseline,
-            normalize_std=self.algo.adv_estimator.normalize_rewards,
-            std_floor=self.algo.adv_estimator.std_floor,
-        )
+        estimator = get_adv_estimator(self.algo.adv_estimator.name)
+        advantages = estimator.fn(batch["rewards"].float(), group_size, self.algo.adv_estimator)
         self._watch_advantages(advantages, int(batch["trainer_version"]))
         valid_tokens = (token_mask * sample_mask[:, None]).sum().clamp_min(1.0)
         if "chunk_valid_tokens" in batch:

@@ -62,7 +62,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from screl.algos import ClippedPGLoss, ClippedValueLoss, gae_advantages, terminal_token_rewards
+from screl.algos import ClippedPGLoss, ClippedValueLoss, get_adv_estimator, terminal_token_rewards
 from screl.config import PPOConfig, from_dict
 from screl.models import PolicySpec, ValueModel
 from screl.modules.grpo import GRPO, master_copy, token_logprobs
@@ -408,7 +408,7 @@ class PPO(GRPO):
             kl = old_lp - ref
         rewards = terminal_token_rewards(batch["rewards"].float(), mask, kl, self.ppo.reward_kl_coef)
         est = self.ppo.adv_estimator
-        adv, ret = gae_advantages(rewards, values, mask, gamma=est.gamma, lam=est.lam, whiten=False)
+        adv, ret = get_adv_estimator(est.name).fn(rewards, values, mask, est)
         if est.whiten_advantages:
             adv = self._whiten(adv, mask.bool(), batch)
         rows = int(ids.shape[0])

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from screl.algorithms import Algorithm, algorithm_of_model, algorithm_of_run
 from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
     SamplerConfig,
@@ -68,12 +69,9 @@ def to_mapping(obj: Any) -> Any:
     return obj
 
 
-def model_kind(cfg: Mapping[str, Any]) -> str | None:
-    """``"ppo"`` or ``"grpo"`` from ``model.class_path`` (None when no model is configured)."""
-    class_path = get(cfg, "model.class_path")
-    if not isinstance(class_path, str):
-        return None
-    return "ppo" if class_path.rsplit(".", 1)[-1].upper().endswith("PPO") else "grpo"
+def model_algorithm(cfg: Mapping[str, Any]) -> Algorithm | None:
+    """The registered algorithm of ``model.class_path`` (None when no model is configured or it is none)."""
+    return algorithm_of_model(get(cfg, "model.class_path"))
 
 
 def import_target(target: str) -> type | None:
@@ -140,9 +138,9 @@ class RuleContext:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        grpo, ppo = cfg.get("grpo"), cfg.get("ppo")
-        self.algo_key = "ppo" if ppo is not None and grpo is None else "grpo"
-        self.algo: Mapping[str, Any] = (ppo if self.algo_key == "ppo" else grpo) or {}
+        self.algorithm = algorithm_of_run(cfg)
+        self.algo_key = self.algorithm.config_key
+        self.algo: Mapping[str, Any] = cfg.get(self.algo_key) or {}
         P, G = self.algo.get("num_prompts_per_step", 8), self.algo.get("num_generations_per_prompt", 4)
         self.P = P if isinstance(P, int) and P >= 1 else 1
         self.G = G if isinstance(G, int) and G >= 1 else 1

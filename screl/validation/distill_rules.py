@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from screl.config_distill import KEY, DistillationConfig, Teacher
-from screl.validation.context import RuleContext, get
+from screl.validation.context import RuleContext, get, model_algorithm
 from screl.validation.megatron_generation_rules import is_megatron_strategy
 
 
 def _is_distill(cfg: Mapping[str, Any]) -> bool:
-    class_path = get(cfg, "model.class_path")
-    return isinstance(class_path, str) and class_path.rsplit(".", 1)[-1] == "Distill"
+    found = model_algorithm(cfg)
+    return found is not None and found.name == "distill"
 
 
 def _spec(value: Any) -> Any:

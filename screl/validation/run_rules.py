@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
+from screl.algorithms import algorithm, block_keys
+from screl.algos import adv_estimator_names, get_adv_estimator
 from screl.data.sampler_config import InOrderSamplerConfig
 from screl.data.sampler_factory import required_buffer_capacity
 from screl.rollout.backends import resolve_backend
@@ -15,30 +17,31 @@ from screl.validation.context import (
     RuleContext,
     construct_problem,
     get,
-    model_kind,
+    model_algorithm,
     workflow_problem,
 )
 
 
 def algorithm_rules(c: RuleContext) -> None:
-    grpo, ppo, kind = c.cfg.get("grpo"), c.cfg.get("ppo"), model_kind(c.cfg)
-    if grpo is not None and ppo is not None:
-        c.bad("grpo", "<set>", "`grpo` and `ppo` are mutually exclusive", "keep the block of the algorithm you run")
-    elif grpo is None and ppo is None:
+    present = [key for key in block_keys() if c.cfg.get(key) is not None]
+    if len(present) > 1:
+        c.bad(present[0], "<set>", f"{' and '.join(f'`{k}`' for k in present)} are mutually exclusive",
+              "keep the block of the algorithm you run")
+    elif not present:
         c.bad("grpo", None, "no algorithm block", "add a `grpo:` block (or `ppo:` for a PPO run)")
-    if kind == "ppo" and c.algo_key == "grpo" and grpo is not None:
-        c.bad("grpo", "<set>", "model is a PPO module but the step settings are in `grpo`", "rename the block `ppo`")
-    if kind == "grpo" and c.algo_key == "ppo":
-        c.bad("ppo", "<set>", "model is a GRPO module but the step settings are in `ppo`",
-              "rename the block `grpo`, or use model.class_path: screl.PPO")
+    model = model_algorithm(c.cfg)
+    if model is not None and present == [c.algo_key] and model.config_key != c.algo_key:
+        c.bad(c.algo_key, "<set>", f"model is a {model.title} module but the step settings are in `{c.algo_key}`",
+              f"rename the block `{model.config_key}`, or use model.class_path: {_module_for_block(c.algo_key)}")
     key, algo = c.algo_key, c.algo
     for name, default in (("num_prompts_per_step", 8), ("num_generations_per_prompt", 4)):
         value = algo.get(name, default)
         if not isinstance(value, int) or value < 1:
             c.bad(f"{key}.{name}", value, "must be an integer >= 1", f"set {key}.{name} >= 1")
-    if key == "grpo" and algo.get("num_generations_per_prompt", 4) == 1:
-        c.bad("grpo.num_generations_per_prompt", 1, "GRPO's group baseline needs at least two rollouts per "
-              "prompt", "set grpo.num_generations_per_prompt >= 2")
+    least = (model or c.algorithm).min_generations_per_prompt
+    if algo.get("num_generations_per_prompt", 4) == 1 and least > 1:
+        c.bad(f"{key}.num_generations_per_prompt", 1, f"{(model or c.algorithm).title}'s group baseline needs at "
+              f"least {least} rollouts per prompt", f"set {key}.num_generations_per_prompt >= {least}")
     epochs = algo.get("max_num_epochs", 1)
     if not isinstance(epochs, int) or epochs <= 0:
         c.bad(f"{key}.max_num_epochs", epochs, "must be positive (there is no -1 = unbounded convention; "
@@ -48,6 +51,11 @@ def algorithm_rules(c: RuleContext) -> None:
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         c.bad(f"{key}.max_num_steps", steps, "must be >= 1 or null", f"set {key}.max_num_steps >= 1")
     _unsupported_algorithm_knobs(c)
+
+
+def _module_for_block(key: str) -> str:
+    """The short class path of the block's own algorithm (``screl.PPO`` for ``ppo``)."""
+    return "screl." + algorithm(key).module.rsplit(".", 1)[-1]
 
 
 def _unsupported_algorithm_knobs(c: RuleContext) -> None:
@@ -112,9 +120,9 @@ def _dynamic_sampling_rules(c: RuleContext) -> None:
         c.bad(f"{key}.num_generations_per_prompt", c.G, "dynamic sampling drops groups whose rewards all agree, "
               "and a group of one always agrees", f"set {key}.num_generations_per_prompt >= 2")
     replace = c.rf.get("on_dropped_prompt", "shrink") == "replace"
-    if key == "ppo" and not replace:
+    if not c.algorithm.step_may_shrink and not replace:
         c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
-              "PPO trains full steps only, so a filtered group's slot must be refilled",
+              f"{c.algorithm.title} trains full steps only, so a filtered group's slot must be refilled",
               "set async_rl.rollout_failure.on_dropped_prompt: replace")
     if c.rules is not None and not c.rules.supports_drop_budgets and not replace:
         c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
@@ -189,13 +197,13 @@ def _sampler_needs_rules(c: RuleContext) -> None:
               "dropped group", "use sampler in_order, set on_dropped_prompt: replace, or set both drop budgets to 0")
     warm = c.sampler.warmup_lookahead_versions if isinstance(c.sampler, InOrderSamplerConfig) else None
     if warm is not None and not (c.algo.get("policy_training_start_step", 0) or 0):
-        if c.algo_key == "ppo":
+        if c.algorithm.needs_critic:
             c.bad("async_rl.sampler.warmup_lookahead_versions", warm,
-                  "requires ppo.policy_training_start_step > 0 (it is the lookahead during critic warmup)",
-                  "set ppo.policy_training_start_step > 0 or remove the knob")
+                  f"requires {c.algo_key}.policy_training_start_step > 0 (it is the lookahead during critic warmup)",
+                  f"set {c.algo_key}.policy_training_start_step > 0 or remove the knob")
         else:
             c.bad("async_rl.sampler.warmup_lookahead_versions", warm,
-                  "is a PPO critic-warmup knob and has no effect on GRPO", "remove it")
+                  f"is a critic-warmup knob and has no effect on {c.algorithm.title}", "remove it")
 
 
 def loss_rules(c: RuleContext) -> None:
@@ -332,50 +340,79 @@ def _sampling_rules(c: RuleContext) -> None:
 
 
 def algorithm_pairing_rules(c: RuleContext) -> None:
-    """PPO needs a critic, GAE, in_order and full steps; GRPO has no critic."""
-    adv_name = get(c.algo, "adv_estimator.name", "gae" if c.algo_key == "ppo" else "grpo")
+    """What the run's algorithm declares: its advantage estimators, its critic (or none), its samplers, full
+    steps; then the critic's own knobs."""
+    algo, key = c.algorithm, c.algo_key
     for knob, ok, fix in (("std_floor", lambda v: v >= 0, "set it to 0 (none) or e.g. 0.1"),
                           ("warn_abs_advantage", lambda v: v > 0, "set it to e.g. 10")):
         value = get(c.algo, f"adv_estimator.{knob}", None)
         if isinstance(value, (int, float)) and not ok(value):
-            c.bad(f"{c.algo_key}.adv_estimator.{knob}", value, "must be >= 0" if knob == "std_floor" else "must be > 0",
-                  fix)
-    if c.algo_key != "ppo":
-        if adv_name != "grpo":
-            c.bad("grpo.adv_estimator.name", adv_name, "GRPO uses group-relative advantages",
-                  "set grpo.adv_estimator.name: grpo (GAE needs a critic: use ppo)")
+            c.bad(f"{key}.adv_estimator.{knob}", value, "must be >= 0" if knob == "std_floor" else "must be > 0", fix)
+    _adv_estimator_rule(c)
+    if not algo.needs_critic:
         for knob in ("value", "value_loss_fn"):
             if get(c.cfg, f"model.init_args.{knob}") is not None:
-                c.bad(f"model.init_args.{knob}", "<set>", "a GRPO run has no critic", "remove it, or run PPO")
+                c.bad(f"model.init_args.{knob}", "<set>", f"a {algo.title} run has no critic", "remove it, or run PPO")
         return
+    if get(c.cfg, "model.init_args.value") is None:
+        c.bad("model.init_args.value", None, f"a {algo.title} run needs a critic", "add model.init_args.value")
+    if get(c.cfg, "model.init_args.value_loss_fn") is None:
+        c.bad("model.init_args.value_loss_fn", None, f"a {algo.title} run needs a value loss",
+              "add model.init_args.value_loss_fn (screl.algos.ClippedValueLoss)")
+    if algo.samplers is not None and c.sampler is not None and c.sampler.name not in algo.samplers:
+        c.bad("async_rl.sampler.name", c.sampler.name, f"{algo.title} runs support only the "
+              f"{' or '.join(algo.samplers)} sampler", f"set async_rl.sampler.name: {algo.samplers[0]}")
+    if not algo.step_may_shrink:
+        _full_step_rules(c)
+    if not get(c.cfg, "model.init_args.offload_optimizer_for_logprob", True):
+        c.bad("model.init_args.offload_optimizer_for_logprob", False, f"{algo.title} keeps the policy optimizer off "
+              "the device while the critic runs", "set it to true")
+    _critic_epoch_rules(c)
+
+
+def _adv_estimator_rule(c: RuleContext) -> None:
+    """``adv_estimator.name`` is registered, and of the kind the algorithm computes (from values with a critic,
+    from the group's rewards without one)."""
+    algo, key = c.algorithm, c.algo_key
+    name = get(c.algo, "adv_estimator.name", algo.default_adv_estimator)
+    fitting = adv_estimator_names(needs_values=algo.needs_critic)
+    try:
+        needs_values = get_adv_estimator(name).needs_values if isinstance(name, str) else None
+        why = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
+    except ValueError as err:
+        needs_values, why = None, str(err).replace(f"advantage estimator {name!r} ", "")
+        if str(err).startswith("unknown"):
+            why = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
+    if needs_values is None:
+        c.bad(f"{key}.adv_estimator.name", name, why,
+              f"set {key}.adv_estimator.name to one of {fitting}, or your function as 'package.module:fn'")
+    elif needs_values != algo.needs_critic:
+        why = (f"{algo.title} has no critic, and {name} needs its values" if needs_values
+               else f"{algo.title} computes advantages from its critic's values, and {name} is group-relative")
+        c.bad(f"{key}.adv_estimator.name", name, why, f"set {key}.adv_estimator.name to one of {fitting}")
+
+
+def _full_step_rules(c: RuleContext) -> None:
+    """An algorithm that trains full steps only: no streamed chunks and no drop budgets."""
+    title = c.algorithm.title
+    if c.min_groups != c.P:
+        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, f"{title} trains one full step per chunk "
+              "(the critic has no split train API)", f"set it to {c.algo_key}.num_prompts_per_step ({c.P})")
+    for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
+        if c.rf.get(knob, 0) != 0:
+            c.bad(f"async_rl.rollout_failure.{knob}", c.rf.get(knob), f"a drop would shorten a {title} step that "
+                  "the critic shards against its configured batch size", "set it to 0")
+
+
+def _critic_epoch_rules(c: RuleContext) -> None:
+    key = c.algo_key
     for knob in ("ppo_epochs", "critic_ppo_epochs"):
         if c.algo.get(knob, 1) < 1:
-            c.bad(f"ppo.{knob}", c.algo.get(knob), "must be >= 1", f"set ppo.{knob} >= 1")
+            c.bad(f"{key}.{knob}", c.algo.get(knob), "must be >= 1", f"set {key}.{knob} >= 1")
     minibatches, rows = c.algo.get("num_minibatches", 1), c.P * c.G
     if not isinstance(minibatches, int) or minibatches < 1 or rows % minibatches:
         divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-        c.bad("ppo.num_minibatches", minibatches, f"must be >= 1 and divide the step's num_prompts_per_step x "
+        c.bad(f"{key}.num_minibatches", minibatches, f"must be >= 1 and divide the step's num_prompts_per_step x "
               f"num_generations_per_prompt = {c.P} x {c.G} = {rows} rows (each epoch splits them into equal "
               "minibatches)", f"set it to one of {divisors}")
-    if adv_name != "gae":
-        c.bad("ppo.adv_estimator.name", adv_name, "PPO needs GAE advantages", "set ppo.adv_estimator.name: gae")
-    if get(c.cfg, "model.init_args.value") is None:
-        c.bad("model.init_args.value", None, "a PPO run needs a critic", "add model.init_args.value")
-    if get(c.cfg, "model.init_args.value_loss_fn") is None:
-        c.bad("model.init_args.value_loss_fn", None, "a PPO run needs a value loss",
-              "add model.init_args.value_loss_fn (screl.algos.ClippedValueLoss)")
-    if c.sampler is not None and c.sampler.name != "in_order":
-        c.bad("async_rl.sampler.name", c.sampler.name, "PPO runs support only the in_order sampler",
-              "set async_rl.sampler.name: in_order")
-    if c.min_groups != c.P:
-        c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "PPO trains one full step per chunk (the "
-              "critic has no split train API)", f"set it to ppo.num_prompts_per_step ({c.P})")
-    for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-        if c.rf.get(knob, 0) != 0:
-            c.bad(f"async_rl.rollout_failure.{knob}", c.rf.get(knob), "a drop would shorten a PPO step that the "
-                  "critic shards against its configured batch size", "set it to 0")
-    if not get(c.cfg, "model.init_args.offload_optimizer_for_logprob", True):
-        c.bad("model.init_args.offload_optimizer_for_logprob", False, "PPO keeps the policy optimizer off the "
-              "device while the critic runs", "set it to true")
-
 

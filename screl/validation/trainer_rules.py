@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from screl.validation.context import RuleContext, get, model_kind
+from screl.algorithms import Algorithm
+from screl.validation.context import RuleContext, get, model_algorithm
 
 KEY = "trainer.strategy"
 SCREL_DDP = "screl.strategies.DDPStrategy"
@@ -56,18 +57,27 @@ def strategy_rules(c: RuleContext) -> None:
         c.bad(KEY, name, "Lightning's DDP rendezvouses through torch's TCP store, which listens on every network "
               f"interface; {SCREL_DDP} is the same strategy, and ranks on one node meet through a file instead",
               f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/scaling.md)")
-    elif model_kind(c.cfg) == "ppo" and procs > 1 and short not in ("DDPStrategy", "MegatronStrategy"):
-        c.bad(KEY, name, f"PPO over {procs} processes reduces its advantages, loss normalizers and gradients over "
-              f"data-parallel replicas under {SCREL_DDP} or screl.strategies.MegatronStrategy only",
-              f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/ppo.md), or trainer.devices: 1")
+    elif (algo := _needs_named_strategies(c)) and procs > 1 and short not in (algo.multi_process_strategies or ()):
+        allowed = " or ".join(f"screl.strategies.{s}" for s in algo.multi_process_strategies or ())
+        c.bad(KEY, name, f"{algo.title} over {procs} processes reduces its advantages, loss normalizers and "
+              f"gradients over data-parallel replicas under {allowed} only",
+              f"set trainer.strategy: {{class_path: {SCREL_DDP}}} (docs/{algo.name}.md), or trainer.devices: 1")
     _megatron_context_parallel_rule(c, short, init_args)
+
+
+def _needs_named_strategies(c: RuleContext) -> Algorithm | None:
+    """The configured model's algorithm when it needs one of a few strategies for a multi-process run."""
+    algo = model_algorithm(c.cfg)
+    return algo if algo is not None and algo.multi_process_strategies else None
 
 
 def _megatron_context_parallel_rule(c: RuleContext, short: str, init_args: dict[str, Any]) -> None:
     """GRPO's policy under MegatronStrategy computes logprobs over whole sequences: no context parallelism."""
     cp = get(init_args, "parallelism.context_parallel_size", 1)
-    if model_kind(c.cfg) == "grpo" and short == "MegatronStrategy" and isinstance(cp, int) and cp > 1:
-        c.bad(f"{KEY}.init_args.parallelism.context_parallel_size", cp, "GRPO under MegatronStrategy does not "
+    algo = model_algorithm(c.cfg)
+    if algo is not None and not algo.megatron_context_parallel and short == "MegatronStrategy" \
+            and isinstance(cp, int) and cp > 1:
+        c.bad(f"{KEY}.init_args.parallelism.context_parallel_size", cp, f"{algo.title} under MegatronStrategy does not "
               "support context parallelism (every rank computes the policy's logprobs over whole sequences)",
               "set context_parallel_size: 1 and split the model with tensor_model_parallel_size or "
               "pipeline_model_parallel_size instead")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from screl.validation.context import RuleContext, get, model_kind
+from screl.validation.context import RuleContext, get, model_algorithm
 from screl.validation.megatron_generation_rules import is_megatron_strategy
 
 __all__ = ["vlm_rules"]
@@ -56,13 +56,9 @@ def vlm_rules(c: RuleContext) -> None:
                   "use a vision-language policy (screl.models.TinyVisionLM, screl.models.HFVisionLM), or a text task")
         return
     name = policy.__name__  # type: ignore[union-attr]
-    if model_kind(c.cfg) == "ppo":
-        c.bad("model.class_path", get(c.cfg, "model.class_path"), f"PPO's critic (screl.models.ValueModel) reads token "
-              f"ids only: it cannot take {name}'s images, so its values would ignore what the policy sees",
-              "use model.class_path: screl.GRPO for a vision-language policy")
-    if str(get(c.cfg, "model.class_path", "")).rsplit(".", 1)[-1] == "Distill":
-        c.bad("model.class_path", get(c.cfg, "model.class_path"), "distillation rows carry the teachers' logprobs, "
-              f"not {name}'s images (the teachers would score the completions without them)",
+    algo = model_algorithm(c.cfg)
+    if algo is not None and algo.vision_refusal is not None:
+        c.bad("model.class_path", get(c.cfg, "model.class_path"), algo.vision_refusal.format(policy=name),
               "use model.class_path: screl.GRPO for a vision-language policy")
     if is_megatron_strategy(c.cfg):
         c.bad("trainer.strategy", "MegatronStrategy", f"the Megatron model provider builds text-only GPT models: "

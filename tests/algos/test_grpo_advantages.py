@@ -139,3 +139,41 @@ def test_std_floor_bounds_the_near_tie_blow_up() -> None:
 def test_negative_std_floor_is_refused() -> None:
     with pytest.raises(ValueError, match=r"std_floor=-0.1.*must be >= 0"):
         grpo_advantages(torch.zeros(4), 4, std_floor=-0.1)
+
+
+# --- RLOO, the registered ``rloo`` estimator (Ahmadian et al., 2024) ---------------------------------------
+
+
+def test_rloo_is_each_reward_minus_the_mean_of_its_siblings_unnormalized() -> None:
+    from screl.algos import get_adv_estimator, rloo_advantages
+
+    # group 1, r = [1, 0, 0, 0]: A_0 = 1 - (0+0+0)/3 = 1; A_j = 0 - (1+0+0)/3 = -1/3 for the three failures
+    # group 2, r = [2, 2, 5, 3]: A = [2-10/3, 2-10/3, 5-7/3, 3-3] = [-4/3, -4/3, 8/3, 0]
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 5.0, 3.0])
+    want = [1.0, -1 / 3, -1 / 3, -1 / 3, -4 / 3, -4 / 3, 8 / 3, 0.0]
+    close(rloo_advantages(rewards, 4), want)
+    estimator = get_adv_estimator("rloo")
+    assert not estimator.needs_values
+    close(estimator.fn(rewards, 4, None), want)  # the registered entry ignores the block's normalization knobs
+    # the same as G / (G - 1) x (r_i - group mean): 4/3 x (1 - 1/4) = 1
+    close(rloo_advantages(rewards, 4), 4 / 3 * (rewards.reshape(2, 4) - rewards.reshape(2, 4).mean(1, True)).reshape(-1))
+
+
+def test_registered_estimators_and_their_refusals() -> None:
+    from screl.algos import adv_estimator_names, get_adv_estimator, register_adv_estimator
+
+    assert adv_estimator_names() == ["gae", "grpo", "rloo"]
+    assert adv_estimator_names(needs_values=True) == ["gae"]
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'nope'; registered: \['gae', 'grpo', 'rloo'\]"):
+        get_adv_estimator("nope")
+    with pytest.raises(ValueError, match=r"advantage estimator 'rloo' is already registered \(rloo_advantages\)"):
+        register_adv_estimator("rloo")(lambda rewards, group_size, config: rewards)
+
+
+def test_the_grpo_entry_reads_the_blocks_knobs() -> None:
+    from screl.algos import get_adv_estimator
+    from screl.config import AdvantageEstimatorConfig
+
+    rewards = torch.tensor([1.0, 0.0, 2.0])
+    config = AdvantageEstimatorConfig(use_leave_one_out_baseline=False, normalize_rewards=False)
+    close(get_adv_estimator("grpo").fn(rewards, 3, config), [0.0, -1.0, 1.0])  # mean([1, 0, 2]) = 1

@@ -30,7 +30,7 @@ import yaml
 
 from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
-from screl.data.events import main as events_cli
+from screl.data.event_check_cli import main as events_cli
 from screl.data.events import parse_event, read_events
 
 from .conftest import kill_tree, recovery_config, start_fit, wait_for

@@ -1,0 +1,83 @@
+"""The algorithm registry: what the CLI, the rules and the controller ask instead of testing names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from screl.algorithms import Algorithm, algorithm, algorithm_of_model, algorithm_of_run, register_algorithm
+from screl.config import GRPOConfig, PPOConfig, RunConfig
+from screl.modules.ppo import PPO
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class MyPPO(PPO):
+    """A user's PPO subclass: still PPO's step rules."""
+
+
+def test_each_module_class_path_maps_to_its_algorithm() -> None:
+    assert algorithm_of_model("screl.GRPO") is algorithm("grpo")
+    assert algorithm_of_model("screl.modules.ppo.PPO") is algorithm("ppo")
+    assert algorithm_of_model("screl.Distill") is algorithm("distill")
+    # a subclass is its most derived registered base (Distill derives from GRPO)
+    assert algorithm_of_model("screl.modules.distill.Distill").name == "distill"
+    assert algorithm_of_model("test_algorithms.MyPPO") is algorithm("ppo")
+    assert algorithm_of_model("screl.models.TinyCausalLM") is None
+    assert algorithm_of_model("no.such.Module") is None
+    assert algorithm_of_model(None) is None
+
+
+def test_a_run_is_the_algorithm_of_its_block() -> None:
+    assert algorithm_of_run(RunConfig(ppo=PPOConfig())).name == "ppo"
+    assert algorithm_of_run(RunConfig(grpo=GRPOConfig())).name == "grpo"
+    assert algorithm_of_run({"ppo": {"num_prompts_per_step": 2}}).name == "ppo"
+    assert algorithm_of_run({}).name == "grpo"  # no block: GRPO's defaults
+    ppo = algorithm("ppo")
+    assert (ppo.step_may_shrink, ppo.needs_critic, ppo.samplers) == (False, True, ("in_order",))
+    assert algorithm("grpo").step_may_shrink and not algorithm("grpo").needs_critic
+
+
+def test_a_name_or_a_module_is_registered_once() -> None:
+    spec = algorithm("grpo")
+    with pytest.raises(ValueError, match=r"algorithm 'grpo' \(screl.modules.grpo.GRPO\) clashes with the registered"):
+        register_algorithm(spec)
+    other = Algorithm(name="grpo2", title="GRPO2", config_key="grpo", module=spec.module, step_may_shrink=True,
+                      needs_critic=False, default_adv_estimator="grpo")
+    with pytest.raises(ValueError, match=r"clashes with the registered \['grpo'\]"):
+        register_algorithm(other)
+    with pytest.raises(ValueError, match=r"unknown algorithm 'nope'; registered: \['distill', 'grpo', 'ppo'\]"):
+        algorithm("nope")
+
+
+# what a test of the algorithm's identity looks like, outside the algorithm's own files
+_NAME_TESTS = re.compile(
+    r"\.(ppo|grpo) is (not )?None|[=!]= \"(ppo|grpo|PPO|GRPO|Distill|distill)\"|endswith\(\"PPO\"\)"
+    r"|isinstance\([^)]*\b(PPO|GRPO|Distill)\b"
+)
+_OWN_FILES = {
+    "screl/algorithms.py",  # the registry itself
+    "screl/modules/grpo.py", "screl/modules/ppo.py", "screl/modules/distill.py",
+    "screl/validation/distill_rules.py",  # the distillation block's own rules
+}
+
+
+def test_no_code_outside_an_algorithms_own_files_tests_which_algorithm_runs() -> None:
+    found = []
+    for folder in ("screl", "callbacks", "strategies"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in _OWN_FILES:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if _NAME_TESTS.search(line):
+                    found.append(f"{rel}:{number}: {line.strip()}")
+    assert not found, "ask screl.algorithms (algorithm_of_run / algorithm_of_model) instead:\n" + "\n".join(found)
+
+
+def test_the_name_check_sees_a_name_test() -> None:
+    assert _NAME_TESTS.search('    algo_key="grpo" if run.ppo is None else "ppo",')
+    assert _NAME_TESTS.search('if model_kind(cfg) == "ppo":')
+    assert not _NAME_TESTS.search("if run.algorithm.needs_critic:")
