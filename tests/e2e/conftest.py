@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,25 @@ def run_fit(cfg: dict[str, Any], tmp_path: Path, callbacks: list[Any] | None = N
     cli = ScrelCLI(args=["--config", str(path)], run=False)
     if callbacks:
         cli.trainer.callbacks.extend(callbacks)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    finally:
+        _undo_megatron_setup()
     run_dir = Path(cli.trainer.log_dir)
     assert tq_actors_alive() == [], "TransferQueue actors leaked"
     leaked = [a for a in ray.util.list_named_actors(all_namespaces=True) if "screl" in str(a)]
     assert leaked == [], f"screl actors leaked: {leaked}"
     return run_dir
+
+
+def _undo_megatron_setup() -> None:
+    """Undo what a MegatronStrategy fit leaves in this process: its teardown keeps ``parallel_state`` initialized
+    and, on CPU, the CUDA shim applied (``torch.cuda``, ``Tensor.cuda``, megatron's masks and RNG tracker, process-wide),
+    which later tests in the session would see. ``destroy_model_parallel`` is the strategy's own undo (a no-op when
+    nothing is set up); not imported when no fit loaded megatron."""
+    parallel = sys.modules.get("screl.strategies.parallel")
+    if parallel is not None:
+        parallel.destroy_model_parallel()
 
 
 def metrics(run_dir: Path) -> list[dict[str, float]]:
