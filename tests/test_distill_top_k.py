@@ -71,6 +71,7 @@ def _full_reference(module: Distill, batch: dict[str, Any], k: int, direction: s
     return kl.sum() / mask.sum()
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(("k", "direction"), [(3, "reverse"), (44, "reverse"), (3, "forward"), (44, "forward")])
 def test_the_micro_batch_loss_and_gradient_equal_the_full_logits_reference(k: int, direction: str) -> None:
     module = _module(k, direction)

@@ -41,6 +41,7 @@ def _rollouts(n_groups: int, temperature: float, version: int = 0) -> tuple[dict
     return meta, data
 
 
+@pytest.mark.parity
 def test_collated_positions_carry_the_engine_logprobs() -> None:
     """token_mask/generation_logprobs are next-token aligned: the trainer's logprobs match the engine's."""
     meta, data = _rollouts(3, temperature=0.8)
@@ -117,6 +118,7 @@ def test_is_weights_are_exp_of_trainer_minus_engine_logprobs_token_by_token() ->
     assert abs(got["train/logprob_mismatch"] - noise[valid].abs().max().item()) < 1e-5
 
 
+@pytest.mark.parity
 def test_on_policy_tokens_agree_with_the_engine() -> None:
     """Tokens of the trainer's current version: the trainer's recomputed logprobs match the engine's."""
     meta, data = _rollouts(4, temperature=1.0, version=0)
@@ -151,7 +153,9 @@ def test_logprob_mismatch_leaves_out_rows_that_crossed_an_in_flight_refit() -> N
     assert not clean[0].any() and torch.equal(clean[1:], valid[1:])
     cap = _fit(_module(), [batch])
     assert cap.metrics[0]["train/logprob_mismatch"] < 1e-5
-    assert cap.metrics[0]["train/is_weight_min"] == 1.0  # row 0's later tokens keep weight 1 in the loss (trainer side)
+    # row 0's later tokens keep weight 1 in the loss (trainer side); exact: an on-policy token's behaviour logprob is
+    # the trainer's own (detached) logprob, so its weight is exp(lp - lp) = exp(0) = 1
+    assert cap.metrics[0]["train/is_weight_min"] == 1.0
 
 
 @pytest.mark.parametrize(("source", "weight"), [("trainer", 1.0), ("engine", float(torch.exp(torch.tensor(0.05))))])
@@ -173,6 +177,7 @@ def test_behaviour_logprobs_is_checked() -> None:
         GRPO(policy=SPEC, behaviour_logprobs="vllm")  # type: ignore[arg-type]
 
 
+@pytest.mark.parity
 def test_a_step_streamed_in_two_chunks_equals_one_chunk() -> None:
     meta, data = _rollouts(4, temperature=1.0)
     whole = collate_chunk(meta, data, pad_id=0)
@@ -191,6 +196,7 @@ def test_a_step_streamed_in_two_chunks_equals_one_chunk() -> None:
                                                      strict=True))
 
 
+@pytest.mark.parity
 def test_micro_batches_by_token_budget_give_the_whole_chunks_update() -> None:
     meta, data = _rollouts(4, temperature=1.0)
     batch = collate_chunk(meta, data, pad_id=0)
@@ -235,7 +241,7 @@ def test_overlong_filtering_masks_truncated_rows_from_the_loss_only() -> None:
     plain = _module()._chunk_tensors(batch).advantages
     filtered = _module()
     filtered.algo.overlong_filtering = True
-    assert torch.equal(filtered._chunk_tensors(batch).advantages, plain)
+    assert torch.equal(filtered._chunk_tensors(batch).advantages, plain)  # exact: the same ops on the same rewards
 
 
 class _MaskLetter(CountLetter):
@@ -322,3 +328,20 @@ def test_an_advantage_blow_up_is_logged_and_warned_and_the_std_floor_bounds_it(
         cap = _fit(_group_of_four(0.1), [_near_tie_batch()])
     assert cap.metrics[0]["train/advantage_abs_max"] == pytest.approx(gap / (0.1 + 1e-6), rel=1e-5)  # ~3.97
     assert not [r for r in caplog.records if "advantage of magnitude" in r.getMessage()]
+
+
+def test_the_module_computes_advantages_with_the_named_estimator() -> None:
+    """``adv_estimator.name`` picks the registered function (or a path to one): on [0.1, 0.1, 0.11, 0.5] RLOO gives
+    each reward minus its siblings' mean, unnormalized (last row: 0.5 - 0.31/3); the plugin its group mean's gap."""
+    import pytest
+
+    def advantages(name: str) -> list[float]:
+        module = GRPO(policy=SPEC, loss_fn=ClippedPGLoss(), algo={
+            "num_prompts_per_step": 1, "num_generations_per_prompt": 4, "adv_estimator": {"name": name}})
+        return module._chunk_tensors(_near_tie_batch()).advantages.tolist()
+
+    assert advantages("rloo") == pytest.approx([0.1 - 0.71 / 3, 0.1 - 0.71 / 3, 0.11 - 0.7 / 3, 0.5 - 0.31 / 3],
+                                              abs=1e-6)
+    assert advantages("tests.estimator_plugins:mean_baseline") == pytest.approx(
+        [0.1 - 0.2025, 0.1 - 0.2025, 0.11 - 0.2025, 0.5 - 0.2025], abs=1e-6)  # mean = 0.81 / 4
+    assert max(advantages("grpo")) > 10  # the default divides by the near-tied siblings' std

@@ -49,6 +49,7 @@ def _loss_and_grads(model: torch.nn.Module, lp: torch.Tensor, mask: torch.Tensor
     return lp.detach(), grads
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk", [None, 1, 7, 64])
@@ -70,11 +71,12 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(tied: bool, temper
 def test_chunking_zero_is_the_full_path() -> None:
     model = _model()
     ids, attention, _ = _batch()
-    with torch.no_grad():
+    with torch.no_grad():  # exact: chunk_tokens=0 dispatches to full_token_logprobs itself, the same kernels twice
         assert torch.equal(token_logprobs(model, ids, attention, 0.9, chunk_tokens=0),
                            full_token_logprobs(model, ids, attention, 0.9))
 
 
+@pytest.mark.parity
 def test_entropy_equals_the_full_distributions() -> None:
     model = _model()
     ids, attention, _ = _batch()
@@ -118,6 +120,7 @@ def test_no_op_holds_logits_beyond_one_chunk() -> None:
             assert seen.largest >= tokens * VOCAB
 
 
+@pytest.mark.parity
 def test_matmul_runs_in_the_autocast_dtype() -> None:
     """Under bf16 autocast the head's matmul is bf16 (as the full path's), the softmax fp32; without autocast
     a bf16 head over fp32 hidden states is computed in fp32."""

@@ -307,6 +307,7 @@ def test_the_shuffle_is_seeded_by_the_run_seed_the_step_and_the_epoch(monkeypatc
         module = _mb_ppo(3)
         _fit(module, [batch])
         results.append(_params(module.model))
+    # exact: the same fit run twice in one process with the same seed, batch and thread count (same kernels, same order)
     assert all(torch.equal(v, results[1][key]) for key, v in results[0].items())
     assert _max_diff(results[0], results[2]) > 1e-4
 

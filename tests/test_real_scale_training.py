@@ -78,7 +78,7 @@ def test_the_refit_sends_the_engine_dtype_cast_from_the_masters() -> None:
     exported = module.export_weights()
     masters = module.model.state_dict()
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}
-    for name, value in exported.items():
+    for name, value in exported.items():  # exact: the export is the masters' bf16 cast, one rounding either way
         assert torch.equal(value, masters[name].to(torch.bfloat16)), name
     engine = TorchGenerationEngine(BF16, seed=0, version=0)
     engine.update_weights(exported, version=1)
@@ -107,6 +107,7 @@ def test_an_update_below_bf16_precision_accumulates_in_the_master() -> None:
     assert torch.equal(pure.detach()[big], start[big].to(torch.bfloat16))
 
 
+@pytest.mark.parity
 def test_activation_checkpointing_gives_the_same_gradients_and_recomputes() -> None:
     spec = TinyCausalLM(seed=0)
     batch = _batch(spec)
@@ -126,6 +127,8 @@ def test_activation_checkpointing_gives_the_same_gradients_and_recomputes() -> N
     assert forwards == [1, 2]  # with checkpointing the layer runs again in the backward pass
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
+        # exact: the recompute runs the layer's same forward kernels on the same inputs in the same process (a
+        # non-reentrant checkpoint, no dropout), then the same backward kernels in the same order
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
 
 

@@ -36,6 +36,8 @@ def test_environment_actors_reproduce_in_process_environments() -> None:
         rows[actors] = asyncio.run(wf.run(items, generate))
     for local, remote in zip(rows[False], rows[True], strict=True):
         assert local.status == remote.status == "sealed"
+        # exact: the environment is pure Python wherever it runs, and the one engine in this process decodes every
+        # turn as its own batch of one with the turn's seed: the same kernels on the same inputs in both runs
         assert local.reward == remote.reward
         assert all(torch.equal(local.row[k], remote.row[k]) for k in local.row)
     assert any(len(o.row["loss_mask"]) > int(o.row["loss_mask"].sum()) for o in rows[True]), \

@@ -51,6 +51,7 @@ def _client(url: str, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)
 
 
+@pytest.mark.parity
 def test_chat_returns_token_ids_logprobs_and_versions_the_trainer_agrees_with(served: Any) -> None:
     _, url, _, model = served
     messages = [{"role": "user", "content": "3+4"}]

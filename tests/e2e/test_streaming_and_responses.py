@@ -58,6 +58,8 @@ def test_a_streamed_chat_gives_the_same_tokens_as_a_plain_one(served: Any) -> No
         [0] * len(want.model_extra["token_ids"])
     assert final.model_extra["prompt_token_ids"] == plain.model_extra["prompt_token_ids"]
     streamed_lp = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    # exact: the same engine decodes the same request (seed 3) alone in a batch of one both times; a stream only
+    # re-packs the finished reply (and JSON carries a float's repr exactly)
     assert streamed_lp == [t.logprob for t in want.logprobs.content]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.model_extra["token_ids"])
     assert all(c.usage is None for c in chunks[:-1])

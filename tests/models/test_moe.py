@@ -20,6 +20,7 @@ def model() -> torch.nn.Module:
     return SPEC.build_model().eval()
 
 
+@pytest.mark.parity
 def test_recording_leaves_the_forward_unchanged_and_replaying_it_gives_the_same_logits(model: torch.nn.Module) -> None:
     with torch.no_grad():
         plain = model(IDS).logits
@@ -28,6 +29,8 @@ def test_recording_leaves_the_forward_unchanged_and_replaying_it_gives_the_same_
         with replay_routing(model, [c[0] for c in calls]):
             replayed = model(IDS).logits
     assert len(calls) == len(moe_routers(model)) == 2 and calls[0][0].shape == (20, 2)
+    # exact: the patched router runs the class forward's ops (linear, fp32 softmax, top-k, renormalize) and a replay
+    # of its own choice gathers the very probabilities top-k returned; the rest of the model is untouched
     assert torch.equal(plain, recorded) and torch.equal(plain, replayed)
     assert all(len(set(c[0][t].tolist())) == 2 for c in calls for t in range(20))  # top-2: two distinct experts
 
@@ -44,7 +47,7 @@ def test_forced_experts_change_the_logits_and_minus_one_keeps_the_routers_choice
         with replay_routing(model, [torch.full_like(c, -1) for c in own]):
             unforced = model(IDS).logits
     assert (forced - plain).abs().max() > 1e-3
-    assert torch.equal(unforced, plain)
+    assert torch.equal(unforced, plain)  # exact: -1 keeps the router's own experts, the same ops as above
     with pytest.raises(RuntimeError, match="already being recorded or replayed"), record_routing(model):
         with replay_routing(model, other):
             pass
@@ -62,6 +65,7 @@ def test_replay_refuses_experts_of_the_wrong_shape(model: torch.nn.Module) -> No
             model(IDS)
 
 
+@pytest.mark.parity
 def test_the_torch_engine_records_every_fed_positions_routing_and_the_trainer_replays_it_exactly() -> None:
     engine = TorchGenerationEngine(SPEC, decode="hf", record_routing=True, seed=0)
     trainer = SPEC.build_model().eval()

@@ -150,7 +150,7 @@ def test_hf_checkpoint_roundtrip(tmp_path: Path) -> None:
     loaded, loaded_tok = hf.build_model().eval(), hf.build_tokenizer()
     assert _same_weights(model, loaded)
     ids = torch.tensor([tok("3+4=ab", add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
+    with torch.no_grad():  # exact: the same class and bit-identical weights on the same input, in one process
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     assert loaded_tok("3+4=ab", add_special_tokens=False)["input_ids"] == ids[0].tolist()
     assert loaded_tok.eos_token_id == 1 and loaded_tok.pad_token_id == 0

@@ -25,6 +25,7 @@ def test_rewards_equal_the_peer_functions(trl_peer: dict[str, Any]) -> None:
     b = [p.metadata["b"] for p, _ in pairs]
     comps = [c for _, c in pairs]
     assert Addition().rewards([p for p, _ in pairs], comps) == trl_peer["reward_add"](comps, a=a, b=b)
+    # exact: both are the one correctly rounded division count / max(1, len) of the same Python ints
     assert CountLetter("a").rewards([p for p, _ in pairs], comps) == trl_peer["reward_count_a"](comps)
 
 

@@ -151,6 +151,7 @@ def test_hf_vision_lm_loads_a_saved_qwen2_vl_with_its_processor(tmp_path: object
     record = TASK.prompts()[0]
     mine = SPEC.prompt_inputs(SPEC.build_tokenizer(), record.text, TASK.images(record))
     theirs = spec.prompt_inputs(spec.build_tokenizer(), record.text, TASK.images(record))
+    # exact: the saved processor loads back as the same class (Qwen2VLImageProcessorPil) with the same settings
     assert mine[0] == theirs[0] and torch.equal(mine[1].pixel_values, theirs[1].pixel_values)  # type: ignore[union-attr]
     loaded = spec.build_model()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True))

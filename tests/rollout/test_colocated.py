@@ -146,6 +146,7 @@ def test_the_same_deadline_fires_on_an_engine_that_really_stalls() -> None:
     assert w.rows.dataplane.rows == {}
 
 
+@pytest.mark.parity
 def test_a_freed_kv_cache_is_refilled_at_the_wake_and_the_tokens_are_the_same() -> None:
     """Stand down in the middle of a long decode (the weights unchanged, the version label moved): the parked batch
     loses its cache, re-prefills at the wake, and samples the same tokens as an undisturbed run; the tokens after

@@ -43,6 +43,7 @@ def _left_padded(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_static_logits_equal_hugging_face_over_padded_prompts_and_twelve_steps(name: str) -> None:
     model = MODELS[name]()
@@ -78,6 +79,7 @@ def _requests(prefix: str, n: int = 6, min_new: int = 0) -> list[GenerationReque
         max_new_tokens=10 + i, min_new_tokens=min_new, seed=50 + i, temperature=0.9)) for i in range(n)]
 
 
+@pytest.mark.parity
 def test_the_engine_samples_the_same_tokens_and_logprobs_on_both_paths_and_after_a_refit() -> None:
     static, hf = _engine("static"), _engine("hf")
     assert (static.decode_path, hf.decode_path) == ("static", "hf")
@@ -94,6 +96,7 @@ def test_the_engine_samples_the_same_tokens_and_logprobs_on_both_paths_and_after
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parity
 def test_recomputing_the_cache_after_a_refit_matches_on_both_paths() -> None:
     """``recompute_kv_cache_after_weight_updates``: the batch is prefilled again under the new weights mid-way."""
     results = {}

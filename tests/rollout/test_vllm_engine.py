@@ -59,6 +59,7 @@ def test_the_backend_is_the_vllm_engine(worker: GenerationWorker) -> None:
     assert worker.continuous  # each group goes straight to vLLM's scheduler
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_after_a_refit_agree_with_the_trainer(worker: GenerationWorker, temperature: float) -> None:
     """The engine's behaviour logprobs equal the trainer's recomputation under the refitted weights. Both are fp32

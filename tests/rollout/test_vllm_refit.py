@@ -69,6 +69,7 @@ def fresh() -> list[GenerationResult]:
         engine.shutdown()
 
 
+@pytest.mark.parity
 def test_a_bucketed_refit_gives_a_fresh_engines_tokens_and_logprobs(fresh: list[GenerationResult]) -> None:
     engine = VLLMGenerationEngine(OLD, seed=1)
     try:

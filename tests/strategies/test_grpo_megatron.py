@@ -182,6 +182,7 @@ def test_grpo_runs_end_to_end(run: Run) -> None:
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=TOL)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_workers_generate_with_the_exported_weights(run: Run) -> None:
     """Sync mode: every token is on-policy, so the worker's logprobs must equal the trainer's. At steps
@@ -193,6 +194,7 @@ def test_workers_generate_with_the_exported_weights(run: Run) -> None:
     assert max(mismatch) < TOL, mismatch
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_every_step_matches_single_process_reference(run: Run) -> None:
     _, cfg, ranks = run

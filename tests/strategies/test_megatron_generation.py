@@ -30,6 +30,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_megatron_engine_samples_the_torch_engines_tokens_with_the_trainers_logprobs(
     engine_run: dict[str, Any], temperature: float
@@ -58,6 +59,7 @@ def test_megatron_engine_refuses_an_incomplete_refit_until_a_complete_one(engine
     assert [r["tokens"] for r in engine_run["after_full_refit"]] == [r["tokens"] for r in engine_run["greedy"]]
 
 
+@pytest.mark.parity
 def test_colocated_tensor_parallel_decode_follows_the_leader(tmp_path: Any) -> None:
     out = jobs.spawn(ejobs.tensor_parallel_job, 2, str(tmp_path))
     lead, follower = (torch.load(f"{out}.{r}", weights_only=False) for r in range(2))

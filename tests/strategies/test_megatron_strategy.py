@@ -81,6 +81,7 @@ def test_strategy_rejects_bad_sizes_and_sequence_parallel_on_cpu_before_connecti
         strategy(tensor_model_parallel_size=2, sequence_parallel=True).setup_environment()
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_megatron_model_matches_hugging_face(reference: dict[str, Any]) -> None:
     """Same logits and log-probs as the Qwen2 model its weights came from; export gives them back."""
@@ -88,9 +89,11 @@ def test_megatron_model_matches_hugging_face(reference: dict[str, Any]) -> None:
     assert reference["logprob_diff"] < 1e-5
     hf = jobs.hf_model().state_dict()
     hf.pop("lm_head.weight")  # tied to the embedding
+    # exact: loaded from these very tensors and exported before any step, copies and reshapes only, no arithmetic
     assert_state_close(reference["export0"], hf, atol=0.0)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_tp2_matches_tp1_losses_and_reduced_gradients(
     reference: dict[str, Any], parallel: list[dict[str, Any]]
@@ -107,6 +110,7 @@ def test_tp2_matches_tp1_losses_and_reduced_gradients(
         assert_state_close(got["export"], expected["export"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_pp2_matches_pp1_losses_and_reduced_gradients(
     reference: dict[str, Any], parallel: list[dict[str, Any]]
@@ -122,6 +126,7 @@ def test_pp2_matches_pp1_losses_and_reduced_gradients(
         assert_state_close(got["export"], expected["export"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_dp2_matches_dp1_with_the_same_global_batch(
     reference: dict[str, Any], parallel: list[dict[str, Any]]
@@ -137,6 +142,7 @@ def test_dp2_matches_dp1_with_the_same_global_batch(
         assert_state_close(got["export"], expected["export"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_tp2_checkpoint_reloads_at_tp1(reference: dict[str, Any], parallel: list[dict[str, Any]]) -> None:
     """Saved at TP=2 through a staged fsspec URL, loaded at TP=1 (DP=2): same loss, and the AdamW state
@@ -151,9 +157,11 @@ def test_tp2_checkpoint_reloads_at_tp1(reference: dict[str, Any], parallel: list
         assert_state_close(reload["next_export"], reference["mean"]["next_export"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_export_weights_at_tp2_equals_tp1(reference: dict[str, Any], parallel: list[dict[str, Any]]) -> None:
     for rank_result in parallel:
+        # exact: both exported before any step, the same HF tensors split into TP shards and gathered back (copies)
         assert_state_close(rank_result["export0"], reference["export0"], atol=0.0)
         assert_state_close(rank_result["tp2"]["export"], reference["mean"]["export"])
 
@@ -165,9 +173,10 @@ def test_export_weights_gathers_across_pipeline_stages(parallel: list[dict[str, 
         pp = rank_result["pp2_export"]
         assert ("embedding.word_embeddings.weight" in pp["local"]) == (rank == 0)
         assert ("output_layer.weight" in pp["local"]) == (rank == 1)
-        assert_state_close(pp["exported"], pp["expected"], atol=0.0)
+        assert_state_close(pp["exported"], pp["expected"], atol=0.0)  # exact: loaded then gathered, copies only
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_lightning_trainer_fits_and_resumes_at_tp2(
     reference: dict[str, Any], lightning_run: list[dict[str, Any]]

@@ -83,6 +83,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[key] - b[key]).abs().max()) for key in b)
 
 
+@pytest.mark.parity
 def test_a_moe_policy_with_routing_replay_under_ddp_equals_the_one_process_step(tmp_path: Any) -> None:
     chunk = make_chunk()
     torch.save(chunk, tmp_path / "chunk.pt")

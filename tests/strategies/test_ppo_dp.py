@@ -182,6 +182,7 @@ def _assert_equals_one_process(ranks: list[dict[int, dict[str, Any]]], reference
     assert _max_diff(reference[4]["policy"], reference[1]["policy"]) > 1e-3  # minibatches change the step
 
 
+@pytest.mark.parity
 def test_ddp_ppo_step_equals_the_one_process_step(
     chunk_and_reference: tuple[str, dict[int, dict[str, Any]]],
 ) -> None:
@@ -189,6 +190,7 @@ def test_ddp_ppo_step_equals_the_one_process_step(
     _assert_equals_one_process(_run(ddp_job, workdir, "ddp"), reference, megatron=False)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_megatron_dp2_ppo_step_equals_the_one_process_step(
     chunk_and_reference: tuple[str, dict[int, dict[str, Any]]],

@@ -170,6 +170,7 @@ def _assert_close(megatron: dict[str, torch.Tensor], reference: dict[str, torch.
     assert max(worst.values()) < TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_one_tp2_step_equals_the_one_process_step(runs: dict[str, Any]) -> None:
     reference = runs["reference"]
