@@ -288,6 +288,8 @@ def _devices_line(cfg: dict[str, Any]) -> str:
 
 def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
     """How a refit meets in-flight requests, and the per-request deadlines (the plan's ``refit`` line)."""
+    from screl.rollout.backends import engine_capabilities, engine_title
+
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
     a = run.async_rl
     if g.colocated.enabled:
@@ -305,9 +307,10 @@ def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
               if v is not None]
     paused = "stood-down and paused time excluded" if g.colocated.enabled else "paused time excluded"
     line = how + ("; deadlines: " + ", ".join(limits) + f" ({paused})" if limits else "")
-    if g.backend == "vllm" and g.min_new_tokens > 0:
-        line += (f"; note: vLLM's logprobs of the first {g.min_new_tokens} tokens are of the EOS-masked distribution"
-                 ", the trainer's are not (train/logprob_mismatch shows the gap; min_new_tokens: 0 avoids it)")
+    if g.min_new_tokens > 0 and engine_capabilities(g.backend).eos_masked_logprobs:
+        line += (f"; note: the {engine_title(g.backend)} engine's logprobs of the first {g.min_new_tokens} tokens are "
+                 "of the EOS-masked distribution, the trainer's are not (train/logprob_mismatch shows the gap; "
+                 "min_new_tokens: 0 avoids it)")
     return line
 
 

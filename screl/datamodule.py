@@ -28,6 +28,8 @@ from typing_extensions import override
 
 from screl.config import SHADOW_MODE_NOTE, GenerationConfig, RunConfig
 from screl.envs import Task
+from screl.rollout.backends import engine_capabilities
+from screl.rollout.engine import EngineCapabilities
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.threads import ThreadPlan, thread_plan
 
@@ -187,7 +189,7 @@ class RolloutDataModule(LightningDataModule):
         run_dir = self.run_dir or trainer.log_dir or trainer.default_root_dir
         self._schema = getattr(module, "row_schema", ROW_SCHEMA)
         weights = {} if self.colocated else self.exported_weights(module)  # a colocated engine decodes with the module
-        if self.colocated and self.generation.backend == "megatron" and self._world_size() > 1:
+        if self.colocated and self.engine.colocated_tensor_parallel and self._world_size() > 1:
             self._link_ranks(module)
         if trainer.global_rank == 0:
             self._on_rank_zero(lambda: self._start(module.policy_spec, run_dir, weights, module))
@@ -359,9 +361,14 @@ class RolloutDataModule(LightningDataModule):
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
     @property
+    def engine(self) -> EngineCapabilities:
+        """What the configured engine declares it can do."""
+        return engine_capabilities(self.generation.backend)
+
+    @property
     def refit_naming(self) -> str:
-        """The names the engines load: Megatron's own for the Megatron engine, else Hugging Face's."""
-        return "megatron" if self.generation.backend == "megatron" else "hf"
+        """The names the engines load (the engine declares them: Megatron's own, or Hugging Face's)."""
+        return self.engine.weight_naming
 
     def exported_weights(self, module: Any) -> dict[str, torch.Tensor]:
         """The module's full weights as the engines load them (a collective under a model-parallel strategy)."""

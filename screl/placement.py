@@ -235,7 +235,7 @@ def device_map(cfg: Mapping[str, Any], node_gpus: int | None = None) -> DeviceMa
     if g_raw is not None and g_raw < 0:
         g_raw = None  # its own rule reports it
     share = _number((gen.get("backend_args") or {}).get("gpu_memory_utilization"))
-    if share is None and str(gen.get("backend", "torch")) == "vllm" and on_cuda:
+    if share is None and on_cuda and _claims_memory_share(gen):
         share = _screl_vllm_share()
     if colocated or not on_cuda:
         g = g_raw or 0.0
@@ -318,6 +318,17 @@ def device_map(cfg: Mapping[str, Any], node_gpus: int | None = None) -> DeviceMa
     return DeviceMap(nodes=tuple(nodes), **base, problems=tuple(issues))  # type: ignore[arg-type]
 
 
+def _claims_memory_share(gen: Mapping[str, Any]) -> bool:
+    """Whether the configured engine preallocates a share of a GPU's memory (it declares so; an engine that does
+    not resolve claims none here: the generation rules report it)."""
+    from screl.rollout.backends import engine_capabilities
+
+    try:
+        return engine_capabilities(str(gen.get("backend", "torch"))).claims_gpu_memory_share
+    except ValueError:
+        return False
+
+
 def _screl_vllm_share() -> float | None:
     """The memory share screl gives a vLLM engine on cuda unless ``backend_args`` sets one (None: vLLM's own)."""
     from screl import config_generation
@@ -329,12 +340,12 @@ def _screl_vllm_share() -> float | None:
 def _shared_gpu_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[Issue]:
     """A GPU the trainer shares: the engines' memory shares, and (with ``gpu_memory_gb``) the trainer's estimate."""
     issues: list[Issue] = []
-    backend = str(gen.get("backend", "torch"))
+    claims = _claims_memory_share(gen)
     n = next(n for n in dmap.nodes if n.shared)
     per_gpu = min(dmap.workers_per_shared_gpu(), max(1, n.workers))
     key = f"{GEN}.backend_args.gpu_memory_utilization"
     share = dmap.memory_share
-    if backend == "vllm" and share is None:
+    if claims and share is None:
         issues.append((key, None, f"generation shares the trainer's GPU (num_gpus_per_worker {dmap.gpus_per_worker:g})"
                        f" and vLLM would take {VLLM_DEFAULT_MEMORY_SHARE} of its memory by default, leaving the "
                        "trainer almost none", "set backend_args.gpu_memory_utilization, e.g. 0.25, so that the "

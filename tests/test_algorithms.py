@@ -81,3 +81,23 @@ def test_the_name_check_sees_a_name_test() -> None:
     assert _NAME_TESTS.search('    algo_key="grpo" if run.ppo is None else "ppo",')
     assert _NAME_TESTS.search('if model_kind(cfg) == "ppo":')
     assert not _NAME_TESTS.search("if run.algorithm.needs_critic:")
+
+
+# what a test of the generation engine's name looks like (outside the engines' own package, screl/rollout/)
+_ENGINE_NAME_TESTS = re.compile(r"(?<!dp_)backend[\"')\]]{0,4} (==|!=|in|not in) |[=!]= \"(vllm|torch)\"")
+
+
+def test_no_code_outside_the_engines_package_tests_which_engine_generates() -> None:
+    found = []
+    for folder in ("screl", "callbacks", "strategies"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("screl/rollout/"):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if _ENGINE_NAME_TESTS.search(line):
+                    found.append(f"{rel}:{number}: {line.strip()}")
+    assert not found, "ask the engine's declared capabilities (engine_capabilities) instead:\n" + "\n".join(found)
+    assert _ENGINE_NAME_TESTS.search('    if g.backend == "vllm" and g.min_new_tokens > 0:')
+    assert _ENGINE_NAME_TESTS.search('    if gen.get("backend", "torch") != "torch":')
+    assert not _ENGINE_NAME_TESTS.search('        if naming == "megatron":')

@@ -150,10 +150,13 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("colocated_vllm", "grpo_tiny.yaml",
      {"data.init_args.generation.colocated": {"enabled": True}, "data.init_args.generation.backend": "vllm"},
      "data.init_args.generation.colocated.enabled", "sleep/wake mode, which runs on a GPU only"),
-    ("colocated_custom_backend", "grpo_tiny.yaml",
+    ("colocated_plain_engine", "grpo_tiny.yaml",
      {"data.init_args.generation.colocated": {"enabled": True},
-      "data.init_args.generation.backend": "screl.rollout.torch_engine.TorchGenerationEngine"},
-     "data.init_args.generation.colocated.enabled", "runs the torch or megatron engine on the trainer's module"),
+      "data.init_args.generation.backend": "tests.engine_plugins.PlainEngine"},
+     "data.init_args.generation.colocated.enabled", "the PlainEngine engine does not declare colocated"),
+    ("colocated_vllm", "grpo_tiny.yaml",
+     {"data.init_args.generation.colocated": {"enabled": True}, "data.init_args.generation.backend": "vllm"},
+     "data.init_args.generation.colocated.enabled", "colocated vLLM needs vLLM's sleep/wake mode"),
     ("colocated_megatron_pipeline", "grpo_megatron_tiny.yaml",
      {"data.init_args.generation.colocated": {"enabled": True}, "data.init_args.generation.backend": "megatron",
       "trainer.strategy.init_args.parallelism": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}},
@@ -297,9 +300,11 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "data.init_args.generation.backend", "neither a built-in backend"),
     ("backend_not_an_engine", "grpo_tiny.yaml", {"data.init_args.generation.backend": "screl.envs.CountLetter"},
      "data.init_args.generation.backend", "does not implement the GenerationEngine protocol"),
-    ("routing_replay_engine", "grpo_moe_tiny.yaml", {"data.init_args.generation.backend": "screl.rollout."
-                                                     "megatron_engine.MegatronGenerationEngine"},
+    ("routing_replay_engine", "grpo_moe_tiny.yaml", {"data.init_args.generation.backend": "vllm"},
      "model.init_args.routing_replay", "does not return the experts it routed each token to"),
+    ("routing_replay_plain_engine", "grpo_moe_tiny.yaml",
+     {"data.init_args.generation.backend": "tests.engine_plugins.PlainEngine"},
+     "model.init_args.routing_replay", "the PlainEngine engine does not declare routing_records"),
     ("routing_replay_colocated", "grpo_moe_tiny.yaml", {"data.init_args.generation.colocated": {"enabled": True}},
      "model.init_args.routing_replay", "its routing is the trainer's already"),
     ("routing_replay_multi_turn", "grpo_moe_tiny.yaml",
@@ -603,5 +608,14 @@ def test_an_estimator_from_outside_screl_is_accepted_by_its_path(
 ) -> None:
     cfg = _load("grpo_tiny.yaml")
     cfg["grpo"]["adv_estimator"] = {"name": "tests.estimator_plugins:mean_baseline"}
+    rc, out = _run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+
+
+def test_an_engine_from_outside_screl_passes_check_with_the_features_it_declares(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _load("grpo_tiny.yaml")
+    cfg["data"]["init_args"]["generation"]["backend"] = "tests.engine_plugins.PlainEngine"
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0, out

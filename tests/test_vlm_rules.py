@@ -25,6 +25,8 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "trainer.strategy", "vision tower and multimodal positions are not built there"),
     ("vllm_vlm", "grpo_vlm_tiny.yaml", {"data.init_args.generation.backend": "vllm"},
      "data.init_args.generation.backend", "does not run the Qwen2-VL family"),
+    ("plain_engine_vlm", "grpo_vlm_tiny.yaml", {"data.init_args.generation.backend": "tests.engine_plugins.PlainEngine"},
+     "data.init_args.generation.backend", "the PlainEngine engine does not declare vision_inputs"),
     ("static_decode_vlm", "grpo_vlm_tiny.yaml", {"data.init_args.generation.backend_args": {"decode": "static"}},
      "data.init_args.generation.backend_args.decode", "decodes through Hugging Face's forward"),
     ("colocated_vlm", "grpo_vlm_tiny.yaml", {"data.init_args.generation.colocated": {"enabled": True}},

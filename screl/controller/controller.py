@@ -107,7 +107,7 @@ class RolloutController:
     def __init__(
         self, run: RunConfig, task: Task, generation: GenerationConfig, workers: list[Any], run_dir: str,
         seed: int = 0, config_dict: dict[str, Any] | None = None,
-        val_prompt_ids: list[int] | None = None,
+        val_prompt_ids: list[int] | None = None, whole_call_batches: bool = False,
     ) -> None:
         import uuid
 
@@ -128,7 +128,8 @@ class RolloutController:
         self.snapshots: Any = None
         self._calls: set[asyncio.Task[None]] = set()
         self._burst_ids = itertools.count()
-        self._merge_groups = groups_land_together(generation)
+        # the engine's capability, resolved by the driver: the controller never imports an engine
+        self._merge_groups = groups_land_together(generation, whole_call_batches)
         self._changed: asyncio.Event | None = None
         self._barrier: asyncio.Lock | None = None
         self._pump: asyncio.Task[None] | None = None

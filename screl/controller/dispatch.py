@@ -22,12 +22,11 @@ class Call:
     burst: Burst | None
 
 
-def groups_land_together(generation: GenerationConfig) -> bool:
-    """Whether a step's groups on one worker land together anyway, so one call can carry them: the torch engine
-    decodes a batch to its end and the single-turn workflow has no per-group waits (injected latency would make
-    them land apart on purpose)."""
-    return (generation.backend == "torch" and generation.workflow == DEFAULT_WORKFLOW
-            and generation.injected_latency_s == 0)
+def groups_land_together(generation: GenerationConfig, whole_call_batches: bool) -> bool:
+    """Whether a step's groups on one worker land together anyway, so one call can carry them: the engine decodes
+    a call's rows as one batch to its end (it declares ``whole_call_batches``) and the single-turn workflow has no
+    per-group waits (injected latency would make them land apart on purpose)."""
+    return whole_call_batches and generation.workflow == DEFAULT_WORKFLOW and generation.injected_latency_s == 0
 
 
 def merge_group_calls(calls: dict[tuple[str, int, float], list[Dispatch]],

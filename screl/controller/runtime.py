@@ -25,7 +25,7 @@ from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
 from screl.placement import ENV_DEVICE_MAP, DeviceMap, joined_cluster_problem, local_ray_gpu_ids
-from screl.rollout.backends import iter_buckets
+from screl.rollout.backends import engine_capabilities, iter_buckets, resolve_backend
 from screl.rollout.colocated import ColocatedHost, ColocatedSlot
 from screl.rollout.deadlines import Deadlines
 from screl.rollout.engine import SamplingParams
@@ -64,7 +64,8 @@ def spawn_controller(
     actor = ray.remote(RolloutController).options(  # type: ignore[attr-defined]
         num_cpus=0, max_concurrency=1000, scheduling_strategy=here  # the run's state lives beside its driver
     )
-    return actor.remote(run, task, generation, workers, run_dir, seed, config_dict, val_prompt_ids)
+    whole = engine_capabilities(generation.backend).whole_call_batches
+    return actor.remote(run, task, generation, workers, run_dir, seed, config_dict, val_prompt_ids, whole)
 
 
 def check_joined_cluster(g: GenerationConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -94,21 +95,8 @@ def start_host(controller: Any, policy: PolicySpec, g: GenerationConfig, run: Ru
     in the trainer's threads), served to the controller through its mailbox. ``backend: megatron``: the Megatron
     engine on the trainer's ``GPTModel`` shard, the other tensor-parallel ranks following through ``link``."""
     options = engine_options(g, run, seed)
-    engine: Any
-    if g.backend == "megatron":
-        from screl.rollout.megatron_engine import MegatronGenerationEngine
-
-        engine = MegatronGenerationEngine(
-            policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
-            recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-            model=model, link=link, autocast=autocast)
-    else:
-        from screl.rollout.torch_engine import TorchGenerationEngine
-
-        engine = TorchGenerationEngine(
-            policy, num_threads=None, max_batch_size=g.max_batch_size, seed=seed,
-            recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-            decode=str(g.backend_args.get("decode", "auto")), model=model, autocast=autocast)
+    engine_cls: Any = resolve_backend(g.backend)  # the rules let only a colocatable engine here
+    engine = engine_cls.on_trainer_module(policy, options, model=model, autocast=autocast, link=link)
     worker = GenerationWorker(policy, options=dataclasses.replace(options, num_threads=None), engine=engine,
                               **worker_kwargs)
     return ColocatedHost(controller, 0, worker, dataplane, stand_down_timeout_s=timeout_s)
@@ -129,7 +117,8 @@ class RolloutRuntime:
         self._ray_started = False
         self.events_path: str | None = None
         self.refit_bucket_bytes = int(generation.refit_bucket_mb * 2**20)
-        self.broadcasts_weights = generation.backend == "vllm" and \
+        self.capabilities = engine_capabilities(generation.backend)
+        self.broadcasts_weights = "nccl" in self.capabilities.weight_transfers and \
             generation.backend_args.get("weight_transfer") == "nccl"
         """The trainer broadcasts the policy module to the engines over NCCL instead of exporting buckets."""
         self._sender: Any = None

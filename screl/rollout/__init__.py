@@ -6,6 +6,7 @@
 from typing import TYPE_CHECKING, Any
 
 from screl.rollout.engine import (
+    EngineCapabilities,
     EngineOptions,
     FinishReason,
     GenerationEngine,
@@ -39,6 +40,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AgentWorkflow",
+    "EngineCapabilities",
     "EngineOptions",
     "FinishReason",
     "GenerationEngine",

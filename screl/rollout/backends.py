@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from screl.rollout.engine import EngineOptions, GenerationEngine
+from screl.rollout.engine import EngineCapabilities, EngineOptions, GenerationEngine
 
 KEY = "data.init_args.generation.backend"
 
@@ -27,16 +27,11 @@ BUILTIN_BACKENDS = {
     "megatron": "screl.rollout.megatron_engine.MegatronGenerationEngine",
 }
 
-#: Names the spec uses whose engines this build does not have yet, and where they are tracked.
-PLANNED_BACKENDS: dict[str, str] = {}
-
 _REQUIRED = ("from_options", "generate", "update_weights", "set_version", "abort", "pause", "resume", "version")
 
 
 def resolve_backend(name: str) -> type:
     """The engine class ``name`` stands for; ``ValueError`` names the config key and the fix."""
-    if name in PLANNED_BACKENDS:
-        raise ValueError(f"{KEY}={name!r}: {PLANNED_BACKENDS[name]}")
     target = BUILTIN_BACKENDS.get(name, name)
     module_name, _, class_name = target.replace(":", ".").rpartition(".")
     try:
@@ -50,6 +45,23 @@ def resolve_backend(name: str) -> type:
     if not isinstance(cls, type) or missing:
         raise ValueError(f"{KEY}={name!r} does not implement the GenerationEngine protocol: missing {missing}")
     return cls
+
+
+def engine_capabilities(name: str) -> EngineCapabilities:
+    """What the engine ``name`` (a built-in name or a class path) declares it can do; an engine class that
+    declares nothing gets :class:`EngineCapabilities`' defaults. ``ValueError`` as :func:`resolve_backend`."""
+    declared = getattr(resolve_backend(name), "capabilities", None)
+    if declared is None:
+        return EngineCapabilities()
+    if not isinstance(declared, EngineCapabilities):
+        raise ValueError(f"{KEY}={name!r}: its `capabilities` is a {type(declared).__name__}, not an "
+                         "screl.rollout.EngineCapabilities")
+    return declared
+
+
+def engine_title(name: str) -> str:
+    """How messages name the engine: the built-in name, or the class's own name."""
+    return name if name in BUILTIN_BACKENDS else name.replace(":", ".").rsplit(".", 1)[-1]
 
 
 def build_engine(name: str, policy: Any, options: EngineOptions) -> GenerationEngine:

@@ -153,14 +153,63 @@ class EngineOptions:
     (``model.init_args.routing_replay``); an engine that cannot refuses it."""
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine class declares it can do (its ``capabilities`` class attribute). ``screl check`` refuses a
+    feature the configured engine lacks, naming the key, and the runtime asks these instead of the engine's name.
+    The defaults are the least an engine must do: a class that declares nothing gets them."""
+
+    continuous_batching: bool = False
+    """Requests join a running decode (the worker submits each group at once); else a call's rows decode together."""
+    whole_call_batches: bool = False
+    """A call's rows decode as one batch to its end, so the controller may merge a step's groups into one call."""
+    streams_weight_buckets: bool = False
+    """``update_weights`` takes an iterable of buckets, loaded one at a time in place."""
+    weight_transfers: tuple[str, ...] = ("object_store",)
+    """How refits reach it: ``object_store`` (exported buckets), ``nccl`` (broadcast from the trainer)."""
+    weight_naming: str = "hf"
+    """The weight names it loads: Hugging Face's (``hf``) or Megatron's (``megatron``)."""
+    colocated: bool = False
+    """It decodes with the trainer's module in the trainer's process (``generation.colocated``)."""
+    colocated_tensor_parallel: bool = False
+    """Colocated across the trainer's tensor-parallel ranks (under MegatronStrategy), not in one process only."""
+    vision_inputs: bool = False
+    """Requests may carry images (vision-language policies)."""
+    routing_records: bool = False
+    """It returns each token's MoE routing (``model.init_args.routing_replay``)."""
+    on_generation_device: bool = True
+    """It runs where ``generation.device`` says (else it places itself, e.g. on the GPUs Ray gives it)."""
+    claims_gpu_memory_share: bool = False
+    """It preallocates a share of a GPU's memory (``backend_args.gpu_memory_utilization``; placement checks it)."""
+    eos_masked_logprobs: bool = False
+    """Its logprobs of the first ``min_new_tokens`` tokens are of the EOS-masked distribution (the trainer's are not)."""
+    config_rules: tuple[str, ...] = ()
+    """``package.module:function`` rules ``screl check`` runs on its settings (``fn(context)``, as screl's own)."""
+    why_not: tuple[tuple[str, str], ...] = ()
+    """Its own reason for a capability it lacks, by field name (said instead of the generic refusal)."""
+
+    def reason(self, capability: str, engine: str) -> str:
+        """Why the engine ``engine`` lacks ``capability``: its own words, else the generic ones."""
+        return dict(self.why_not).get(capability, f"the {engine} engine does not declare {capability}")
+
+
+def declared_capabilities(engine: Any) -> EngineCapabilities:
+    """What an engine (class or instance) declares; the defaults when it declares nothing."""
+    declared = getattr(engine, "capabilities", None)
+    return declared if isinstance(declared, EngineCapabilities) else EngineCapabilities()
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """What a generation worker drives: torch on HF models now, vLLM ``AsyncLLM`` later.
 
     A worker builds its engine with ``Backend.from_options(policy, EngineOptions(...))`` (``generation.backend``
     names the class). Thread safety: ``generate`` blocks; ``abort``, ``pause``, ``resume``, ``update_weights``
-    and ``set_version`` may be called from other threads while it runs.
+    and ``set_version`` may be called from other threads while it runs. The class may declare what it can do in a
+    ``capabilities`` class attribute (:class:`EngineCapabilities`; the defaults when it declares none: optional,
+    so not a protocol member that ``isinstance`` would demand).
     """
+
 
     @classmethod
     def from_options(cls, policy: Any, options: EngineOptions) -> GenerationEngine:
@@ -179,7 +228,7 @@ class GenerationEngine(Protocol):
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load new weights (atomically between decode steps) and set the version.
 
-        An engine whose class sets ``streams_weight_buckets = True`` is given an iterable of buckets (name ->
+        An engine whose capabilities declare ``streams_weight_buckets`` is given an iterable of buckets (name ->
         tensor dicts, fetched lazily) instead of one dict, and loads them one at a time in place; a refit that
         misses a weight fails and keeps the old version label (the torch and vLLM engines do so)."""
         ...

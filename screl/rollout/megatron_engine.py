@@ -30,7 +30,7 @@ import torch
 
 from screl.models.spec import PolicySpec, resolve_dtype
 from screl.rollout.backends import WeightBuckets
-from screl.rollout.engine import EngineOptions
+from screl.rollout.engine import EngineCapabilities, EngineOptions
 from screl.rollout.megatron_decode import DecodeLink, MegatronDecoder, eval_no_grad, unpadded_vocab_size
 from screl.rollout.stop_tokens import StopTokens, load_generation_config, stop_tokens
 from screl.rollout.torch_engine import TorchGenerationEngine
@@ -95,6 +95,21 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         autocast: With ``model``: the dtype its forward passes compute in (fp32 masters under ``bf16-mixed``).
         Others: as :class:`~screl.rollout.torch_engine.TorchGenerationEngine`'s.
     """
+
+    capabilities = EngineCapabilities(
+        streams_weight_buckets=True, weight_naming="megatron", colocated=True, colocated_tensor_parallel=True,
+        config_rules=("screl.validation.megatron_generation_rules:megatron_backend_rules",),
+        why_not=(("vision_inputs", "the megatron engine takes token ids only"),),
+    )
+
+    @classmethod
+    def on_trainer_module(cls, policy: PolicySpec, options: EngineOptions, *, model: Any,
+                          autocast: torch.dtype | None, link: Any = None) -> MegatronGenerationEngine:
+        """The colocated engine on the trainer's ``GPTModel`` shard; the other tensor-parallel ranks follow it
+        through ``link``."""
+        return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
+                   recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+                   model=model, link=link, autocast=autocast)
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> MegatronGenerationEngine:

@@ -33,6 +33,7 @@ from screl.models.vision import is_vision_model, mrope_positions, vision_token_i
 from screl.models.vision_inputs import VisionInputs
 from screl.rollout.backends import WeightBuckets, as_buckets
 from screl.rollout.engine import (
+    EngineCapabilities,
     EngineOptions,
     FinishReason,
     GenerationRequest,
@@ -240,8 +241,18 @@ class TorchGenerationEngine:
     _banned: torch.Tensor | None = None
     """Tokens never sampled: a vision-language model's image placeholders (``[vocabulary]`` bool)."""
 
-    streams_weight_buckets = True
-    """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""
+    @classmethod
+    def on_trainer_module(cls, policy: PolicySpec, options: EngineOptions, *, model: Any,
+                          autocast: torch.dtype | None, link: Any = None) -> TorchGenerationEngine:
+        """The colocated engine: it decodes with ``model`` (the trainer's module) in the trainer's threads."""
+        return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
+                   recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+                   decode=str(options.args.get("decode", "auto")), model=model, autocast=autocast)
+
+    capabilities = EngineCapabilities(
+        whole_call_batches=True, streams_weight_buckets=True, colocated=True, vision_inputs=True,
+        routing_records=True, config_rules=("screl.validation.rollout_rules:torch_backend_rules",),
+    )
 
     def update_weights(self, weights: WeightBuckets, version: int) -> None:
         """Copy the weights into the model in place between decode steps and set the version.

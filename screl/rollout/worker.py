@@ -49,7 +49,14 @@ from screl.rollout.batching import (
     take_batch,
 )
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
-from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult, PauseMode, SamplingParams
+from screl.rollout.engine import (
+    EngineOptions,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+    SamplingParams,
+    declared_capabilities,
+)
 from screl.rollout.reward_transform import RewardTransform
 from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA
 from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
@@ -130,7 +137,8 @@ class GenerationWorker:
         self.deadlines = deadlines or Deadlines()
         self.clock = PausableClock()
         self.in_flight_weight_updates = in_flight_weight_updates
-        self.continuous = bool(getattr(self.engine, "continuous_batching", False))
+        self.capabilities = declared_capabilities(self.engine)
+        self.continuous = self.capabilities.continuous_batching
 
     # -- rollouts -------------------------------------------------------------------------------------
     def set_data_plane(self, dataplane: Any) -> None:
@@ -383,7 +391,7 @@ class GenerationWorker:
         state dict (the ``GenerationEngine`` protocol's)."""
         loop = asyncio.get_running_loop()
         state: Any
-        if getattr(self.engine, "streams_weight_buckets", False):
+        if self.capabilities.streams_weight_buckets:
             state = _fetched_lazily(weights, loop)
         else:
             state = merge_buckets([bucket_from_wire(await w if isinstance(w, ray.ObjectRef) else w) for w in weights])

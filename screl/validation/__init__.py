@@ -22,18 +22,12 @@ from screl.validation.context import (
     workflow_problem,
 )
 from screl.validation.distill_rules import distill_rules
-from screl.validation.megatron_generation_rules import megatron_backend_rules
+from screl.validation.engine_rules import engine_rules
 from screl.validation.model_rules import model_memory_rules, precision_rules
 from screl.validation.moe_rules import routing_replay_rules
 from screl.validation.optimizer_rules import distributed_optimizer_rules
 from screl.validation.placement_rules import placement_rules
-from screl.validation.rollout_rules import (
-    deadline_rules,
-    refit_rules,
-    torch_backend_rules,
-    vllm_rules,
-    worker_health_rules,
-)
+from screl.validation.rollout_rules import deadline_rules, refit_rules, worker_health_rules
 from screl.validation.run_rules import (
     algorithm_pairing_rules,
     algorithm_rules,
@@ -64,14 +58,12 @@ RULES = (
     failure_rules,
     batch_rules,
     generation_rules,
-    megatron_backend_rules,
+    engine_rules,
     routing_replay_rules,
     vlm_rules,
     colocated_rules,
     placement_rules,
     agent_rules,
-    torch_backend_rules,
-    vllm_rules,
     deadline_rules,
     refit_rules,
     worker_health_rules,

@@ -1,7 +1,7 @@
 """``data.init_args.generation.colocated.enabled``: the engine decodes with the trainer's module in the trainer's
-process (:mod:`screl.rollout.colocated`). Built for the torch backend in one trainer process and for the megatron
-backend across the trainer's tensor-parallel ranks; every other combination is refused before anything starts,
-naming the key and the way out."""
+process (:mod:`screl.rollout.colocated`). An engine that declares ``colocated`` runs in one trainer process; one
+that declares ``colocated_tensor_parallel`` (the megatron engine) across the trainer's tensor-parallel ranks; every
+other combination is refused before anything starts, naming the key and the way out."""
 
 from __future__ import annotations
 
@@ -22,14 +22,10 @@ def colocated_rules(c: RuleContext) -> None:
     if not get(gen, "colocated.enabled", False):
         return
     key = f"{GEN}.colocated.enabled"
-    backend = gen.get("backend", "torch")
-    if backend == "vllm":
-        c.bad(key, True, "colocated vLLM needs vLLM's sleep/wake mode, which runs on a GPU only: not built yet",
-              "use backend: torch or megatron for colocated generation, or colocated.enabled: false with vLLM "
-              "workers")
-    elif backend not in ("torch", "megatron"):
-        c.bad(key, True, f"colocated generation runs the torch or megatron engine on the trainer's module (backend "
-              f"{backend!r} cannot be colocated)", "set backend: torch, or colocated.enabled: false")
+    engine = c.engine
+    if engine is not None and not engine.colocated:
+        c.bad(key, True, engine.reason("colocated", c.engine_name), "use backend: torch or megatron for colocated "
+              f"generation, or colocated.enabled: false with {c.engine_name} workers")
     if c.min_groups != c.P:
         c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, "colocated generation stands down for the "
               "whole train step, so each step must be one full batch", f"set it to num_prompts_per_step ({c.P})")
@@ -39,14 +35,15 @@ def colocated_rules(c: RuleContext) -> None:
     world = _world_size(c.cfg)
     strategy = get(c.cfg, "trainer.strategy")
     named = strategy.get("class_path") if isinstance(strategy, dict) else strategy
-    if backend == "megatron" and is_megatron_strategy(c.cfg):
+    tensor_parallel = engine is not None and engine.colocated_tensor_parallel
+    if tensor_parallel and is_megatron_strategy(c.cfg):
         why = colocated_megatron_layout_problem(c.cfg)
         if why is not None:
             c.bad(key, True, why, "train with tensor parallelism only (trainer.devices = tensor_model_parallel_size, "
                   "one node), or set colocated.enabled: false for Megatron engines in workers")
-    elif backend != "megatron" and (world > 1 or (isinstance(named, str) and named not in ("auto", "single_device"))):
+    elif not tensor_parallel and (world > 1 or (isinstance(named, str) and named not in ("auto", "single_device"))):
         c.bad(key, True, f"colocated generation runs in one trainer process (trainer world size {world}, strategy "
-              f"{named or 'auto'}); a data- or model-parallel colocated torch engine is not built",
+              f"{named or 'auto'}); a data- or model-parallel colocated {c.engine_name} engine is not built",
               "train on one device (trainer.devices: 1, num_nodes: 1, no strategy), use backend: megatron under "
               "MegatronStrategy with tensor parallelism, or set colocated.enabled: false")
     if gen.get("expose_http_server", False):

@@ -16,6 +16,8 @@ from screl.data.sampler_config import (
     parse_sampler_config,
 )
 from screl.data.sampler_factory import declared_capabilities, sampler_rules
+from screl.rollout.backends import engine_capabilities, engine_title
+from screl.rollout.engine import EngineCapabilities
 
 #: Legacy async knobs and where they went (the spec's migration table).
 LEGACY_MIGRATION = (
@@ -162,6 +164,15 @@ class RuleContext:
         self.dp_backend = get(cfg, "data_plane.backend", "simple")
         self.gen: Mapping[str, Any] = get(cfg, "data.init_args.generation", None) or get(cfg, "data.generation", {}) or {}
         self.ck: Mapping[str, Any] = cfg.get("checkpointing") or {}
+        self.engine_name = str(self.gen.get("backend", "torch"))
+        """The configured engine as messages name it; ``engine`` holds what it declares (None: it does not resolve,
+        which the generation rules report)."""
+        self.engine: EngineCapabilities | None = None
+        try:
+            self.engine = engine_capabilities(self.engine_name)
+            self.engine_name = engine_title(self.engine_name)
+        except ValueError:
+            pass
 
     def bad(self, key: str, value: Any, message: str, fix: str) -> None:
         self.problems.append(Problem(key, value, message, fix))

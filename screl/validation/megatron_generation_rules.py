@@ -24,8 +24,6 @@ def is_megatron_strategy(cfg: Any) -> bool:
 def megatron_backend_rules(c: RuleContext) -> None:
     """``backend: megatron`` needs MegatronStrategy and takes no ``backend_args``."""
     gen = c.gen
-    if gen.get("backend", "torch") != "megatron":
-        return
     if not is_megatron_strategy(c.cfg):
         strategy = get(c.cfg, "trainer.strategy")
         c.bad(f"{GEN}.backend", "megatron", "the Megatron engine loads the policy as MegatronStrategy trains it "

