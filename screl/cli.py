@@ -144,8 +144,8 @@ class ScrelCLI(LightningCLI):
     # -- validation before anything starts ---------------------------------------------------------
     @override
     def _set_seed(self) -> None:
-        """Lightning seeds numpy too, which takes [0, 2**32 - 1]: refuse another seed naming the key (was a
-        traceback from inside ``seed_everything``; found by tests/test_config_fuzz.py)."""
+        """Lightning seeds numpy too, which takes [0, 2**32 - 1]: refuse another seed naming the key, before
+        ``seed_everything`` fails inside numpy."""
         seed = self._get(self.config, "seed_everything")
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
             from screl.validation import Problem

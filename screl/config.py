@@ -46,7 +46,6 @@ __all__ = [
     "ReadyFirstSamplerConfig",
     "RewardScalingConfig",
     "RewardShapingConfig",
-    "RewardTransformConfig",
     "RolloutCheckpointingConfig",
     "RolloutFailureConfig",
     "RolloutRecoveryConfig",
@@ -166,9 +165,6 @@ class RewardScalingConfig:
     target_max: float = 1.0
 
 
-RewardTransformConfig = RewardShapingConfig  # the old name
-
-
 @dataclass
 class GRPOConfig:
     """Step settings of a GRPO run. One RL step = one training batch = one optimizer step."""
@@ -202,7 +198,7 @@ class GRPOConfig:
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
     """Reward scaling after shaping: clip and map into a range."""
     async_grpo: dict[str, Any] | None = None
-    """Legacy async-GRPO block: must be null (port its knobs to ``async_rl``)."""
+    """NeMo-RL's async-GRPO block, refused with its migration to ``async_rl`` (the spec's table): must be null."""
 
 
 @dataclass
@@ -232,7 +228,7 @@ class PPOConfig(GRPOConfig):
     """KL in the reward: each completion token's reward gets ``-coef * (log pi_gen - log pi_ref)`` against the
     initial policy (0: off)."""
     async_ppo: dict[str, Any] | None = None
-    """Legacy async-PPO block: must be null (port its knobs to ``async_rl``)."""
+    """NeMo-RL's async-PPO block, refused with its migration to ``async_rl`` (the spec's table): must be null."""
     async_grpo: dict[str, Any] | None = None
     """Not used by PPO; must be null."""
 

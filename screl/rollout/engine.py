@@ -1,6 +1,6 @@
 """The generation engine protocol: one request per sample, per-token logprobs and weight versions.
 
-Shaped after vLLM's ``AsyncLLM`` (``spec/vllm-rl-api.md``) so a vLLM engine slots in behind it:
+Shaped after vLLM's ``AsyncLLM`` (docs/generation.md) so a vLLM engine slots in behind it:
 ``SamplingParams`` maps onto vLLM's (``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` ->
 ``min_tokens``, ``top_k=None`` -> ``0``, ``logprobs=0``), ``abort`` and ``pause``/``resume`` onto
 ``abort`` / ``pause_generation(mode=...)`` / ``resume_generation``, and per-token weight versions onto

@@ -3,7 +3,7 @@
 Requests are validated by pydantic; a bad field becomes a 400 with an OpenAI-style error body naming it. A field
 the server does not implement is a 400 naming it too: nothing is silently dropped, except the fields listed in
 :data:`IGNORED_FIELDS` (bookkeeping that does not change what is generated). Responses follow OpenAI's chat and
-completion objects, plus what RL needs (``spec/vllm-rl-api.md`` §4):
+completion objects, plus what RL needs (docs/agents.md):
 
 * ``prompt_token_ids`` at the top level and ``token_ids`` on every choice (vLLM's ``return_token_ids``);
 * ``weight_versions`` on every choice: the policy version that sampled each token;

@@ -5,7 +5,7 @@ batches them continuously, so the worker hands each group straight to :meth:`VLL
 instead of gathering a decode batch. The engine runs on an event loop of its own (a daemon thread of the worker
 process); vLLM's EngineCore is a child process of the worker.
 
-**Mapping** (``spec/vllm-rl-api.md`` §6): ``SamplingParams`` -> vLLM's (``max_tokens``, ``min_tokens``,
+**Mapping** (docs/generation.md): ``SamplingParams`` -> vLLM's (``max_tokens``, ``min_tokens``,
 ``top_k`` 0 = off, ``logprobs=0``, explicit ``stop_token_ids`` since the engine runs without a tokenizer);
 ``priority`` -> vLLM's priority scheduling; per-token weight versions from ``CompletionOutput.weight_versions``
 spans (labels are ``str(version)``).
