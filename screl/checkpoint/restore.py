@@ -44,7 +44,7 @@ from screl.checkpoint.snapshots import (
     scan_snapshots,
     trainer_anchor,
 )
-from screl.checkpoint.store import BundleInfo, CheckpointStore
+from screl.checkpoint.store import BundleInfo, BundleScan, CheckpointStore
 
 __all__ = ["NoUsableBundleError", "RestoreMode", "RestorePlan", "RestoreSource", "bundle_trainer_version",
            "select_restore"]
@@ -110,6 +110,12 @@ def select_restore(
     usable = [b for b in found.complete if b.relpath not in refused]
     if usable:
         return _from_bundle(store, usable[-1], restore_mode, snapshots_enabled, notes, refused)
+    _refuse_unusable(store, found, refused)
+    return _without_bundle(store, restore_mode, snapshots_enabled, config, extras, notes, refused)
+
+
+def _refuse_unusable(store: CheckpointStore, found: BundleScan, refused: Mapping[str, str]) -> None:
+    """NoUsableBundleError when a published bundle exists but every one was skipped or refused."""
     bad = [(name, reason) for name, reason in found.skipped if store.exists(f"{name}/{MANIFEST_NAME}")]
     bad += [(b.relpath, refused[b.relpath]) for b in found.complete if b.relpath in refused]
     if bad:
@@ -120,6 +126,17 @@ def select_restore(
             " away (or choose a new checkpointing.checkpoint_dir) to start from scratch. Nothing was modified."
         )
 
+
+def _without_bundle(
+    store: CheckpointStore,
+    restore_mode: RestoreMode,
+    snapshots_enabled: bool,
+    config: Mapping[str, Any],
+    extras: tuple[str, ...],
+    notes: list[str],
+    refused: Mapping[str, str],
+) -> RestorePlan:
+    """No trainer bundle: a fresh start, or the bootstrap lineage's newest compatible snapshot."""
     # A killed anchor write leaves only its staging file: no rollout state, and no lineage yet.
     bootstrap_exists = any(not n.startswith(ATOMIC_TMP_PREFIX) for n in store.children(BOOTSTRAP_ANCHOR))
     if not snapshots_enabled:

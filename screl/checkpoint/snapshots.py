@@ -15,21 +15,36 @@ from a crash and is reported as corrupt. Retention renames a snapshot to ``trash
 deleting it locally; on an object store it deletes ``manifest.json`` first, which withdraws the snapshot
 in one request.
 
-Selection (:func:`resolve_latest_snapshot`) is read-only.
+Selection (:func:`resolve_latest_snapshot`) is read-only. The names, the manifest header and the records live
+in :mod:`screl.checkpoint.snapshot_layout`; this module re-exports the public ones.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
 
+from screl.checkpoint.snapshot_layout import (
+    ANCHOR_RE,
+    BOOTSTRAP_ANCHOR,
+    SNAPSHOT_KIND,
+    SNAPSHOT_RE,
+    SNAPSHOT_SCHEMA_VERSION,
+    SNAPSHOTS_DIR,
+    TMP_SNAPSHOT_RE,
+    TRASH_SNAPSHOT_RE,
+    MissingAnchorError,
+    SnapshotInfo,
+    SnapshotManifest,
+    SnapshotScan,
+    seq_of,
+    snapshots_rel,
+    trainer_anchor,
+)
 from screl.checkpoint.store import (
     MANIFEST_NAME,
     CheckpointStore,
     IncompleteError,
-    PublishedDir,
     StagedWriter,
 )
 
@@ -52,140 +67,6 @@ __all__ = [
     "trainer_anchor",
 ]
 
-BOOTSTRAP_ANCHOR = "bootstrap"
-SNAPSHOTS_DIR = "rollout_snapshots"
-SNAPSHOT_SCHEMA_VERSION = 1
-SNAPSHOT_KIND = "screl.rollout_snapshot"
-SUPPORTED_SNAPSHOT_SCHEMAS = frozenset({1})
-
-_SNAPSHOT_RE = re.compile(r"^snapshot_(\d{6,})$")
-_TMP_RE = re.compile(r"^tmp_snapshot_(\d{6,})$")
-_TRASH_RE = re.compile(r"^trash_snapshot_(\d{6,})(?:_[0-9a-f]+)?$")
-_ANCHOR_RE = re.compile(r"^step_(\d+)$")
-
-
-class MissingAnchorError(FileNotFoundError):
-    """The anchor a snapshot needs is not durable yet (skip reason ``missing_trainer_anchor``)."""
-
-
-def trainer_anchor(step: int) -> str:
-    """The anchor name of trainer bundle ``step``."""
-    return f"step_{step}"
-
-
-def _int_field(data: Mapping[str, Any], key: str, minimum: int) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"snapshot manifest field {key!r} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"snapshot manifest field {key!r} must be >= {minimum}, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class SnapshotManifest:
-    """The lineage and cursor fields of a rollout snapshot (validated on construction)."""
-
-    base_train_step: int
-    """The trainer step of the anchor (0 for bootstrap)."""
-    trainer_version: int
-    """The trainer weight version when the snapshot was cut."""
-    sampler_dispatch_index: int
-    """The sampler dispatch position (-1: nothing dispatched yet)."""
-    mutation_version: int
-    """The data-plane mutation counter captured under the barrier."""
-    rolled_back_train_group_count: int = 0
-    """Groups claimed by the open train step, re-offered in the persisted copy."""
-    current_epoch: int = 0
-    bootstrap_fingerprint: str | None = None
-    """The bootstrap anchor's fingerprint; None under a trainer anchor."""
-    schema_version: int = SNAPSHOT_SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        _validate_header(asdict(self))
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SnapshotManifest:
-        """Parse and validate (ValueError names the bad field); unknown keys are ignored."""
-        return cls(**_validate_header(data))
-
-
-def _validate_header(data: Mapping[str, Any]) -> dict[str, Any]:
-    schema = data.get("schema_version")
-    if isinstance(schema, bool) or schema not in SUPPORTED_SNAPSHOT_SCHEMAS:
-        raise ValueError(
-            f"snapshot schema_version {schema!r} is not supported"
-            f" (supported: {sorted(SUPPORTED_SNAPSHOT_SCHEMAS)})"
-        )
-    fingerprint = data.get("bootstrap_fingerprint")
-    if fingerprint is not None and not (isinstance(fingerprint, str) and fingerprint):
-        raise ValueError(
-            "snapshot manifest field 'bootstrap_fingerprint' must be a non-empty string or null,"
-            f" got {fingerprint!r}"
-        )
-    return {
-        "base_train_step": _int_field(data, "base_train_step", 0),
-        "trainer_version": _int_field(data, "trainer_version", 0),
-        "sampler_dispatch_index": _int_field(data, "sampler_dispatch_index", -1),
-        "mutation_version": _int_field(data, "mutation_version", 0),
-        "rolled_back_train_group_count": _int_field(data, "rolled_back_train_group_count", 0),
-        "current_epoch": _int_field(data, "current_epoch", 0),
-        "bootstrap_fingerprint": fingerprint,
-        "schema_version": schema,
-    }
-
-
-@dataclass(frozen=True)
-class SnapshotInfo(PublishedDir):
-    """A published rollout snapshot; read its parts with ``store.read_bytes(info, name)`` etc."""
-
-    anchor: str
-    seq: int
-    header: SnapshotManifest
-
-
-@dataclass(frozen=True)
-class SnapshotScan:
-    """Every published snapshot under an anchor, judged against the expected lineage."""
-
-    good: tuple[SnapshotInfo, ...]
-    """Compatible snapshots, newest first."""
-    skipped: tuple[tuple[str, str], ...]
-    """``(directory name, reason)`` for corrupt or incompatible snapshots, newest first."""
-    ignored: tuple[str, ...]
-    """Temporary, trash and (object stores only) interrupted-publish directories."""
-    where: str = ""
-    """URL of the ``rollout_snapshots`` directory, for messages."""
-
-    def choose(self) -> SnapshotInfo | None:
-        """The newest good snapshot; ValueError listing the reasons when none is good but some were
-        skipped; None when there were no candidates."""
-        if self.good:
-            return self.good[0]
-        if self.skipped:
-            reasons = "\n".join(f"  {name}: {reason}" for name, reason in self.skipped)
-            raise ValueError(
-                f"no compatible rollout snapshot under {self.where}; skipped:\n{reasons}\n"
-                "Remove the stale snapshot directories listed above if they are not needed, or choose a new"
-                " checkpointing.checkpoint_dir. Nothing was modified."
-            )
-        return None
-
-
-def _snapshots_rel(anchor: str) -> str:
-    return f"{anchor}/{SNAPSHOTS_DIR}"
-
-
-def _seq_of(name: str) -> int | None:
-    for pattern in (_SNAPSHOT_RE, _TMP_RE, _TRASH_RE):
-        m = pattern.match(name)
-        if m is not None:
-            return int(m.group(1))
-    return None
-
 
 def _check_anchor(store: CheckpointStore, anchor: str) -> None:
     if anchor == BOOTSTRAP_ANCHOR:
@@ -194,7 +75,7 @@ def _check_anchor(store: CheckpointStore, anchor: str) -> None:
                 f"{store.url(BOOTSTRAP_ANCHOR)} has no {MANIFEST_NAME}: write the bootstrap anchor first"
             )
         return
-    m = _ANCHOR_RE.match(anchor)
+    m = ANCHOR_RE.match(anchor)
     if m is None:
         raise ValueError(f"invalid snapshot anchor {anchor!r}: expected 'bootstrap' or 'step_<n>'")
     try:
@@ -209,7 +90,7 @@ class SnapshotWriter(StagedWriter):
     store: CheckpointStore  # the whole store: a snapshot reads its anchor and prunes its siblings
 
     def __init__(self, store: CheckpointStore, anchor: str, seq: int) -> None:
-        base = _snapshots_rel(anchor)
+        base = snapshots_rel(anchor)
         super().__init__(store, f"{base}/tmp_snapshot_{seq:06d}", f"{base}/snapshot_{seq:06d}")
         self.anchor = anchor
         self.seq = seq
@@ -276,11 +157,11 @@ def sweep_snapshot_leftovers(store: CheckpointStore, anchor: str) -> list[str]:
 
     Only call it while holding the checkpoint-save lock (no snapshot is being written).
     """
-    base = _snapshots_rel(anchor)
+    base = snapshots_rel(anchor)
     removed: list[str] = []
     for name in store.children(base):
-        leftover = bool(_TMP_RE.match(name) or _TRASH_RE.match(name))
-        if not leftover and _SNAPSHOT_RE.match(name) and not store.atomic_rename:
+        leftover = bool(TMP_SNAPSHOT_RE.match(name) or TRASH_SNAPSHOT_RE.match(name))
+        if not leftover and SNAPSHOT_RE.match(name) and not store.atomic_rename:
             leftover = not store.exists(f"{base}/{name}/{MANIFEST_NAME}")
         if leftover:
             store.remove_tree(f"{base}/{name}")
@@ -296,14 +177,14 @@ def begin_snapshot(store: CheckpointStore, anchor: str, sweep: bool = True) -> S
     or trash), so a number is never reused.
     """
     _check_anchor(store, anchor)
-    seqs = [s for s in (_seq_of(n) for n in store.children(_snapshots_rel(anchor))) if s is not None]
+    seqs = [s for s in (seq_of(n) for n in store.children(snapshots_rel(anchor))) if s is not None]
     if sweep:
         sweep_snapshot_leftovers(store, anchor)
     return SnapshotWriter(store, anchor, max(seqs, default=0) + 1)
 
 
 def _load_snapshot(store: CheckpointStore, anchor: str, name: str) -> SnapshotInfo:
-    relpath = f"{_snapshots_rel(anchor)}/{name}"
+    relpath = f"{snapshots_rel(anchor)}/{name}"
     manifest, parts, empty_dirs = store.load_published(relpath)
     if manifest.get("kind") != SNAPSHOT_KIND:
         raise IncompleteError(
@@ -330,8 +211,8 @@ def _published_names(store: CheckpointStore, anchor: str) -> tuple[list[str], li
     """(``snapshot_*`` names newest first, other names)."""
     published: list[str] = []
     other: list[str] = []
-    for name in store.children(_snapshots_rel(anchor)):
-        (published if _SNAPSHOT_RE.match(name) else other).append(name)
+    for name in store.children(snapshots_rel(anchor)):
+        (published if SNAPSHOT_RE.match(name) else other).append(name)
     published.sort(key=lambda n: int(n.rsplit("_", 1)[1]), reverse=True)
     return published, other
 
@@ -350,7 +231,7 @@ def scan_snapshots(
     skipped: list[tuple[str, str]] = []
     ignored = list(other)
     for name in published:
-        relpath = f"{_snapshots_rel(anchor)}/{name}"
+        relpath = f"{snapshots_rel(anchor)}/{name}"
         if not store.atomic_rename and not store.exists(f"{relpath}/{MANIFEST_NAME}"):
             ignored.append(name)  # an interrupted copy-then-manifest publish on an object store
             continue
@@ -368,7 +249,7 @@ def scan_snapshots(
             skipped.append((name, f"{info.url}: {reason}"))
             continue
         good.append(info)
-    return SnapshotScan(tuple(good), tuple(skipped), tuple(ignored), store.url(_snapshots_rel(anchor)))
+    return SnapshotScan(tuple(good), tuple(skipped), tuple(ignored), store.url(snapshots_rel(anchor)))
 
 
 def _lineage_problem(
@@ -427,7 +308,7 @@ def retain_snapshots(store: CheckpointStore, anchor: str, keep_latest_k: int) ->
     oldest_kept = kept[0].seq
     published, _ = _published_names(store, anchor)
     removed = []
-    base = _snapshots_rel(anchor)
+    base = snapshots_rel(anchor)
     for name in published:
         seq = int(name.rsplit("_", 1)[1])
         if seq < oldest_kept:
@@ -444,7 +325,7 @@ def prune_bootstrap_snapshots(store: CheckpointStore) -> list[str]:
     if store.latest() is None:
         return []
     published, other = _published_names(store, BOOTSTRAP_ANCHOR)
-    base = _snapshots_rel(BOOTSTRAP_ANCHOR)
+    base = snapshots_rel(BOOTSTRAP_ANCHOR)
     removed = []
     for name in published:
         store.remove_published(f"{base}/{name}", f"{base}/trash_snapshot_{int(name.rsplit('_', 1)[1]):06d}")

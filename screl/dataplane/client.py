@@ -24,9 +24,10 @@ check and raise); its controller RPCs have no timeout (every call here has one);
 attached process kills the shared controller (attached processes only drop their client); its put/get
 resets ``torch.set_num_threads`` to the value seen when TQ was imported (we restore the caller's).
 
-The process-wide TQ client (connect, start, stop) lives in :mod:`screl.dataplane.tq_client`, the row <->
-column conversion in :mod:`screl.dataplane.columns`, the errors in :mod:`screl.dataplane.errors`; this
-module re-exports the names it had.
+The process-wide TQ client (connect, start, stop, bounded waits) lives in :mod:`screl.dataplane.tq_client`,
+the put and checked get of rows in :mod:`screl.dataplane.rows`, the row <-> column conversion in
+:mod:`screl.dataplane.columns`, the errors in :mod:`screl.dataplane.errors`; this module re-exports the
+names in its ``__all__``.
 """
 
 from __future__ import annotations
@@ -41,36 +42,32 @@ from typing import Any, TypeVar
 # Read once at import by TQ's client and storage units: pin their torch thread pool to one thread.
 os.environ.setdefault("TQ_NUM_THREADS", "1")
 
-import ray  # noqa: E402
 import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
 
 from screl.dataplane import snapshot  # noqa: E402
-from screl.dataplane.columns import Column, check_keys, from_batch, to_batch  # noqa: E402
-from screl.dataplane.columns import column_samples as _samples  # noqa: E402, F401 - tests import it from here
-from screl.dataplane.columns import to_column as _to_column  # noqa: E402, F401 - tests import it from here
+from screl.dataplane.columns import Column, check_keys, from_batch  # noqa: E402
 from screl.dataplane.errors import (  # noqa: E402
     DataPlaneError,
     DataPlaneKeyError,
     DataPlaneLostError,
     DataPlaneTimeoutError,
 )
+from screl.dataplane.rows import get_call, put_call  # noqa: E402
 from screl.dataplane.snapshot import RemoteTree  # noqa: E402
 from screl.dataplane.tq_client import (  # noqa: E402
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
-    LIVENESS_POLL_S,
     STORAGE_UNIT_PREFIX,
     TorchThreads,
+    bounded_await,
     bounded_wait,
+    check_can_start,
     connect,
     current_client,
-    find_controller,
     in_daemon_thread,
     is_connected,
-    lost_error,
     lost_tq_actors,
     release_client,
     start_tq,
@@ -99,26 +96,6 @@ DEFAULT_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 180.0
 """TransferQueue's start-up bound: its controller and storage actors boot one after the other, which took 22 s
 on a loaded 2-core machine (and machines 3x slower exist)."""
-
-
-def _check_can_start(num_storage_units: int) -> None:
-    """Refuse to start TQ without Ray, with a second controller, or with too few free CPUs."""
-    if not ray.is_initialized():
-        raise DataPlaneError("Ray is not initialised: call screl.dataplane.start_local_ray() first.")
-    if num_storage_units < 1:
-        raise ValueError(f"num_storage_units={num_storage_units} must be >= 1.")
-    if find_controller() is not None:
-        raise DataPlaneError(
-            f"A TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) already runs in this "
-            f"Ray cluster and TQ allows one per cluster: attach to it with DataPlane.attach(handle) or "
-            f"shut it down first."
-        )
-    need, free = 1 + num_storage_units, ray.available_resources().get("CPU", 0.0)
-    if free < need:
-        raise DataPlaneError(
-            f"TransferQueue needs {need} free logical CPUs (controller + {num_storage_units} storage "
-            f"units, num_cpus=1 each) but Ray has {free:g}: start Ray with more num_cpus."
-        )
 
 
 @dataclass(frozen=True)
@@ -175,7 +152,7 @@ class DataPlane:
             DataPlaneError: Ray is not initialised, a TQ already runs in this cluster, or too few CPUs.
             DataPlaneTimeoutError: TQ did not come up within ``start_timeout_s`` (its actors are killed).
         """
-        _check_can_start(num_storage_units)
+        check_can_start(num_storage_units)
         conf = OmegaConf.create(
             {
                 "backend": {
@@ -240,7 +217,7 @@ class DataPlane:
             fut = in_daemon_thread(
                 lambda: connect(self._handle.controller_actor_id, self._handle.timeout_s)
             )
-            await self._await(
+            await bounded_await(
                 asyncio.wrap_future(fut), self._handle.timeout_s + 5.0, "Attaching to TransferQueue"
             )
 
@@ -260,51 +237,13 @@ class DataPlane:
         """Await a TQ coroutine on the caller's event loop, bounded."""
         await self._aensure_connected()
         with TorchThreads():
-            return await self._await(make(), self._timeout(timeout_s), what)
-
-    @staticmethod
-    async def _await(aw: Awaitable[T], timeout_s: float, what: str) -> T:
-        """``aw`` within ``timeout_s``; a TQ actor that dies meanwhile fails it at once, naming the actor."""
-        task = asyncio.ensure_future(aw)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        try:
-            while True:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    break
-                done, _ = await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
-                if done:
-                    return task.result()
-                lost = await asyncio.get_running_loop().run_in_executor(None, lost_tq_actors)
-                if lost:
-                    raise lost_error(lost, what) from None
-        finally:
-            if not task.done():
-                task.cancel()
-        raise DataPlaneTimeoutError(
-            f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
-            f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
-        )
+            return await bounded_await(make(), self._timeout(timeout_s), what)
 
     def lost_actors(self) -> list[str]:
         """The TransferQueue actors this process connected to that have died (empty before it connected)."""
         return lost_tq_actors()
 
     # ---- put / get / clear
-
-    def _put_coro(
-        self, keys: Sequence[str], rows: Mapping[str, Column], tags: Sequence[Mapping[str, Any]] | None
-    ) -> Callable[[], Awaitable[Any]]:
-        keys = check_keys(keys)
-        if not rows and tags is None:
-            raise ValueError("put needs rows or tags.")
-        if tags is not None and len(tags) != len(keys):
-            raise ValueError(f"{len(tags)} tags for {len(keys)} keys.")
-        batch = to_batch(keys, rows) if rows else None
-        tag_list = [dict(t) for t in tags] if tags is not None else None
-        return lambda: tq.async_kv_batch_put(
-            keys=keys, partition_id=self.partition_id, fields=batch, tags=tag_list
-        )
 
     def put(
         self,
@@ -322,7 +261,7 @@ class DataPlane:
                 tensor whose first dim indexes the samples. Existing keys get the fields added/replaced.
             tags: Optional small picklable dict per key (e.g. ``{"weight_version": 3}``); see :meth:`list_tags`.
         """
-        self._run(self._put_coro(keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
+        self._run(put_call(self.partition_id, keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
 
     async def aput(
         self,
@@ -333,35 +272,7 @@ class DataPlane:
         timeout_s: float | None = None,
     ) -> None:
         """Async :meth:`put`."""
-        await self._arun(self._put_coro(keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
-
-    def _get_coro(self, keys: list[str], fields: list[str]) -> Callable[[], Awaitable[TensorDict]]:
-        async def get() -> TensorDict:
-            try:
-                return await tq.async_kv_batch_get(
-                    keys=keys, partition_id=self.partition_id, select_fields=fields
-                )
-            except ValueError as e:  # "keys or partition were not found!" / "... not ready ..."
-                raise DataPlaneKeyError(await self._missing_message(keys, fields, str(e))) from None
-
-        return get
-
-    async def _missing_message(self, keys: list[str], fields: list[str], detail: str) -> str:
-        listing = await tq.async_kv_list(self.partition_id)
-        present = set(listing.get(self.partition_id, {}))
-        missing = [k for k in keys if k not in present]
-        if missing:
-            return (
-                f"{len(missing)} of {len(keys)} keys are not in partition {self.partition_id!r}: "
-                f"{missing[:8]} (never put, or cleared)."
-            )
-        return f"fields {fields} are not all written for keys {keys[:8]}... ({detail})."
-
-    async def _aget_checked(self, keys: list[str], fields: list[str], td: TensorDict) -> None:
-        if td.batch_size[0] != len(keys) or any(f not in td.keys() for f in fields):
-            raise DataPlaneKeyError(
-                await self._missing_message(keys, fields, f"got fields {list(td.keys())}")
-            )
+        await self._arun(put_call(self.partition_id, keys, rows, tags), timeout_s, f"put of {len(keys)} rows")
 
     def get(
         self, keys: Sequence[str], fields: Sequence[str], *, timeout_s: float | None = None
@@ -374,14 +285,7 @@ class DataPlane:
         keys, fields = check_keys(keys), list(fields)
         if not fields:
             raise ValueError("fields must not be empty.")
-        get = self._get_coro(keys, fields)
-
-        async def checked() -> TensorDict:
-            td = await get()
-            await self._aget_checked(keys, fields, td)
-            return td
-
-        td = self._run(checked, timeout_s, f"get of {len(keys)} rows")
+        td = self._run(get_call(self.partition_id, keys, fields), timeout_s, f"get of {len(keys)} rows")
         return from_batch(td, keys, fields)
 
     async def aget(
@@ -391,14 +295,7 @@ class DataPlane:
         keys, fields = check_keys(keys), list(fields)
         if not fields:
             raise ValueError("fields must not be empty.")
-        get = self._get_coro(keys, fields)
-
-        async def checked() -> TensorDict:
-            td = await get()
-            await self._aget_checked(keys, fields, td)
-            return td
-
-        td = await self._arun(checked, timeout_s, f"get of {len(keys)} rows")
+        td = await self._arun(get_call(self.partition_id, keys, fields), timeout_s, f"get of {len(keys)} rows")
         return from_batch(td, keys, fields)
 
     def clear(self, keys: Sequence[str], *, timeout_s: float | None = None) -> None:

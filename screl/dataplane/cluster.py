@@ -80,33 +80,16 @@ def start_local_ray(
     if address is not None:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=level)
         return True
-    # Ray prestarts one idle Python worker per logical CPU for the first driver; screl's few actors start
-    # their own, so on a small machine the idle ones only compete with them for the cores (about 3 CPU-s
-    # and 2 s of wall time per start-up on 2 cores). SCREL users may still set it to 1.
-    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     kwargs: dict[str, Any] = dict(address="local", num_cpus=num_cpus, num_gpus=None if gpu_ids is None else len(gpu_ids),
                                   namespace=namespace, include_dashboard=False, log_to_driver=log_to_driver,
                                   logging_level=level, object_store_memory=object_store_memory)
-    try:
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                ray.init(**kwargs)
-                break
-            except Exception as err:  # Ray raises a bare Exception when its raylet misses its 30 s registration
-                if "timed out during startup" not in str(err) or attempt == START_ATTEMPTS:
-                    raise
-                log.warning("screl: the local Ray cluster did not come up (%s); starting it again (%d of %d): an "
-                            "overloaded machine", str(err).split(".")[0], attempt + 1, START_ATTEMPTS)
-                ray.shutdown()
-    finally:
-        if gpu_ids is not None:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    _start_local(ray, kwargs, gpu_ids)
+    _check_loopback(ray)
+    return True
+
+
+def _check_loopback(ray: Any) -> None:
+    """Shut the new cluster down, and say how to fix it, unless its node IP is loopback."""
     node_ip = ray.util.get_node_ip_address()
     if node_ip.strip("[]") not in LOOPBACK_IPS:
         ray.shutdown()
@@ -114,7 +97,39 @@ def start_local_ray(
             f"Ray started with node IP {node_ip!r}, not loopback: set "
             f"{' '.join(f'{k}={v}' for k, v in LOOPBACK_ENV.items())} before `import ray`."
         )
-    return True
+
+
+def _start_local(ray: Any, kwargs: dict[str, Any], gpu_ids: Sequence[str] | None) -> None:
+    """``ray.init(**kwargs)`` of a new local cluster whose raylet sees only ``gpu_ids`` (None: every GPU)."""
+    # Ray prestarts one idle Python worker per logical CPU for the first driver; screl's few actors start
+    # their own, so on a small machine the idle ones only compete with them for the cores (about 3 CPU-s
+    # and 2 s of wall time per start-up on 2 cores). SCREL users may still set it to 1.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    try:
+        _init_with_retries(ray, kwargs)
+    finally:
+        if gpu_ids is not None:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _init_with_retries(ray: Any, kwargs: dict[str, Any]) -> None:
+    """``ray.init``, started again (at most ``START_ATTEMPTS`` in all) while its raylet misses registration."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(**kwargs)
+            break
+        except Exception as err:  # Ray raises a bare Exception when its raylet misses its 30 s registration
+            if "timed out during startup" not in str(err) or attempt == START_ATTEMPTS:
+                raise
+            log.warning("screl: the local Ray cluster did not come up (%s); starting it again (%d of %d): an "
+                        "overloaded machine", str(err).split(".")[0], attempt + 1, START_ATTEMPTS)
+            ray.shutdown()
 
 
 def stop_ray_if_started(started: bool) -> None:

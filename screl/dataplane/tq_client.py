@@ -3,16 +3,18 @@
 TQ keeps one client per process in module globals of ``transfer_queue.interface``; everything here
 guards them with one lock, remembers which controller the client talks to (``connected_to``) and whether
 this process started that TQ, and bounds every blocking call (``bounded_wait``): TQ's controller RPCs have
-none. :class:`screl.dataplane.client.DataPlane` is the only user.
+none; ``bounded_await`` is its twin on a running event loop. :class:`screl.dataplane.client.DataPlane` is the
+only user.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 # Read once at import by TQ's client and storage units: pin their torch thread pool to one thread.
@@ -153,6 +155,31 @@ def bounded_wait(fut: concurrent.futures.Future[T], timeout_s: float, what: str)
     ) from None
 
 
+async def bounded_await(aw: Awaitable[T], timeout_s: float, what: str) -> T:
+    """``aw`` within ``timeout_s`` on the running loop (:func:`bounded_wait`'s async twin); a TQ actor that dies
+    meanwhile fails it at once, naming the actor."""
+    task = asyncio.ensure_future(aw)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            done, _ = await asyncio.wait({task}, timeout=min(left, LIVENESS_POLL_S))
+            if done:
+                return task.result()
+            lost = await asyncio.get_running_loop().run_in_executor(None, lost_tq_actors)
+            if lost:
+                raise lost_error(lost, what) from None
+    finally:
+        if not task.done():
+            task.cancel()
+    raise DataPlaneTimeoutError(
+        f"{what} did not finish within {timeout_s:g}s; is the TransferQueue controller/storage alive "
+        f"(tq actors alive: {tq_actors_alive()})? Raise the timeout_s if the data is large."
+    )
+
+
 def connect(expected_controller: str | None, timeout_s: float) -> None:
     """Make this process's TQ client talk to the running controller (idempotent, thread-safe)."""
     global _connected_to, _expected
@@ -207,6 +234,26 @@ def is_connected(controller_actor_id: str) -> bool:
 def current_client() -> Any:
     """This process's TQ client (its ``_loop`` runs TQ's coroutines)."""
     return _tqi._TQ_CLIENT
+
+
+def check_can_start(num_storage_units: int) -> None:
+    """Refuse to start TQ without Ray, with a second controller, or with too few free CPUs."""
+    if not ray.is_initialized():
+        raise DataPlaneError("Ray is not initialised: call screl.dataplane.start_local_ray() first.")
+    if num_storage_units < 1:
+        raise ValueError(f"num_storage_units={num_storage_units} must be >= 1.")
+    if find_controller() is not None:
+        raise DataPlaneError(
+            f"A TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) already runs in this "
+            f"Ray cluster and TQ allows one per cluster: attach to it with DataPlane.attach(handle) or "
+            f"shut it down first."
+        )
+    need, free = 1 + num_storage_units, ray.available_resources().get("CPU", 0.0)
+    if free < need:
+        raise DataPlaneError(
+            f"TransferQueue needs {need} free logical CPUs (controller + {num_storage_units} storage "
+            f"units, num_cpus=1 each) but Ray has {free:g}: start Ray with more num_cpus."
+        )
 
 
 def start_tq(conf: DictConfig, timeout_s: float, what: str) -> str:

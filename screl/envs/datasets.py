@@ -95,6 +95,35 @@ def _context_positions(policy: PolicySpec) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _prompt_sources(prompt_column: str | None, messages_column: str | None, prompt_template: str | None,
+                    system_prompt: str | None, chat_template: bool) -> list[str]:
+    """The prompt-source arguments given (at most one), checked against ``chat_template``."""
+    given = [k for k, v in (("prompt_column", prompt_column), ("messages_column", messages_column),
+                            ("prompt_template", prompt_template)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{KEY}: {' and '.join(given)} are both set; give exactly one prompt source")
+    if messages_column is not None and not chat_template:
+        raise ValueError(f"{KEY}.messages_column={messages_column!r} needs {KEY}.chat_template: true"
+                         " (a chat becomes text only through the tokenizer's chat template)")
+    if system_prompt is not None and not chat_template:
+        raise ValueError(f"{KEY}.system_prompt needs {KEY}.chat_template: true (or set the policy's own"
+                         " system_prompt with its chat_template)")
+    return given
+
+
+def _check_scoring(verifier: Verifier | None, reward_fn: str | None, max_prompt_tokens: int | None, holdout: int,
+                   val_split: str | None) -> None:
+    """Exactly one scorer, a positive token limit, and one way of choosing the validation prompts."""
+    if (verifier is None) == (reward_fn is None):
+        raise ValueError(f"{KEY}: give exactly one of verifier (e.g. screl.envs.MathVerify) and reward_fn"
+                         f" ('package.module:function'); got {'both' if verifier else 'neither'}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"{KEY}.max_prompt_tokens={max_prompt_tokens} must be >= 1, or null for no limit")
+    if holdout and val_split is not None:
+        raise ValueError(f"{KEY}: holdout={holdout} and val_split={val_split!r} both choose the validation"
+                         " prompts; set one of them")
+
+
 class DatasetTask(Task):
     """Prompts from a dataset, each row one prompt, scored by a verifier or a reward function.
 
@@ -161,24 +190,8 @@ class DatasetTask(Task):
         verifier: Verifier | None = None,
         reward_fn: str | None = None,
     ) -> None:
-        given = [k for k, v in (("prompt_column", prompt_column), ("messages_column", messages_column),
-                                ("prompt_template", prompt_template)) if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"{KEY}: {' and '.join(given)} are both set; give exactly one prompt source")
-        if messages_column is not None and not chat_template:
-            raise ValueError(f"{KEY}.messages_column={messages_column!r} needs {KEY}.chat_template: true"
-                             " (a chat becomes text only through the tokenizer's chat template)")
-        if system_prompt is not None and not chat_template:
-            raise ValueError(f"{KEY}.system_prompt needs {KEY}.chat_template: true (or set the policy's own"
-                             " system_prompt with its chat_template)")
-        if (verifier is None) == (reward_fn is None):
-            raise ValueError(f"{KEY}: give exactly one of verifier (e.g. screl.envs.MathVerify) and reward_fn"
-                             f" ('package.module:function'); got {'both' if verifier else 'neither'}")
-        if max_prompt_tokens is not None and max_prompt_tokens < 1:
-            raise ValueError(f"{KEY}.max_prompt_tokens={max_prompt_tokens} must be >= 1, or null for no limit")
-        if holdout and val_split is not None:
-            raise ValueError(f"{KEY}: holdout={holdout} and val_split={val_split!r} both choose the validation"
-                             " prompts; set one of them")
+        given = _prompt_sources(prompt_column, messages_column, prompt_template, system_prompt, chat_template)
+        _check_scoring(verifier, reward_fn, max_prompt_tokens, holdout, val_split)
         self.path, self.split, self.data_files, self.revision, self.name = path, split, data_files, revision, name
         self.prompt_column = prompt_column if given else "prompt"
         self.messages_column, self.prompt_template = messages_column, prompt_template

@@ -270,7 +270,8 @@ def test_checkpoint_paths_are_checked_before_tq(dp: DataPlane, tmp_path: Path) -
 
 
 def test_columns_are_regular_when_shapes_agree_and_jagged_otherwise() -> None:
-    from screl.dataplane.client import _samples, _to_column
+    from screl.dataplane.columns import column_samples as _samples
+    from screl.dataplane.columns import to_column as _to_column
 
     same = [torch.arange(4) + i for i in range(3)]
     col = _to_column("ids", same, 3)
