@@ -38,8 +38,8 @@ from screl.config import (
     from_dict,
 )
 from screl.config_distill import distill_plan_name
+from screl.rules import ConfigError, config_problems
 from screl.threads import ThreadPlan, thread_plan
-from screl.validation import ConfigError, config_problems
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -148,7 +148,7 @@ class ScrelCLI(LightningCLI):
         ``seed_everything`` fails inside numpy."""
         seed = self._get(self.config, "seed_everything")
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= 2**32 - 1:
-            from screl.validation import Problem
+            from screl.rules import Problem
 
             raise ConfigError([Problem("seed_everything", seed, "numpy's seed range is [0, 4294967295]",
                                        "pick a seed in that range, or true for a random one")])
@@ -165,15 +165,15 @@ class ScrelCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        from screl.validation.shapes import shape_problems
+        from screl.rules.shapes import shape_problems
 
         blocks = {**TOP_LEVEL_BLOCKS, "grpo": GRPOConfig, "ppo": PPOConfig, "trainer": None, "model": None, "data": None}
         problems = shape_problems(self.config_dict(), blocks) or config_problems(self.config_dict())
         if problems:
             raise ConfigError(problems)
         if not self.check_only:  # before the Trainer (and CUDA) starts: the trainer sees only its GPUs
-            from screl.placement import apply_trainer_devices
-            from screl.validation import Problem
+            from screl.placement_env import apply_trainer_devices
+            from screl.rules import Problem
 
             placed = apply_trainer_devices(self.config_dict())
             if placed.problems:

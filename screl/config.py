@@ -4,7 +4,7 @@ Each block is a dataclass whose attribute docstrings become ``screl fit --help``
 blocks (``grpo``/``ppo``, ``async_rl``, ``data_plane``, ``checkpointing``, ``rollout_checkpointing``,
 ``rollout_recovery``, ``token_capture``) sit beside Lightning's ``trainer``/``model``/``data`` in
 the YAML; ``RunConfig`` bundles them for the DataModule and the controller. Cross-block rules live
-in ``screl.validation``.
+in ``screl.rules``.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class DistillationConfig:
 
     def problems(self) -> list[tuple[str, Any, str, str]]:
         """Every structural problem as ``(dotted key, value, why, fix)`` (tokenizers are checked by
-        ``screl.validation.distill_rules``, which builds them)."""
+        ``screl.rules.distill_rules``, which builds them)."""
         out: list[tuple[str, Any, str, str]] = []
         names = self.names
         if not self.teachers:

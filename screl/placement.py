@@ -3,42 +3,20 @@
 ``screl fit`` computes it before anything starts and ``screl check`` prints it (the plan's ``devices`` line).
 Per node it names the trainer's GPUs (``trainer.devices`` on each of ``trainer.num_nodes`` nodes), the inference
 GPUs (``colocated.resources``: ``gpus_per_node`` on ``num_nodes`` nodes, or ``num_gpus_per_worker`` x
-``num_workers``) and the GPUs left over. GPUs are positions in the node's visible list (``CUDA_VISIBLE_DEVICES``
-or all of them): the trainer takes the first ones, generation the last ones, as the spec's rule says
-(``gpus_per_node`` are the inference GPUs, the remainder goes to training).
-
-Where the inference GPUs are:
-
-* **On the trainer's nodes** by default: node ``i`` of the first ``colocated.resources.num_nodes`` nodes.
-* **On nodes of their own** when ``generation.resources`` names a custom Ray resource (``rollout_node``): the
-  nodes after the trainer's (docs/scaling.md, "Generation on its own nodes").
-* **On the trainer's own GPU**, only when asked explicitly: a fractional ``num_gpus_per_worker`` (``0.4``) with
-  ``gpus_per_node: 0`` and no GPU left over, plus the engine's memory share (vLLM's
-  ``backend_args.gpu_memory_utilization``). The plan then prints the memory budget of that GPU.
-
-How the map is enforced (``screl.cli`` and ``screl.controller.placement``):
-
-* The trainer's processes get ``CUDA_VISIBLE_DEVICES`` naming only the trainer's GPUs, set in the ``screl fit``
-  process before the Trainer (and so CUDA) starts; the ranks Lightning launches inherit it.
-* A local Ray cluster (no ``ray.address``) is started with ``num_gpus`` = the inference GPUs and, for its raylet
-  only, ``CUDA_VISIBLE_DEVICES`` naming those GPUs. Ray builds its GPU pool from that variable and maps the ids it
-  hands out onto it, so a worker asking for a GPU can only get an inference GPU, and ``ray.get_gpu_ids()`` in the
-  worker names the physical device. This was chosen over the alternatives because the trainer's GPUs never enter
-  Ray's pool at all: a custom resource tells Ray *how many* a worker may take but not *which* ids, and a
-  ``runtime_env`` ``CUDA_VISIBLE_DEVICES`` per actor is overwritten by Ray for actors that reserve GPUs.
-* A joined cluster (``ray.address``) was started by someone else: ``screl fit`` checks what it offers and
-  refuses to start when the trainer's node offers Ray more GPUs than the map gives generation there (the fix: start
-  that node's raylet with ``CUDA_VISIBLE_DEVICES=<inference ids> ray start --num-gpus <count>``).
+``num_workers``) and the GPUs left over. GPUs are positions in the node's visible list: the trainer takes the first
+ones, generation the last ones (the spec's rule). Inference GPUs sit on the trainer's nodes by default, on nodes of
+their own when ``generation.resources`` names a custom Ray resource, and on the trainer's own GPU only when asked
+explicitly (a fractional ``num_gpus_per_worker`` plus the engine's memory share). Invariant: no GPU is both the
+trainer's and generation's unless that sharing was asked for. How ``screl fit`` enforces the map
+(``CUDA_VISIBLE_DEVICES`` for the trainer, a local raylet's GPU pool, the joined-cluster check): docs/generation.md,
+"Placement: which GPU runs what".
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,15 +27,8 @@ VLLM_DEFAULT_MEMORY_SHARE = 0.9
 DEFAULT_GPU_MEMORY_GB = 80.0
 """The device memory the budget line assumes when ``colocated.resources.gpu_memory_gb`` is not set."""
 
-ENV_NODE_GPUS = "SCREL_NODE_GPUS"
-"""The node's visible GPU ids as ``screl fit`` first found them (before it narrowed ``CUDA_VISIBLE_DEVICES``)."""
-ENV_INFERENCE_GPUS = "SCREL_INFERENCE_GPUS"
-"""Comma-separated GPU ids a local Ray cluster may hand to generation workers (set by ``screl fit``)."""
-ENV_DEVICE_MAP = "SCREL_DEVICE_MAP"
-"""The device map as JSON, for the rollout side's checks on a joined cluster."""
-
 Issue = tuple[str, Any, str, str]
-"""A problem: (dotted key, value, what is wrong, the fix), as ``screl.validation`` reports it."""
+"""A problem: (dotted key, value, what is wrong, the fix), as ``screl.rules`` reports it."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +164,23 @@ def _trainer_devices(trainer: Mapping[str, Any], issues: list[Issue]) -> int | N
     return None
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What the map is drawn from: the config's counts, clamped to usable values (each bad one is its rule's)."""
+
+    trainer_on_gpu: bool
+    t_nodes: int
+    t_count: int | None
+    colocated: bool
+    workers: int
+    i_nodes: int
+    k: int
+    g: float
+    inference_on_gpu: bool
+    node_gpus: int | None
+    own_nodes: tuple[str, ...]
+
+
 def device_map(cfg: Mapping[str, Any], node_gpus: int | None = None) -> DeviceMap:
     """The device map of a whole config (the parsed YAML with defaults), with every problem found.
 
@@ -204,106 +192,138 @@ def device_map(cfg: Mapping[str, Any], node_gpus: int | None = None) -> DeviceMa
     gen = _get(cfg, "data.init_args.generation", None) or _get(cfg, "data.generation", {}) or {}
     res = gen.get("colocated", {}).get("resources", {}) if isinstance(gen.get("colocated"), Mapping) else {}
     res = res or {}
-    knob_gpus = res.get("node_gpus")
-    if node_gpus is None and isinstance(knob_gpus, int) and not isinstance(knob_gpus, bool):
-        if knob_gpus < 0:
-            issues.append((f"{RES}.node_gpus", knob_gpus, "must be a count >= 0, or null (counted by screl fit)",
+    node_gpus = _node_gpus(res, node_gpus, issues)
+    mem_gb = _memory_gb(res, issues)
+    plan = _plan(trainer, gen, res, node_gpus, issues)
+    share = _number((gen.get("backend_args") or {}).get("gpu_memory_utilization"))
+    if share is None and str(gen.get("device", "cpu")).startswith("cuda") and _claims_memory_share(gen):
+        share = _screl_vllm_share()
+    base = {"trainer_on_gpu": plan.trainer_on_gpu, "inference_on_gpu": plan.inference_on_gpu,
+            "colocated": plan.colocated, "gpus_per_worker": plan.g, "memory_share": share, "gpu_memory_gb": mem_gb,
+            "own_nodes_by": plan.own_nodes, "node_gpus_known": node_gpus is not None}
+    if plan.colocated or not (plan.trainer_on_gpu or plan.inference_on_gpu):
+        return DeviceMap(**base, problems=tuple(issues))  # type: ignore[arg-type]
+    nodes = _nodes(plan, trainer, issues)
+    issues.extend(_inference_pool_issues(plan))
+    dmap = DeviceMap(nodes=tuple(nodes), **base)  # type: ignore[arg-type]
+    if dmap.shared:
+        issues.extend(_shared_gpu_issues(dmap, gen, cfg))
+    return DeviceMap(nodes=tuple(nodes), **base, problems=tuple(issues))  # type: ignore[arg-type]
+
+
+def _node_gpus(res: Mapping[str, Any], node_gpus: int | None, issues: list[Issue]) -> int | None:
+    """The GPUs a node has: the caller's count, else ``colocated.resources.node_gpus`` when it is valid."""
+    knob = res.get("node_gpus")
+    if node_gpus is None and isinstance(knob, int) and not isinstance(knob, bool):
+        if knob < 0:
+            issues.append((f"{RES}.node_gpus", knob, "must be a count >= 0, or null (counted by screl fit)",
                            "set node_gpus: 8 (GPUs per node) or null"))
         else:
-            node_gpus = knob_gpus
+            node_gpus = knob
+    return node_gpus
+
+
+def _memory_gb(res: Mapping[str, Any], issues: list[Issue]) -> float | None:
     mem_gb = _number(res.get("gpu_memory_gb"))
     if res.get("gpu_memory_gb") is not None and (mem_gb is None or mem_gb <= 0):
         issues.append((f"{RES}.gpu_memory_gb", res.get("gpu_memory_gb"), "must be a number of GB > 0, or null",
                        "set gpu_memory_gb: 80 (an H100), or null to skip the memory check"))
         mem_gb = None
+    return mem_gb
+
+
+def _count(value: Any, least: int, default: int) -> int:
+    """``value`` when it is an int >= ``least`` (not a bool), else ``default``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else default
+
+
+def _plan(trainer: Mapping[str, Any], gen: Mapping[str, Any], res: Mapping[str, Any], node_gpus: int | None,
+          issues: list[Issue]) -> _Plan:
     accel = str(trainer.get("accelerator") or "auto")
     if isinstance(trainer.get("accelerator"), Mapping):
         accel = str(trainer["accelerator"].get("class_path", "")).lower()
     trainer_on_gpu = accel in ("gpu", "cuda") or "cuda" in accel or (accel == "auto" and bool(node_gpus))
-    t_nodes = trainer.get("num_nodes", 1)
-    t_nodes = t_nodes if isinstance(t_nodes, int) and t_nodes >= 1 else 1
     t_count = _trainer_devices(trainer, issues) if trainer_on_gpu else 0
     colocated = bool(_get(gen, "colocated.enabled", False))
     on_cuda = str(gen.get("device", "cpu")).startswith("cuda")
-    workers = gen.get("num_workers", 1)
-    workers = workers if isinstance(workers, int) and workers >= 1 else 1
-    i_nodes = res.get("num_nodes", 1)
-    i_nodes = i_nodes if isinstance(i_nodes, int) and i_nodes >= 1 else 1
-    k = res.get("gpus_per_node", 0)
-    k = k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else 0
+    workers, i_nodes = _count(gen.get("num_workers", 1), 1, 1), _count(res.get("num_nodes", 1), 1, 1)
+    k = _count(res.get("gpus_per_node", 0), 0, 0)
     g_raw = _number(gen.get("num_gpus_per_worker"))
     if g_raw is not None and g_raw < 0:
         g_raw = None  # its own rule reports it
-    share = _number((gen.get("backend_args") or {}).get("gpu_memory_utilization"))
-    if share is None and on_cuda and _claims_memory_share(gen):
-        share = _screl_vllm_share()
     if colocated or not on_cuda:
         g = g_raw or 0.0
-        inference_on_gpu = g > 0
     else:
         g = g_raw if g_raw is not None else (i_nodes * k / workers if k else 1.0)
-        inference_on_gpu = g > 0
     own_nodes = tuple(sorted(gen.get("resources") or {})) if isinstance(gen.get("resources"), Mapping) else ()
-    base = {"trainer_on_gpu": trainer_on_gpu, "inference_on_gpu": inference_on_gpu, "colocated": colocated,
-            "gpus_per_worker": g, "memory_share": share, "gpu_memory_gb": mem_gb, "own_nodes_by": own_nodes,
-            "node_gpus_known": node_gpus is not None}
-    if colocated or not (trainer_on_gpu or inference_on_gpu):
-        return DeviceMap(**base, problems=tuple(issues))  # type: ignore[arg-type]
+    return _Plan(trainer_on_gpu, _count(trainer.get("num_nodes", 1), 1, 1), t_count, colocated, workers, i_nodes,
+                 k, g, g > 0, node_gpus, own_nodes)
 
-    # inference GPUs per inference node, and whether they are the trainer's own (explicit fractional sharing)
+
+def _nodes(plan: _Plan, trainer: Mapping[str, Any], issues: list[Issue]) -> list[NodeDevices]:
+    """Each node's GPUs: the trainer's first, generation's last (or shared, where a fractional share asks it)."""
+    i_nodes, workers, separate = plan.i_nodes, plan.workers, bool(plan.own_nodes)
     per_node_workers = [workers // i_nodes + (1 if n < workers % i_nodes else 0) for n in range(i_nodes)]
-    if k:
-        inf_gpus = [k] * i_nodes
-    else:
-        inf_gpus = [math.ceil(w * g - 1e-9) for w in per_node_workers]
-    separate = bool(own_nodes)
+    inf_gpus = [plan.k] * i_nodes if plan.k else [math.ceil(w * plan.g - 1e-9) for w in per_node_workers]
     nodes: list[NodeDevices] = []
-    count = t_nodes + i_nodes if separate else max(t_nodes, i_nodes)
-    for n in range(count):
-        is_trainer = n < t_nodes and trainer_on_gpu
-        inf_index = (n - t_nodes) if separate else n
-        has_inf = inference_on_gpu and 0 <= inf_index < i_nodes and (separate or n < i_nodes)
+    for n in range(plan.t_nodes + i_nodes if separate else max(plan.t_nodes, i_nodes)):
+        inf_index = (n - plan.t_nodes) if separate else n
+        has_inf = plan.inference_on_gpu and 0 <= inf_index < i_nodes and (separate or n < i_nodes)
         want_inf = inf_gpus[inf_index] if has_inf else 0
         w_here = per_node_workers[inf_index] if has_inf else 0
-        t_here = t_count if is_trainer else 0
-        size = node_gpus
+        t_here = plan.t_count if n < plan.t_nodes and plan.trainer_on_gpu else 0
         if t_here is None:  # "auto": the rest of the node
-            rest = (size - want_inf) if size is not None else 1
-            t_here = max(rest, 0)
-        fractional_share = (0 < g < 1 and k == 0 and t_here > 0 and want_inf > 0
-                            and (size is None or size < t_here + want_inf))
-        if fractional_share:
-            size = size if size is not None else t_here
-            trainer_pos = tuple(range(min(t_here, size)))
-            inference_pos = tuple(range(max(0, min(t_here, size) - want_inf), min(t_here, size)))
-            nodes.append(NodeDevices(n, size, trainer_pos, inference_pos, shared=True, workers=w_here))
-            if want_inf > t_here:
-                issues.append((f"{GEN}.num_gpus_per_worker", g, f"{w_here} worker(s) x {g:g} GPU share "
-                               f"{want_inf} GPU(s) but the trainer has {t_here} on node {n} to share: the node is "
-                               "oversubscribed", f"lower num_workers or num_gpus_per_worker to fit {t_here} GPU(s), "
-                               f"or give generation GPUs of its own ({RES}.gpus_per_node)"))
-            continue
-        size = size if size is not None else t_here + want_inf
-        trainer_pos = tuple(range(t_here))
-        inference_pos = tuple(range(max(0, size - want_inf), size)) if want_inf else ()
-        nodes.append(NodeDevices(n, size, trainer_pos, inference_pos, workers=w_here))
-        if t_here > size:
-            issues.append(("trainer.devices", trainer.get("devices"), f"the trainer takes {t_here} GPU(s) per node "
-                           f"but node {n} has {size}: the node is oversubscribed",
-                           f"set trainer.devices <= {size}, or correct {RES}.node_gpus"))
-        elif set(trainer_pos) & set(inference_pos):
-            issues.append((f"{RES}.gpus_per_node" if k else f"{GEN}.num_gpus_per_worker", k or g,
-                           f"node {n} has {size} GPU(s): the trainer's {t_here} (trainer.devices) and generation's "
-                           f"{want_inf} overlap, so a worker would land on a trainer's device",
-                           f"make trainer.devices + inference GPUs <= {size}: lower trainer.devices to "
-                           f"{max(size - want_inf, 0)} or the inference GPUs; or share one GPU explicitly with a "
-                           "fractional num_gpus_per_worker (e.g. 0.4) and gpus_per_node: 0 plus the engine's memory "
-                           "share (backend_args.gpu_memory_utilization)"))
-        elif want_inf > size:
-            issues.append((f"{RES}.gpus_per_node" if k else f"{GEN}.num_gpus_per_worker", k or g,
-                           f"generation takes {want_inf} GPU(s) on node {n}, which has {size}: oversubscribed",
-                           f"lower the inference GPUs to <= {size}, or correct {RES}.node_gpus"))
-    if k and inference_on_gpu and workers * g > i_nodes * k + 1e-9:
+            t_here = max((plan.node_gpus - want_inf) if plan.node_gpus is not None else 1, 0)
+        nodes.append(_node(plan, trainer, n, t_here, want_inf, w_here, issues))
+    return nodes
+
+
+def _node(plan: _Plan, trainer: Mapping[str, Any], n: int, t_here: int, want_inf: int, w_here: int,
+          issues: list[Issue]) -> NodeDevices:
+    size, g, k = plan.node_gpus, plan.g, plan.k
+    if 0 < g < 1 and k == 0 and t_here > 0 and want_inf > 0 and (size is None or size < t_here + want_inf):
+        size = size if size is not None else t_here  # the fractional share: generation on the trainer's GPUs
+        trainer_pos = tuple(range(min(t_here, size)))
+        inference_pos = tuple(range(max(0, min(t_here, size) - want_inf), min(t_here, size)))
+        if want_inf > t_here:
+            issues.append((f"{GEN}.num_gpus_per_worker", g, f"{w_here} worker(s) x {g:g} GPU share "
+                           f"{want_inf} GPU(s) but the trainer has {t_here} on node {n} to share: the node is "
+                           "oversubscribed", f"lower num_workers or num_gpus_per_worker to fit {t_here} GPU(s), "
+                           f"or give generation GPUs of its own ({RES}.gpus_per_node)"))
+        return NodeDevices(n, size, trainer_pos, inference_pos, shared=True, workers=w_here)
+    size = size if size is not None else t_here + want_inf
+    trainer_pos = tuple(range(t_here))
+    inference_pos = tuple(range(max(0, size - want_inf), size)) if want_inf else ()
+    issues.extend(_node_issues(plan, trainer, n, size, t_here, want_inf, set(trainer_pos) & set(inference_pos)))
+    return NodeDevices(n, size, trainer_pos, inference_pos, workers=w_here)
+
+
+def _node_issues(plan: _Plan, trainer: Mapping[str, Any], n: int, size: int, t_here: int, want_inf: int,
+                 overlap: set[int]) -> list[Issue]:
+    k, g = plan.k, plan.g
+    if t_here > size:
+        return [("trainer.devices", trainer.get("devices"), f"the trainer takes {t_here} GPU(s) per node but node {n} "
+                 f"has {size}: the node is oversubscribed", f"set trainer.devices <= {size}, or correct {RES}.node_gpus")]
+    if overlap:
+        return [(f"{RES}.gpus_per_node" if k else f"{GEN}.num_gpus_per_worker", k or g,
+                 f"node {n} has {size} GPU(s): the trainer's {t_here} (trainer.devices) and generation's "
+                 f"{want_inf} overlap, so a worker would land on a trainer's device",
+                 f"make trainer.devices + inference GPUs <= {size}: lower trainer.devices to "
+                 f"{max(size - want_inf, 0)} or the inference GPUs; or share one GPU explicitly with a "
+                 "fractional num_gpus_per_worker (e.g. 0.4) and gpus_per_node: 0 plus the engine's memory "
+                 "share (backend_args.gpu_memory_utilization)")]
+    if want_inf > size:
+        return [(f"{RES}.gpus_per_node" if k else f"{GEN}.num_gpus_per_worker", k or g,
+                 f"generation takes {want_inf} GPU(s) on node {n}, which has {size}: oversubscribed",
+                 f"lower the inference GPUs to <= {size}, or correct {RES}.node_gpus")]
+    return []
+
+
+def _inference_pool_issues(plan: _Plan) -> list[Issue]:
+    """The workers' GPUs against the pool ``colocated.resources`` gives generation."""
+    workers, g, k, i_nodes = plan.workers, plan.g, plan.k, plan.i_nodes
+    issues: list[Issue] = []
+    if k and plan.inference_on_gpu and workers * g > i_nodes * k + 1e-9:
         issues.append((f"{GEN}.num_gpus_per_worker", g, f"{workers} worker(s) x {g:g} GPU = {workers * g:g} GPUs, but "
                        f"colocated.resources gives generation {i_nodes} x {k} = {i_nodes * k}: the inference "
                        "devices are oversubscribed (Ray would leave workers pending)",
@@ -312,10 +332,7 @@ def device_map(cfg: Mapping[str, Any], node_gpus: int | None = None) -> DeviceMa
     if k and g > k + 1e-9:
         issues.append((f"{GEN}.num_gpus_per_worker", g, f"one worker takes {g:g} GPUs and a node has {k} for "
                        "generation: Ray cannot split a worker over nodes", f"set num_gpus_per_worker <= {k}"))
-    dmap = DeviceMap(nodes=tuple(nodes), **base)  # type: ignore[arg-type]
-    if dmap.shared:
-        issues.extend(_shared_gpu_issues(dmap, gen, cfg))
-    return DeviceMap(nodes=tuple(nodes), **base, problems=tuple(issues))  # type: ignore[arg-type]
+    return issues
 
 
 def _claims_memory_share(gen: Mapping[str, Any]) -> bool:
@@ -383,94 +400,3 @@ def trainer_memory_bytes(cfg: Mapping[str, Any]) -> int | None:
 
     estimate, _ = config_estimate(cfg)
     return None if estimate is None else estimate.peak
-
-
-# -- the node's GPUs, and the trainer's CUDA_VISIBLE_DEVICES ---------------------------------------------------
-
-
-def parse_visible(value: str | None) -> list[str] | None:
-    """The ids in a ``CUDA_VISIBLE_DEVICES`` value (None when unset)."""
-    if value is None:
-        return None
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def node_gpu_ids(environ: Mapping[str, str]) -> list[str]:
-    """The GPUs this node offers screl: what ``screl fit`` first found (``SCREL_NODE_GPUS``, kept for the ranks it
-    launches), else ``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L`` (no CUDA initialised here), else none."""
-    for var in (ENV_NODE_GPUS, "CUDA_VISIBLE_DEVICES"):
-        ids = parse_visible(environ.get(var))
-        if ids is not None:
-            return ids
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [str(i) for i, line in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
-
-
-def node_rank(environ: Mapping[str, str]) -> int:
-    for var in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
-        if environ.get(var, "").isdigit():
-            return int(environ[var])
-    return 0
-
-
-def apply_trainer_devices(cfg: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> DeviceMap:
-    """Compute the device map for this node and narrow the trainer's ``CUDA_VISIBLE_DEVICES`` to its GPUs.
-
-    Call it in the ``screl fit`` process before the Trainer exists (CUDA reads the variable once, when it
-    initialises). It also leaves, for the rollout side, the inference ids a local Ray cluster may use
-    (``SCREL_INFERENCE_GPUS``) and the map (``SCREL_DEVICE_MAP``). Idempotent: ranks Lightning launches (and a
-    second run in the same process) recompute it from ``SCREL_NODE_GPUS``. Returns the map; its ``problems`` are
-    for the caller to raise (nothing is set then).
-    """
-    env = os.environ if environ is None else environ
-    visible = node_gpu_ids(env)
-    dmap = device_map(cfg, node_gpus=len(visible))
-    if dmap.problems:
-        return dmap
-    env[ENV_NODE_GPUS] = ",".join(visible)
-    node = node_rank(env)
-    if dmap.trainer_on_gpu and not dmap.colocated:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(dmap.trainer_ids(node, visible))
-    env[ENV_INFERENCE_GPUS] = ",".join(dmap.inference_ids(node, visible)) if dmap.inference_on_gpu else ""
-    env[ENV_DEVICE_MAP] = dmap.to_json()
-    return dmap
-
-
-def local_ray_gpu_ids(environ: Mapping[str, str] | None = None) -> list[str] | None:
-    """The GPU ids a local Ray cluster gets (``SCREL_INFERENCE_GPUS``), or None when ``screl fit`` set none."""
-    return parse_visible((os.environ if environ is None else environ).get(ENV_INFERENCE_GPUS))
-
-
-def joined_cluster_problem(dmap: DeviceMap, nodes: list[Mapping[str, Any]], driver_node_id: str,
-                           worker_resources: Mapping[str, float]) -> str | None:
-    """Why a joined Ray cluster could put a generation worker on a trainer's GPU, or None.
-
-    ``nodes`` as ``ray.nodes()`` lists them. The trainer's node (the driver's) must not offer Ray more GPUs than the
-    map gives generation there, unless the workers need a custom resource that node does not offer.
-    """
-    if not dmap.trainer_on_gpu or dmap.colocated:
-        return None
-    here = next((n for n in nodes if n.get("NodeID") == driver_node_id and n.get("Alive", True)), None)
-    if here is None:
-        return None
-    offered = here.get("Resources") or {}
-    if any(name not in offered for name in worker_resources):
-        return None  # the workers cannot land on the trainer's node at all
-    gpus = float(offered.get("GPU", 0))
-    node0 = dmap.node(0)
-    planned = len(node0.inference) if node0 else 0
-    if gpus <= planned:
-        return None
-    trainer = ",".join(map(str, node0.trainer)) if node0 else ""
-    ids = ",".join(map(str, node0.inference)) if node0 else ""
-    ids = ids or '""'
-    return (f"the Ray node of the trainer ({driver_node_id[:12]}) offers {gpus:g} GPU(s) but the device map gives "
-            f"generation {planned} there (the trainer has GPU {trainer}): a worker could land on a trainer's GPU. "
-            f"Start that node's raylet with CUDA_VISIBLE_DEVICES={ids} ray start --num-gpus {planned}, or "
-            f"put generation on nodes of its own ({GEN}.resources: {{rollout_node: 1}})")

@@ -60,7 +60,7 @@ _NAME_TESTS = re.compile(
 _OWN_FILES = {
     "screl/algorithms.py",  # the registry itself
     "screl/modules/grpo.py", "screl/modules/ppo.py", "screl/modules/distill.py",
-    "screl/validation/distill_rules.py",  # the distillation block's own rules
+    "screl/rules/distill_rules.py",  # the distillation block's own rules
 }
 
 

@@ -394,7 +394,7 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
     ("ppo_minibatches_divide_the_step", "ppo.yaml", {"ppo.num_minibatches": 5},
      "ppo.num_minibatches", "must be >= 1 and divide the step's num_prompts_per_step x num_generations_per_prompt"),
     ("ppo_minibatches_positive", "ppo.yaml", {"ppo.num_minibatches": 0}, "ppo.num_minibatches", "must be >= 1"),
-    # screl.Distill (screl/validation/distill_rules.py)
+    # screl.Distill (screl/rules/distill_rules.py)
     ("distill_map_unknown_teacher", "distill_tiny.yaml",
      {"model.init_args.distillation.teacher_map": {"count": "cuont"}},
      "model.init_args.distillation.teacher_map.count", "names an unknown teacher (teachers: ['count'])"),

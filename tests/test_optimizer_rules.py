@@ -1,5 +1,5 @@
-"""``screl.validation.optimizer_rules``: ``use_distributed_optimizer`` checked against the strategy (direct calls; the
-rule joins ``screl check`` once registered in ``screl.validation.RULES``)."""
+"""``screl.rules.optimizer_rules``: ``use_distributed_optimizer`` checked against the strategy (direct calls; the
+rule joins ``screl check`` once registered in ``screl.rules.RULES``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from screl.validation.context import RuleContext
-from screl.validation.optimizer_rules import distributed_optimizer_rules
+from screl.rules.context import RuleContext
+from screl.rules.optimizer_rules import distributed_optimizer_rules
 
 MEGATRON = "screl.strategies.MegatronStrategy"
 
@@ -28,7 +28,7 @@ def test_megatron_with_the_knob_at_dp2_and_at_pp2_passes() -> None:
 
 def test_dp1_is_allowed_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     tp2 = {"use_distributed_optimizer": True, "parallelism": {"tensor_model_parallel_size": 2}}
-    with caplog.at_level(logging.INFO, logger="screl.validation.optimizer_rules"):
+    with caplog.at_level(logging.INFO, logger="screl.rules.optimizer_rules"):
         assert _problems({"class_path": MEGATRON, "init_args": tp2}) == []
     assert "at data-parallel size 1" in caplog.text
 

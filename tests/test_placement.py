@@ -13,7 +13,8 @@ from _check_helpers import load_config as _load
 from _check_helpers import run_check as _check
 
 from screl.cli import main
-from screl.placement import ENV_DEVICE_MAP, DeviceMap, apply_trainer_devices, device_map, trainer_memory_bytes
+from screl.placement import DeviceMap, device_map, trainer_memory_bytes
+from screl.placement_env import ENV_DEVICE_MAP, apply_trainer_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "data.init_args.generation"

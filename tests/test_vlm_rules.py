@@ -1,4 +1,4 @@
-"""``screl check`` on vision-language configs (:mod:`screl.validation.vlm_rules`): each refused combination fails
+"""``screl check`` on vision-language configs (:mod:`screl.rules.vlm_rules`): each refused combination fails
 check naming its key, the reason and the fix; the shipped VLM config passes."""
 
 from __future__ import annotations

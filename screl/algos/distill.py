@@ -1,30 +1,18 @@
-"""On-policy distillation: the per-token reverse-KL objective toward a teacher (pure torch).
+"""On-policy distillation: per-token KL objectives toward a teacher (pure torch; docs/distillation.md).
 
-The student samples; a teacher scores the student's own tokens. Reverse KL ``KL(pi_s || pi_t) = E_{y ~ pi_s}
-[log pi_s(y) - log pi_t(y)]`` is minimised by a policy gradient whose per-token advantage is the negative
-sampled KL, ``A_t = log pi_t(y_t) - log pi_beh(y_t)`` (teacher minus the student's behaviour logprob, the
-policy that sampled the token), each token on its own (no sum over later tokens: the "discount 0" estimator of
-on-policy distillation). The token advantage is treated as data, so the surrogate's gradient is
-``-A_t grad log pi_s(y_t)``; on-policy it equals the gradient of the per-token reverse KL's sampled estimate
-(the score term ``E[grad log pi] = 0`` drops the ``log pi_s`` dependence of ``A``).
+``sampled`` (:func:`distill_advantages`, :class:`ReverseKLDistillLoss`): the student samples, a teacher scores the
+student's own tokens, and each token's advantage is ``A_t = kl_coef (log pi_t(y_t) - log pi_beh(y_t)) +
+reward_weight A_grpo`` (``pi_beh`` the policy that sampled the token, ``A_grpo`` the row's GRPO advantage), each
+token on its own: the "discount 0" estimator. Treated as data through :class:`ClippedPGLoss`'s surrogate (its
+clipping and IS correction apply as for GRPO), its gradient ``-A_t grad log pi_s(y_t)`` equals, on policy, the
+gradient of the sampled per-token reverse KL ``KL(pi_s || pi_t)`` (the score term ``E[grad log pi] = 0``).
 
-Mixed with the task reward: ``A_t = kl_coef (log pi_t - log pi_beh) + reward_weight A_grpo`` where ``A_grpo`` is
-the row's GRPO advantage, the same for all its tokens. The surrogate is :class:`ClippedPGLoss`'s, so its
-ratio clipping and importance-sampling correction (``use_importance_sampling_correction`` when the sampler admits
-stale rows) apply exactly as for GRPO.
-
-The ``top_k`` estimator (:func:`top_k_reverse_kl`) is exact at each visited position instead: the teacher returns
-its ``k`` most likely next tokens with their logprobs, and the loss is ``KL(pi_s || pi_t)`` over those ``k`` tokens
-plus one bucket holding the rest of the vocabulary (both distributions coarsened the same way, so it is a lower
-bound of the full KL, equal to it at ``k`` = vocabulary size). Its gradient moves the student's mass toward the
-teacher's likely tokens whether or not the student sampled them; the sampled estimator only moves the tokens it
-sampled, which is slow when the student starts far from the teacher.
-
-With the top-k rows the direction may also be forward (:func:`top_k_forward_kl`, ``KL(pi_t || pi_s)`` at each position
-the student visited, the same coarsening). Reverse KL is mode-seeking: its pull on a token is weighted by the
-student's own probability of it, so a teacher's answer the student gives almost no mass rises slowly. Forward KL is
-weighted by the teacher's: at each visited position it is the cross-entropy toward the teacher's distribution (a
-teacher-forced fit on the student's own prefixes), which raises that answer directly.
+``top_k`` (:func:`top_k_reverse_kl`, :func:`top_k_forward_kl`): the exact KL at each visited position over the
+teacher's ``k`` most likely tokens plus one bucket for the rest of the vocabulary (both distributions coarsened the
+same way: a lower bound of the full KL, equal to it at ``k`` = vocabulary size). It moves the student's mass toward
+the teacher's likely tokens whether or not the student sampled them. Reverse KL is mode-seeking (weighted by the
+student's probability); forward ``KL(pi_t || pi_s)`` is the cross-entropy toward the teacher at each visited
+position, which raises an answer the student gives almost no mass directly.
 """
 
 from __future__ import annotations

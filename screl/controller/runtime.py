@@ -24,7 +24,8 @@ from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
 from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
-from screl.placement import ENV_DEVICE_MAP, DeviceMap, joined_cluster_problem, local_ray_gpu_ids
+from screl.placement import DeviceMap
+from screl.placement_env import ENV_DEVICE_MAP, joined_cluster_problem, local_ray_gpu_ids
 from screl.rollout.backends import engine_capabilities, iter_buckets, resolve_backend
 from screl.rollout.colocated import ColocatedHost, ColocatedSlot
 from screl.rollout.deadlines import Deadlines
@@ -183,15 +184,7 @@ class RolloutRuntime:
             lambda: DataPlane.start(num_storage_units=dpc.num_storage_units, partition_id=dpc.partition_id,
                                     storage_node_resource=dpc.storage_node_resource)
         )
-        worker_kwargs: dict[str, Any] = dict(
-            backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
-            task=task, sampling=sampling_params(g), workflow=g.workflow, workflow_args=dict(g.workflow_args),
-            reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
-            deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
-            in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
-        )
-        if self.distillation is not None:
-            worker_kwargs["teachers"] = self._start_teachers()
+        worker_kwargs = self._worker_kwargs(task, val_task)
         weights: list[Any] | None = None
         loaded: list[Any] = []
         try:
@@ -221,13 +214,31 @@ class RolloutRuntime:
                                    self.dataplane, worker_kwargs, self.timeout_s, link=self.link)
         if g.expose_http_server:
             self._start_server(policy, seed)
+        self._say_ready(time.perf_counter() - t1)
+        return weights
+
+    def _worker_kwargs(self, task: Task, val_task: Task | None) -> dict[str, Any]:
+        """What every generation worker (or the colocated host's worker) is built with besides its engine."""
+        g = self.generation
+        kwargs: dict[str, Any] = dict(
+            backend=g.backend, injected_latency_s=g.injected_latency_s, batch_window_s=g.batch_window_s,
+            task=task, sampling=sampling_params(g), workflow=g.workflow, workflow_args=dict(g.workflow_args),
+            reward_transform=reward_transform(self.run.algo, g.max_new_tokens), val_task=val_task,
+            deadlines=Deadlines(g.generation_timeout_s, g.rollout_timeout_s),
+            in_flight_weight_updates=self.run.async_rl.in_flight_weight_updates,
+        )
+        if self.distillation is not None:
+            kwargs["teachers"] = self._start_teachers()
+        return kwargs
+
+    def _say_ready(self, seconds: float) -> None:
+        g = self.generation
         if self.colocated:
             startup.info("screl: the colocated %s engine (the trainer's module) and the controller ready in %.1f s",
-                         g.backend, time.perf_counter() - t1)
+                         g.backend, seconds)
         else:
             startup.info("screl: %d generation worker(s) and the controller ready in %.1f s (%s backend, weights "
-                         "loaded)", len(self.workers), time.perf_counter() - t1, g.backend)
-        return weights
+                         "loaded)", len(self.workers), seconds, g.backend)
 
     def _start_teachers(self) -> Any:
         """Distillation: one scoring worker per teacher (started beside the fleet, ready before the workers roll

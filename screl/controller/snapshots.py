@@ -1,20 +1,15 @@
-"""Periodic rollout snapshots: the controller's state between trainer checkpoints.
+"""Periodic rollout snapshots: the controller's state between trainer checkpoints (docs/checkpointing.md).
 
-Every ``rollout_checkpointing.snapshot_attempt_interval_s`` the controller attempts a snapshot:
+Every ``rollout_checkpointing.snapshot_attempt_interval_s`` :class:`SnapshotPump` attempts one, anchored to
+``<checkpoint_dir>/bootstrap/`` before the first step (created with the config's fail-closed fingerprint, or checked
+against it) and to the durable bundle ``step_N`` after step N. An attempt is skipped when that bundle is not durable
+yet (``missing_trainer_anchor``; ``save_period: 1`` gives full coverage) or when nothing in the data plane changed
+since the last snapshot; ``max_consecutive_failures`` failed attempts in a row stop the run.
 
-* before the first step it is anchored to ``<checkpoint_dir>/bootstrap/`` (created with the config's
-  fail-closed fingerprint, or validated against it);
-* after step N it is anchored to the trainer bundle ``step_N``, which must already be durable
-  (otherwise the attempt is skipped: ``missing_trainer_anchor``; ``save_period: 1`` gives full coverage);
-* an attempt with no data-plane mutation since the last snapshot is skipped.
-
-The state is captured under the data-plane barrier with the open step's claims rolled back in the
-persisted copy (a restart retrains them); the native TransferQueue snapshot is written locally and
-published with the sidecars as ``rollout_snapshots/snapshot_<seq>/``; ``keep_latest_k`` are kept.
-``max_consecutive_failures`` failed attempts in a row stop the run.
-
-The pump sees its controller as :class:`SnapshotSource` (its counters and its capture), so this module does
-not import the controller that starts it.
+Invariant: the state is captured under the data-plane barrier, with the open step's claims rolled back in the
+persisted copy (a restart retrains that step), so every row it counts is in the TransferQueue snapshot published
+beside it. The pump sees its controller only as :class:`SnapshotSource`, so this module does not import the
+controller that starts it.
 """
 
 from __future__ import annotations

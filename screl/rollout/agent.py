@@ -1,21 +1,17 @@
-"""The agent workflow: a user's agent code drives each rollout through the OpenAI-compatible server.
+"""The agent workflow: a user's agent code drives each rollout through the OpenAI-compatible server (docs/agents.md,
+"Your agent: AgentWorkflow").
 
-``generation.workflow: screl.rollout.AgentWorkflow`` with ``workflow_args: {agent: "package.module:function"}``
-and ``generation.expose_http_server: true``. For every sibling the worker calls, on a thread of its own,
+``generation.workflow: screl.rollout.AgentWorkflow`` with ``workflow_args: {agent: "package.module:function"}`` and
+``generation.expose_http_server: true``. For every sibling the worker calls, on a thread of its own,
+``agent(client, prompt, env)``: ``client`` an ``openai.OpenAI`` client bound to the server and to this sibling's
+session (``X-Session-Id``; an ``async def`` agent gets an ``openai.AsyncOpenAI`` one on an event loop of its own
+thread), ``prompt`` the :class:`~screl.envs.PromptRecord`, ``env`` a fresh environment of the task (an
+:class:`~screl.envs.environment.EnvTask`; None for a plain task). It returns the reward, or an :class:`AgentResult`
+whose ``mask`` keeps the reward and group but trains nothing (as ``StepResult.mask`` does for the direct workflow).
 
-    agent(client, prompt, env) -> float
-
-with ``client`` an official ``openai.OpenAI`` client bound to the server and to a session of this sibling
-(its ``X-Session-Id``), ``prompt`` the :class:`~screl.envs.PromptRecord` and ``env`` a fresh environment from
-the task (an :class:`~screl.envs.environment.EnvTask`; None for a plain task). The agent converses as it
-likes (any framework that speaks OpenAI works) and returns the rollout's reward, or an :class:`AgentResult`
-(reward and ``mask``: a flagged conversation keeps its reward and group but trains nothing, as
-``StepResult.mask`` does for the direct workflow). An ``async def`` agent gets an ``openai.AsyncOpenAI`` client
-instead and runs on an event loop of its own thread (what async frameworks such as the OpenAI Agents SDK need:
-``screl.envs.agents_sdk``). The server records every
-turn of the session token by token; the recorded turns become the training row
-(:func:`screl.rollout.trajectory.build_row`), so the agent never handles token ids, but it must send the
-assistant messages back unchanged so that the server can splice the past tokens verbatim.
+Invariant: the agent never handles token ids. The server records the session's turns token by token and they
+become the row (:func:`screl.rollout.trajectory.build_row`), so the agent must send the assistant messages back
+unchanged for the server to splice the past tokens verbatim.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """Colocated generation (``generation.colocated.enabled: true``): the engine lives in the trainer's process and
-decodes with the trainer's own module. No worker process, no second copy of the weights; a refit is a version
-bump.
+decodes with the trainer's own module; no worker process, no second copy of the weights, and a refit is a version
+bump (docs/generation.md, "Topologies: disaggregated and colocated").
 
-The controller (a Ray actor) reaches the engine as it reaches any worker, through a handle whose methods have a
-``.remote(...)``: here a :class:`Mailbox` in the controller's process, which queues each call. The trainer's
-:class:`ColocatedHost` takes the queued calls (``RolloutController.colocated_take``, a long poll), runs them on a
-:class:`~screl.rollout.worker.GenerationWorker` of its own (same workflow, rewards, row writes, reports and
-deadlines as a worker's) and posts each result back (``colocated_done``). The rollout state machine, the events,
-the ledger and the checkpoints are the same code in both topologies.
+The controller reaches the engine as it reaches any worker, through a handle whose methods have a ``.remote(...)``:
+here a :class:`Mailbox` in the controller's process that queues each call. The trainer's :class:`ColocatedHost`
+takes the calls (``RolloutController.colocated_take``, a long poll), runs them on a
+:class:`~screl.rollout.worker.GenerationWorker` of its own and posts each result back (``colocated_done``).
+Invariant: the rollout state machine, events, ledger and checkpoints are the same code in both topologies.
 
-The train pump decides when the engine runs: from the post-step wake until the step's batch is complete, the
-host generates; then it **stands down** for the whole train step (:meth:`ColocatedHost.stand_down`): decoding
-parks between steps, the KV caches are freed, and the worker's deadline clock stands still, so a request in
-flight across a train step keeps the time it had (``generation_timeout_s``, ``rollout_timeout_s``). The wake
-after the step's refit re-prefills the parked requests under the new weights.
+The train pump decides when the engine runs: it generates until the step's batch is complete, then **stands down**
+for the whole train step (:meth:`ColocatedHost.stand_down`: decoding parked, KV caches freed, the deadline clock
+stopped); the wake after the step's refit re-prefills the parked requests under the new weights.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Decoding on a Megatron ``GPTModel`` with megatron-core's own KV cache, and the link that makes every
-tensor-parallel rank take part in it.
+tensor-parallel rank take part in it (docs/generation.md, "The Megatron backend").
 
 :class:`MegatronDecoder` is the Megatron engine's counterpart of :class:`~screl.rollout.static_decode.StaticDecoder`:
 ``start`` prefills a batch of left-padded sequences and ``step`` decodes one token per row, both through
-``GPTModel.forward`` with a ``StaticInferenceContext`` (megatron-core's static-batching KV cache: one slot per
-position, shared by the batch's rows, so left padding keeps every row's newest token in the same slot). Padding is
-masked by an explicit attention mask, in the prefill and in every decode step. RoPE sees each row's positions
-shifted by its padding, which leaves attention unchanged (it depends on relative positions only): the logits equal
-Hugging Face's and Megatron's own full forward to fp32 round-off (``tests/rollout/test_megatron_engine.py``).
-Under tensor parallelism the logits are gathered over the vocabulary (only the last position's), and the
-vocabulary padding Megatron adds is cut off.
+``GPTModel.forward`` with a ``StaticInferenceContext``. Invariant: its logits equal Hugging Face's and Megatron's own
+full forward to fp32 round-off (``tests/rollout/test_megatron_engine.py``).
 
-Tensor parallelism in one decode: every rank of the model's tensor-parallel group must run the same forward.
+Under tensor parallelism every rank of the model's tensor-parallel group must run the same forward:
 :class:`DecodeLink` carries the leader's calls (rank 0 of the group, where the engine runs) to the followers over a
-process group of its own: each ``start``/``step`` is broadcast before the leader runs it, ``free`` drops a batch's
-cache, and ``end`` sends the followers back to training (:func:`serve_decode` is their loop).
+process group of its own, and :func:`serve_decode` is the followers' loop.
 """
 
 from __future__ import annotations
@@ -44,6 +38,12 @@ def unpadded_vocab_size(model: Any) -> int:
 
 class MegatronDecoder:
     """Prefill and decode of one batch on a ``GPTModel`` (the model's own parameters, in eval mode).
+
+    ``StaticInferenceContext`` is megatron-core's static-batching KV cache: one slot per position, shared by the
+    batch's rows, so left padding keeps every row's newest token in the same slot. Padding is masked by an explicit
+    attention mask, in the prefill and in every decode step; RoPE sees each row's positions shifted by its padding,
+    which leaves attention unchanged (it depends on relative positions only). Under tensor parallelism the logits
+    are gathered over the vocabulary (the last position's only), and the vocabulary padding Megatron adds is cut off.
 
     Args:
         model: The ``GPTModel`` (this rank's shard under tensor parallelism).
@@ -109,6 +109,9 @@ class MegatronDecoder:
 
 class DecodeLink:
     """The leader's decode calls, broadcast to the other ranks of a tensor-parallel group.
+
+    Each ``start``/``step`` is broadcast before the leader runs it, ``free`` drops a batch's cache, and ``end`` sends
+    the followers back to training (:func:`serve_decode` is their loop).
 
     Args:
         group: A process group of the tensor-parallel ranks for the link alone (so its broadcasts never meet the

@@ -1,19 +1,17 @@
-"""The Megatron generation engine (``generation.backend: megatron``): megatron-core's ``GPTModel`` decodes.
+"""The Megatron generation engine (``generation.backend: megatron``): megatron-core's ``GPTModel`` decodes
+(docs/generation.md, "The Megatron backend").
 
 The engine is the torch engine's request loop (batching, per-request seeds, logprobs, per-token weight versions,
-stop rule, abort, pause, in-flight refits, stand-downs) over a different network: the policy's ``GPTModel``, built
-by the same :class:`~screl.strategies.GPTModelProvider` mapping the trainer uses, decoding with megatron-core's
-static KV cache (:class:`~screl.rollout.megatron_decode.MegatronDecoder`).
+stop rule, abort, pause, in-flight refits, stand-downs) over the policy's ``GPTModel``, built by the same
+:class:`~screl.strategies.GPTModelProvider` mapping the trainer uses and decoding with megatron-core's static KV
+cache (:class:`~screl.rollout.megatron_decode.MegatronDecoder`). Two topologies:
 
-Two topologies:
-
-- **In a generation worker** (``colocated.enabled: false``): the engine builds its own ``GPTModel`` at tensor
-  parallel size 1 (a one-process gloo group, megatron-core's ``parallel_state``), and a refit loads Megatron's own
-  parameter names in the tensor-parallel-size-1 layout (the trainer gathers its shards:
-  ``iter_export_buckets(naming="megatron")``); no Hugging Face renaming, no q/k/v split. The trainer may run any
-  TP/PP layout; the engine runs TP=1 (a tensor-parallel engine across Ray workers is not built).
-- **Colocated** (``colocated.enabled: true``): the engine decodes with the trainer's own ``GPTModel`` in the
-  trainer's process; under tensor parallelism the other ranks follow each forward through a
+- **In a generation worker** (``colocated.enabled: false``): its own ``GPTModel`` at tensor parallel size 1 (a
+  one-process gloo group); a refit loads Megatron's own parameter names in the TP=1 layout, which the trainer
+  gathers from any TP/PP layout (``iter_export_buckets(naming="megatron")``): no Hugging Face renaming, no q/k/v
+  split.
+- **Colocated** (``colocated.enabled: true``): the trainer's own ``GPTModel`` in the trainer's process; under
+  tensor parallelism the other ranks follow each forward through a
   :class:`~screl.rollout.megatron_decode.DecodeLink`. A refit is a version bump.
 """
 
@@ -98,7 +96,7 @@ class MegatronGenerationEngine(TorchGenerationEngine):
 
     capabilities = EngineCapabilities(
         streams_weight_buckets=True, weight_naming="megatron", colocated=True, colocated_tensor_parallel=True,
-        config_rules=("screl.validation.megatron_generation_rules:megatron_backend_rules",),
+        config_rules=("screl.rules.megatron_generation_rules:megatron_backend_rules",),
         why_not=(("vision_inputs", "the megatron engine takes token ids only"),),
     )
 

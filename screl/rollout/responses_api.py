@@ -1,19 +1,16 @@
-"""``POST /v1/responses`` on the policy server: the subset of OpenAI's Responses API that agent frameworks use
-(the OpenAI Agents SDK's default model class, NeMo-Gym).
+"""``POST /v1/responses`` on the policy server: the subset of OpenAI's Responses API that agent frameworks use (the
+OpenAI Agents SDK's default model class, NeMo-Gym); field by field in docs/agents.md, "The Responses API".
 
-* ``input``: a string, or items: messages (``user``, ``system``, ``developer``, ``assistant``; text content),
-  ``function_call`` and ``function_call_output``;
-* ``instructions``, ``tools`` (flat function tools), ``tool_choice``, ``parallel_tool_calls``,
-  ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``;
-* output items ``message`` and ``function_call``;
-* ``previous_response_id``: a response of the same session (or, without a session, one made without one)
-  continues its conversation; another session's is refused.
+The subset: ``input`` as a string or as items (``user``, ``system``, ``developer`` and ``assistant`` text messages,
+``function_call``, ``function_call_output``), ``instructions``, flat function ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``; output items ``message`` and
+``function_call``; ``previous_response_id`` continues a response of the same session (or, without a session, one
+made without one), and another session's is refused.
 
-The input becomes a chat conversation (a ``function_call`` item joins the assistant message before it, a
-``function_call_output`` is a ``tool`` message), served exactly as ``/v1/chat/completions`` serves one: the same
-template, token splice and session capture, so a Responses-API agent trains exactly like a chat one. Anything
-outside the subset (other item or tool types, ``stream``, ``conversation``, ``background``, ...) is a 400 naming
-it.
+Invariant: the input becomes a chat conversation (a ``function_call`` item joins the assistant message before it, a
+``function_call_output`` is a ``tool`` message) served exactly as ``/v1/chat/completions`` serves one (template,
+token splice, session capture), so a Responses-API agent trains exactly like a chat one. Anything outside the
+subset is a 400 naming it.
 """
 
 from __future__ import annotations

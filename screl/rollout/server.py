@@ -1,20 +1,16 @@
-"""The OpenAI-compatible policy server (``generation.expose_http_server: true``), in front of any backend.
+"""The OpenAI-compatible policy server (``generation.expose_http_server: true``), in front of any backend; its routes
+and fields are in docs/agents.md, "The OpenAI-compatible server".
 
-One Ray actor, :class:`PolicyServer`, serves FastAPI through uvicorn and forwards every request to a
-generation worker's engine (the same ``generate`` the rollouts use, so requests batch with them):
+One Ray actor, :class:`PolicyServer`, serves FastAPI through uvicorn and forwards every request to a generation
+worker's engine (the same ``generate`` the rollouts use, so requests batch with them): chat and text completions,
+``/v1/responses`` (:mod:`screl.rollout.responses_api`), function calling (:mod:`screl.rollout.tool_calls`) and
+streaming (:mod:`screl.rollout.openai_stream`). A ``session_id`` (body field or ``X-Session-Id`` header) routes a
+conversation to one worker and records its turns token by token for :class:`~screl.rollout.agent.AgentWorkflow` to
+turn into a row; chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.chat`). A client that
+disconnects mid-request (or mid-stream) gets its engine request aborted.
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-  (:mod:`screl.rollout.responses_api`), ``GET /v1/models``, ``GET /health``;
-* function calling: ``tools`` rendered by the chat template, replies parsed into ``tool_calls``
-  (:mod:`screl.rollout.tool_calls`); ``stream: true`` on both completion routes (:mod:`screl.rollout.openai_stream`);
-* a ``session_id`` (body field or ``X-Session-Id`` header) routes every request of a conversation to one
-  worker, and the server records the conversation's turns (prompt and sampled tokens, logprobs, versions,
-  the ``rollout`` tags) for :class:`~screl.rollout.agent.AgentWorkflow` to turn into a training row;
-* chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.chat`);
-* stop strings of one token stop the engine; longer ones cut the completion where they appear;
-* a client that disconnects mid-request (or mid-stream) gets its engine request aborted;
-* it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``: every ``/v1`` request
-  must then carry ``Authorization: Bearer <key>`` (401 otherwise).
+Invariant: it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``; every ``/v1`` request
+must then carry ``Authorization: Bearer <key>`` (401 otherwise).
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""The torch engine's static-cache decode path for Qwen2- and Llama-style Hugging Face models.
+"""The torch engine's static-cache decode path for Qwen2- and Llama-style Hugging Face models (docs/generation.md,
+"The torch backend's decode path").
 
-A decode step of a small model on a CPU is mostly Python and dispatch, not arithmetic: Hugging Face's forward
-goes through ~30 module calls, a growing ``DynamicCache`` (a ``torch.cat`` per layer per step) and a mask
-rebuilt every step (~1.1 ms a step for the 77k-parameter tiny model, whose arithmetic takes a fraction of that).
-:class:`StaticDecoder` runs the same network on the same parameter tensors (a refit that copies into the model
-is seen at once) with:
+On a CPU a small model's decode step is mostly Python and dispatch: Hugging Face's forward makes ~30 module calls,
+a ``torch.cat`` per layer per step into its ``DynamicCache`` and a new mask every step (~1.1 ms a step for the
+77k-parameter tiny model, most of it not arithmetic). :class:`StaticDecoder` runs the same network on the same
+parameter tensors (a refit that copies into the model is seen at once) with a KV cache preallocated per batch and
+written in place, the rotary table computed once per batch, one mask buffer sliced per step, grouped-query
+attention without copying the KV heads, and the layers called as functions.
 
-- a KV cache preallocated for the batch's longest sequence, written in place (no concatenation);
-- the rotary table computed once per batch by the model's own rotary module, then indexed by position;
-- one attention mask buffer, sliced per step; grouped-query attention without copying the KV heads;
-- the linear layers, norms and activations called as functions, not modules.
-
-Its logits equal Hugging Face's to fp32 round-off (``tests/rollout/test_static_decode.py`` compares them, and
-the sampled tokens' logprobs, over left-padded prompts and several steps). :func:`static_decode_support` says
-which models it can run; the engine uses it when ``generation.torch_decode`` is ``auto`` (and says so in its
-log) or ``static`` (an unsupported model is then an error naming the key).
+Invariant: its logits equal Hugging Face's to fp32 round-off (``tests/rollout/test_static_decode.py``).
+:func:`static_decode_support` says which models it runs; the engine uses it when ``backend_args.decode`` is
+``auto`` (its log says which path runs) or ``static`` (an unsupported model is then an error naming the key).
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""Where a completion stops: one rule, applied by every generation engine (torch and vLLM).
+"""Where a completion stops: one rule, applied by every generation engine (docs/generation.md, "Where a completion
+stops").
 
-A completion stops at the first sampled token in the union of
+A completion stops at the first sampled token in the union of the tokenizer's EOS, every id of the model's
+``generation_config.eos_token_id`` (an int or a list; the model config's when the generation config has none) and
+the chat template's end-of-turn token (the special token it writes right after an assistant turn's content, plus
+any of :data:`END_OF_TURN_NAMES` that is in the vocabulary and in the template's source), plus the request's own
+``SamplingParams.stop_token_ids``. ``ignore_eos`` drops the rule's ids and keeps the request's. The stop token is
+the completion's last token, and the result says which rule fired (``GenerationResult.stop_token_id``,
+``GenerationResult.stop_kind``).
 
-* the tokenizer's EOS (``tokenizer.eos_token_id``);
-* every id of the model's ``generation_config.eos_token_id`` (an int or a list: Llama-3-Instruct lists
-  ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``; Qwen2.5-Instruct ``<|im_end|>`` and ``<|endoftext|>``),
-  or the model config's ``eos_token_id`` when the generation config has none;
-* the chat template's end-of-turn token: the special token the template writes right after an assistant turn's
-  content (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``), plus any of :data:`END_OF_TURN_NAMES` that is in
-  the vocabulary and in the template's source;
-
-plus the request's own ``SamplingParams.stop_token_ids``. ``ignore_eos`` drops the rule's ids and keeps the
-request's. The stop token is the completion's last token, and the result says which rule fired
-(``GenerationResult.stop_token_id`` and ``GenerationResult.stop_kind``).
-
-The vLLM engine passes these ids explicitly as ``stop_token_ids`` and points vLLM's ``generation_config`` at an
-empty one of its own, so what it stops on never depends on a ``generation_config.json`` in the engine's model
-directory.
+Invariant: the torch and vLLM engines stop on the same tokens. The vLLM engine passes these ids as
+``stop_token_ids`` and points vLLM's ``generation_config`` at an empty one of its own, so a
+``generation_config.json`` in the engine's model directory changes nothing.
 """
 
 from __future__ import annotations

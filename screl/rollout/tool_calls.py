@@ -1,22 +1,17 @@
-"""OpenAI function calling on the policy server: the tools a request offers, its ``tool_choice``, and the parsers
-that turn a reply's text into ``message.tool_calls``.
+"""OpenAI function calling on the policy server: the tools a request offers, its ``tool_choice``, and the parsers that
+turn a reply's text into ``message.tool_calls`` (docs/agents.md, "Function calling").
 
-A parser is chosen by model family (``generation.http_server.tool_parser``):
+``generation.http_server.tool_parser`` picks the parser by model family: ``hermes`` (``<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>`` blocks, as Hermes and Qwen 2.5/3 are taught; vLLM's ``hermes``), ``compact`` (the
+character tokenizer's, which can write neither ``<`` nor ``{``: ``=3+4``, or ``=calculator 3+4`` with several tools;
+the text after ``=`` is the tool's first parameter), ``auto`` (default: ``compact`` for the character tokenizer,
+``hermes`` otherwise), or your own :class:`ToolParser` as ``package.module:Class`` (or ``package.module.Class``).
 
-* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the way Hermes and Qwen
-  (2.5, 3) instruct models are taught to call tools (vLLM's ``--tool-call-parser hermes``);
-* ``compact``: the character tokenizer's (``screl.models.TinyCausalLM``), which can write neither ``<`` nor
-  ``{``: a reply that starts with ``=`` calls the tool, one call per ``=`` (``=3+4``; with several tools the
-  first word names it, ``=calculator 3+4``); the text after ``=`` is the value of the tool's first parameter;
-* ``auto`` (default): ``compact`` for the character tokenizer, ``hermes`` otherwise;
-* ``package.module:Class`` (or ``package.module.Class``): your own, implementing :class:`ToolParser`.
-
-``tool_choice``: ``auto`` parses the reply; ``none`` parses nothing (the reply is content); ``required`` and a
-named function open the call in the prompt (the parser's :meth:`~ToolParser.opener`, e.g. ``<tool_call>\\n`` or
-``=``) so that the model writes the rest of it: those opener tokens are prompt tokens of the turn, never trained
-on. A reply that looks like a call but does not parse (bad JSON, an unknown tool, an unclosed block) is returned
-as content with ``finish_reason: stop``, and the choice says why (``tool_call_error``): the agent may mask the
-rollout (``screl.rollout.agent.AgentResult``).
+``tool_choice``: ``auto`` parses the reply; ``none`` parses nothing; ``required`` and a named function write the
+parser's :meth:`~ToolParser.opener` (``<tool_call>\\n``, ``=``) into the prompt so the model writes the rest: those
+tokens are prompt tokens of the turn, never trained on. Invariant: a reply that looks like a call but does not parse
+(bad JSON, an unknown tool, an unclosed block) is returned as content with ``finish_reason: stop`` and a
+``tool_call_error`` saying why, so the agent may mask the rollout (``screl.rollout.agent.AgentResult``).
 """
 
 from __future__ import annotations

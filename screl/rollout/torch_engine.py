@@ -251,7 +251,7 @@ class TorchGenerationEngine:
 
     capabilities = EngineCapabilities(
         whole_call_batches=True, streams_weight_buckets=True, colocated=True, vision_inputs=True,
-        routing_records=True, config_rules=("screl.validation.rollout_rules:torch_backend_rules",),
+        routing_records=True, config_rules=("screl.rules.rollout_rules:torch_backend_rules",),
     )
 
     def update_weights(self, weights: WeightBuckets, version: int) -> None:

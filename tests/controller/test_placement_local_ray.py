@@ -19,7 +19,8 @@ from _ray_session import ray_set_aside
 from screl.config import GenerationConfig, from_dict
 from screl.controller.resources import check_cluster_fits, worker_resources
 from screl.dataplane import start_local_ray, stop_ray_if_started
-from screl.placement import DeviceMap, apply_trainer_devices, local_ray_gpu_ids
+from screl.placement import DeviceMap
+from screl.placement_env import apply_trainer_devices, local_ray_gpu_ids
 
 GEN = {"backend": "torch", "device": "cuda", "num_workers": 2, "num_cpus_per_worker": 0.5,
        "colocated": {"resources": {"num_nodes": 1, "gpus_per_node": 2}}}

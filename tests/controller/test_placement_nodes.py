@@ -19,7 +19,7 @@ from screl.config import GenerationConfig, from_dict
 from screl.controller.resources import check_cluster_fits, worker_resources
 from screl.controller.runtime import check_joined_cluster
 from screl.dataplane import start_local_ray, stop_ray_if_started
-from screl.placement import apply_trainer_devices
+from screl.placement_env import apply_trainer_devices
 
 GEN = {"backend": "torch", "device": "cuda", "num_workers": 4, "num_cpus_per_worker": 0.25,
        "resources": {"rollout_node": 1}, "colocated": {"resources": {"num_nodes": 1, "gpus_per_node": 4}}}

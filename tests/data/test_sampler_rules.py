@@ -10,8 +10,8 @@ import pytest
 from screl.config import RunConfig
 from screl.data import check_events, parse_sampler_config, required_buffer_capacity, sampler_rules
 from screl.data.events import CommitEvent, EvictEvent, ReserveEvent, SelectEvent, TrainStepEvent
+from screl.rules import config_problems
 from screl.threads import phases_overlap
-from screl.validation import config_problems
 
 FRESH = {"name": "custom", "target": "_custom_samplers:FreshOnly"}
 PLAIN = {"name": "custom", "target": "_custom_samplers:PlainProtocol", "max_staleness_versions": 2}

@@ -12,7 +12,7 @@ from screl.data.sampler_config import InOrderSamplerConfig
 from screl.data.sampler_factory import required_buffer_capacity
 from screl.rollout.backends import resolve_backend
 from screl.rollout.reward_transform import load_shaping_fn
-from screl.validation.context import (
+from screl.rules.context import (
     LEGACY_MIGRATION,
     RuleContext,
     construct_problem,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from screl.data.sampler_config import CustomSamplerConfig
-from screl.validation.context import (
+from screl.rules.context import (
     RuleContext,
     fingerprint_path_problem,
     get,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from screl.validation.context import RuleContext, get
-from screl.validation.optimizer_rules import _size, _world_size
+from screl.rules.context import RuleContext, get
+from screl.rules.optimizer_rules import _size, _world_size
 
 __all__ = ["colocated_megatron_layout_problem", "megatron_backend_rules"]
 

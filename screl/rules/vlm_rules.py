@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from screl.validation.context import RuleContext, get, model_algorithm
-from screl.validation.megatron_generation_rules import is_megatron_strategy
+from screl.rules.context import RuleContext, get, model_algorithm
+from screl.rules.megatron_generation_rules import is_megatron_strategy
 
 __all__ = ["vlm_rules"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from screl.validation.context import RuleContext, get
+from screl.rules.context import RuleContext, get
 
 __all__ = ["distributed_optimizer_rules"]
 

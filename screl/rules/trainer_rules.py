@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from screl.algorithms import Algorithm
-from screl.validation.context import RuleContext, get, model_algorithm
+from screl.rules.context import RuleContext, get, model_algorithm
 
 KEY = "trainer.strategy"
 SCREL_DDP = "screl.strategies.DDPStrategy"

@@ -4,8 +4,8 @@ generation worker; everything else is refused here, naming the key and the fix."
 
 from __future__ import annotations
 
-from screl.validation.context import RuleContext, get
-from screl.validation.megatron_generation_rules import is_megatron_strategy
+from screl.rules.context import RuleContext, get
+from screl.rules.megatron_generation_rules import is_megatron_strategy
 
 __all__ = ["routing_replay_rules"]
 

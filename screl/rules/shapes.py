@@ -14,7 +14,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from screl.validation.context import Problem
+from screl.rules.context import Problem
 
 __all__ = ["shape_problems"]
 

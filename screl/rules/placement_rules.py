@@ -6,7 +6,7 @@ GPUs before anything starts."""
 from __future__ import annotations
 
 from screl.placement import device_map
-from screl.validation.context import RuleContext
+from screl.rules.context import RuleContext
 
 
 def placement_rules(c: RuleContext) -> None:

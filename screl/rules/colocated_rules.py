@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from screl.validation.context import RuleContext, get
-from screl.validation.megatron_generation_rules import colocated_megatron_layout_problem, is_megatron_strategy
-from screl.validation.optimizer_rules import _world_size
+from screl.rules.context import RuleContext, get
+from screl.rules.megatron_generation_rules import colocated_megatron_layout_problem, is_megatron_strategy
+from screl.rules.optimizer_rules import _world_size
 
 __all__ = ["colocated_rules"]
 

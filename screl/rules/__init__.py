@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from screl.validation.agent_rules import agent_rules
-from screl.validation.colocated_rules import colocated_rules
-from screl.validation.context import (
+from screl.rules.agent_rules import agent_rules
+from screl.rules.colocated_rules import colocated_rules
+from screl.rules.context import (
     ConfigError,
     Problem,
     RuleContext,
@@ -21,14 +21,14 @@ from screl.validation.context import (
     to_mapping,
     workflow_problem,
 )
-from screl.validation.distill_rules import distill_rules
-from screl.validation.engine_rules import engine_rules
-from screl.validation.model_rules import model_memory_rules, precision_rules
-from screl.validation.moe_rules import routing_replay_rules
-from screl.validation.optimizer_rules import distributed_optimizer_rules
-from screl.validation.placement_rules import placement_rules
-from screl.validation.rollout_rules import deadline_rules, refit_rules, worker_health_rules
-from screl.validation.run_rules import (
+from screl.rules.distill_rules import distill_rules
+from screl.rules.engine_rules import engine_rules
+from screl.rules.model_rules import model_memory_rules, precision_rules
+from screl.rules.moe_rules import routing_replay_rules
+from screl.rules.optimizer_rules import distributed_optimizer_rules
+from screl.rules.placement_rules import placement_rules
+from screl.rules.rollout_rules import deadline_rules, refit_rules, worker_health_rules
+from screl.rules.run_rules import (
     algorithm_pairing_rules,
     algorithm_rules,
     batch_rules,
@@ -37,14 +37,14 @@ from screl.validation.run_rules import (
     loss_rules,
     sampler_block_rules,
 )
-from screl.validation.storage_rules import (
+from screl.rules.storage_rules import (
     checkpoint_rules,
     custom_sampler_rules,
     recovery_rules,
     snapshot_rules,
 )
-from screl.validation.trainer_rules import strategy_rules
-from screl.validation.vlm_rules import vlm_rules
+from screl.rules.trainer_rules import strategy_rules
+from screl.rules.vlm_rules import vlm_rules
 
 #: Every rule, one per config block, in the order their problems are listed.
 RULES = (

@@ -6,7 +6,7 @@ import importlib.util
 
 from screl.config_generation import TORCH_DECODE_PATHS
 from screl.data.sampler_config import InOrderSamplerConfig
-from screl.validation.context import RuleContext, get
+from screl.rules.context import RuleContext, get
 
 GEN = "data.init_args.generation"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from screl.validation.context import RuleContext, get
+from screl.rules.context import RuleContext, get
 
 _PURE_HALF = ("bf16-true", "16-true")
 _FP16_MIXED = ("16-mixed", "16")  # Lightning reads "16" as 16-mixed (and "bf16" as bf16-mixed)

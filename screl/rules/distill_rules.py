@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from screl.config_distill import KEY, DistillationConfig, Teacher
-from screl.validation.context import RuleContext, get, model_algorithm
-from screl.validation.megatron_generation_rules import is_megatron_strategy
+from screl.rules.context import RuleContext, get, model_algorithm
+from screl.rules.megatron_generation_rules import is_megatron_strategy
 
 
 def _is_distill(cfg: Mapping[str, Any]) -> bool:

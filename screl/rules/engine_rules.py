@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from screl.validation.context import RuleContext
+from screl.rules.context import RuleContext
 
 __all__ = ["engine_rules"]
 

@@ -8,7 +8,7 @@ import inspect
 from typing import Any
 
 from screl.config_generation import bind_problem
-from screl.validation.context import RuleContext, get
+from screl.rules.context import RuleContext, get
 
 GEN = "data.init_args.generation"
 
