@@ -227,7 +227,7 @@ def test_the_automatic_micro_batch_budget_is_cpu_only_and_the_setting_is_checked
 
 
 def test_overlong_filtering_masks_truncated_rows_from_the_loss_only() -> None:
-    from screl.modules.grpo import loss_sample_mask, mask_metrics
+    from screl.modules.masks import loss_sample_mask, mask_metrics
 
     meta, data = _rollouts(2, temperature=1.0)
     data["finish_reason"] = [torch.tensor([c]) for c in (1, 0, 1, 1)]  # length, stop, length, length

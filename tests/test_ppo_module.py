@@ -197,8 +197,9 @@ def _reference_step(module: PPO, batch: dict[str, Any], seed: int) -> dict[str, 
     full forward, the losses normalized by the part's own valid tokens (their default), the norm clipped and a
     plain ``torch.optim.AdamW`` step. Critic epochs first, then policy epochs, as PPO runs them."""
     from screl.algos import gae_advantages, terminal_token_rewards
-    from screl.modules.grpo import behaviour, loss_sample_mask, token_logprobs
-    from screl.modules.ppo import minibatch_permutation
+    from screl.modules.logprobs import token_logprobs
+    from screl.modules.masks import behaviour, loss_sample_mask
+    from screl.modules.ppo_step import minibatch_permutation
 
     policy, critic = copy.deepcopy(module.model), copy.deepcopy(module.critic)
     cfg, step = module.ppo, int(batch["trainer_version"])
@@ -293,7 +294,7 @@ def test_k_minibatches_take_k_updates_per_epoch_and_one_global_step() -> None:
 
 
 def test_the_shuffle_is_seeded_by_the_run_seed_the_step_and_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from screl.modules.ppo import minibatch_permutation
+    from screl.modules.ppo_step import minibatch_permutation
 
     perm = minibatch_permutation(seed=5, step=4, model="policy", epoch=0, rows=64)
     assert torch.equal(perm, minibatch_permutation(5, 4, "policy", 0, 64))  # a resumed run draws it again
@@ -313,7 +314,7 @@ def test_the_shuffle_is_seeded_by_the_run_seed_the_step_and_the_epoch(monkeypatc
 
 
 def test_a_minibatch_is_its_shards_rows_of_the_global_part() -> None:
-    from screl.modules.ppo import shard_minibatches
+    from screl.modules.ppo_step import shard_minibatches
 
     order = torch.tensor([5, 0, 3, 1, 4, 2])
     assert [p.tolist() for p in shard_minibatches(order, 3, offset=0, local_rows=6)] == [[5, 0], [3, 1], [4, 2]]

@@ -32,7 +32,8 @@ from screl.algos.distill import TOP_K_KL
 from screl.algos.stats import masked_mean, valid_mask
 from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
-from screl.modules.grpo import GRPO, _Chunk
+from screl.modules.chunk import Chunk
+from screl.modules.grpo import GRPO
 from screl.modules.logprobs import chunked_logprobs_of_hidden, output_head
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
@@ -93,10 +94,10 @@ class Distill(GRPO):
 
         return distill_schema(self.distillation)
 
-    def _micro_batch_loss(self, batch: dict[str, Any], chunk: _Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
+    def _micro_batch_loss(self, batch: dict[str, Any], chunk: Chunk, sl: slice) -> tuple[Tensor, dict[str, Tensor]]:
         if self.distillation.estimator != "top_k":
             return super()._micro_batch_loss(batch, chunk, sl)
-        if self._megatron_strategy is not None:
+        if self.compute.sharded:  # the top-k rows of the output layer are spread over the ranks
             raise RuntimeError(f"{KEY}.estimator: top_k runs under the default strategy and DDPStrategy, not "
                                "MegatronStrategy (its output layer is sharded); use estimator: sampled")
         if "teacher_top_ids" not in batch:
@@ -122,7 +123,7 @@ class Distill(GRPO):
         finally:
             self._student_top = None
 
-    def _objective(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor, prev: Tensor, gen: Tensor,
+    def _objective(self, batch: dict[str, Any], chunk: Chunk, sl: slice, curr: Tensor, prev: Tensor, gen: Tensor,
                    ref: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
         if self._student_top is not None:
             return self._top_k_objective(batch, chunk, sl, curr, prev, gen, ref, self._student_top)
@@ -135,7 +136,7 @@ class Distill(GRPO):
             global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
         )
 
-    def _top_k_objective(self, batch: dict[str, Any], chunk: _Chunk, sl: slice, curr: Tensor, prev: Tensor,
+    def _top_k_objective(self, batch: dict[str, Any], chunk: Chunk, sl: slice, curr: Tensor, prev: Tensor,
                          gen: Tensor, ref: Tensor | None, student_top: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """``estimator: top_k``: the clipped surrogate of ``reward_weight`` x the reward advantage (0 with pure
         distillation: its IS statistics still log) plus ``kl_coef`` x the top-k reverse KL, aggregated as the

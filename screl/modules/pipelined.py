@@ -23,11 +23,11 @@ def pipelined_chunk(module: Any, batch: dict[str, Any], chunk: Any) -> tuple[Ten
 
     from screl.modules.megatron_policy import megatron_logprobs_of, require_right_padding
 
-    strategy = module._megatron_strategy
+    strategy = module.compute.strategy  # a MegatronCompute: only it pipelines
     mb = module.micro_batch_size or max(chunk.rows, 1)
     slices = [slice(lo, min(chunk.rows, lo + mb)) for lo in range(0, chunk.rows, mb)]
     # Megatron divides each micro-batch's loss by their number: undo it, the loss is already scaled to the chunk
-    scale = chunk.chunk_groups / chunk.step_groups * module._grad_scale(batch) * len(slices)
+    scale = chunk.chunk_groups / chunk.step_groups * module.compute.grad_scale(batch) * len(slices)
     metrics_acc: dict[str, list[Tensor]] = {}
 
     class _Reduction:

@@ -8,16 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from screl.rollout.backends import iter_buckets, merge_buckets
+from screl.modules.compute import PolicyCompute
+from screl.rollout.backends import merge_buckets
 
 
 class WeightExport:
-    """Export of ``self.model`` (a Hugging Face policy, or under ``MegatronStrategy`` this rank's shard through
-    ``self._megatron_strategy``), cast to ``self.engine_dtype``."""
+    """Export of ``self.model`` (a Hugging Face policy, or under ``MegatronStrategy`` this rank's shard) through the
+    module's compute adapter ``self.compute``, cast to ``self.engine_dtype``."""
 
     model: Any
     engine_dtype: torch.dtype
-    _megatron_strategy: Any
+    compute: PolicyCompute
 
     def export_weights(self, naming: str = "hf") -> dict[str, Tensor]:
         """Full policy weights in the generation engine's naming, on CPU, in one dict: Hugging Face's (``hf``), or
@@ -37,14 +38,7 @@ class WeightExport:
     def _export_module(self, path: str | None, bucket_bytes: int, naming: str) -> Iterator[dict[str, Tensor]]:
         if naming not in ("hf", "megatron"):
             raise ValueError(f"export naming {naming!r}: expected 'hf' or 'megatron'")
-        if self._megatron_strategy is not None:
-            for bucket in self._megatron_strategy.iter_export_weights(path, naming=naming):  # type: ignore[arg-type]
-                yield {k: self._engine_cast(v.detach().to("cpu")) for k, v in bucket.items()}
-            return
-        if naming == "megatron":
-            raise ValueError("the Megatron engine's weights (data.init_args.generation.backend: megatron) come from a "
-                             "policy trained under trainer.strategy: screl.strategies.MegatronStrategy")
-        yield from iter_buckets(((k, self._engine_cast(v)) for k, v in self.model.state_dict().items()), bucket_bytes)
+        yield from self.compute.export_buckets(self.model, path, bucket_bytes, naming, self._engine_cast)
 
     def _engine_cast(self, tensor: Tensor) -> Tensor:
         """A master weight as the engine holds it: floating tensors in the engine's dtype (bf16 for a bf16 spec),
