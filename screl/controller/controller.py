@@ -1,18 +1,9 @@
 """The ``RolloutController``: the single controller, a CPU Ray actor on asyncio, a thin shell around
-:class:`screl.data.core.RolloutCore`.
-
-The core decides (admit, reserve, dispatch, seal, fail, drop, select, evict, retire, abort, capture,
-restore); this actor runs each transition's effects through its ports: the generation workers (rollout
-calls, each request routed to one worker, aborts sent only where a request runs), the data plane (clears),
-the event log and the clock. Rows never pass through here: workers write them and report metadata.
-
-The trainer talks to it with metadata only: ``next_chunk`` hands out the group ids and data-plane keys of the
-next training chunk; ``complete_step`` retires a finished step, bumps the trainer version and refits the
-workers; ``capture`` / ``restore`` move its state in and out of checkpoints.
-
-Data-plane barrier (``_cleared``): ``capture`` holds it while TransferQueue saves; clears wait for it. The
-state is captured as the barrier is taken, so every row it counts is in the snapshot (rows are written before
-they are recorded sealed, and no clear lands during the save).
+:class:`screl.data.core.RolloutCore`, which decides every transition; this actor runs each transition's effects
+through its ports (the workers' rollout calls and aborts, data-plane clears, the event log, the clock). The trainer
+talks to it with metadata only (``next_chunk``, ``complete_step``, ``capture`` / ``restore``); rows never pass
+through it. Invariant (the data-plane barrier): ``capture`` holds it while TransferQueue saves and clears wait for
+it, so every row the captured state counts is in the snapshot.
 """
 
 from __future__ import annotations
@@ -23,11 +14,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import IO, Any
 
 from screl.config import GenerationConfig, RunConfig
 from screl.controller.dispatch import groups_land_together, plan_calls
+from screl.controller.refits import Refits
+from screl.controller.settings import core_settings, recovery_policy
 from screl.controller.validation import ValidationRunner
 from screl.controller.watchdog import HEALTH_CHECK, dead_for_good, health_checks, unreachable_workers
 from screl.data import create_sampler
@@ -36,17 +29,12 @@ from screl.data.core_types import (
     STALE,
     Burst,
     ControllerState,
-    CorePrompt,
-    CoreSettings,
     Dispatch,
     Effects,
-    FailureBudget,
     RolloutFailure,
     SiblingReport,
 )
 from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent, open_event_log
-from screl.data.ledger import RecoveryPolicy
-from screl.data.reserve import ReservePolicy
 from screl.data.watchdog import StallWatchdog
 from screl.dataplane.snapshot import RemoteTree
 from screl.envs import Task
@@ -66,42 +54,7 @@ SNAPSHOTS = "the periodic rollout snapshots stopped the run"
 __all__ = ["ROW_FIELDS", "RolloutController", "RolloutFailure", "core_settings"]
 
 
-def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_prefix: str = "") -> CoreSettings:
-    """The core's settings from the run config (prompt routing keys from each prompt's metadata)."""
-    algo, f = run.algo, run.async_rl.rollout_failure
-    warmup = getattr(algo, "policy_training_start_step", 0) if run.algorithm.needs_critic else None
-    prompts = tuple(
-        CorePrompt(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent")) for p in task.prompts()
-    )
-    return CoreSettings(
-        prompts=prompts, groups_per_step=algo.num_prompts_per_step,
-        generations_per_prompt=algo.num_generations_per_prompt, max_num_epochs=algo.max_num_epochs,
-        max_num_steps=algo.max_num_steps, min_groups=run.min_groups,
-        max_buffered_rollouts=run.max_buffered_rollouts, max_inflight_prompts=run.max_inflight_prompts,
-        num_workers=num_workers, seed=seed, id_prefix=id_prefix,
-        policy_training_start_step=warmup,
-        failure=FailureBudget(**{name: getattr(f, name) for name in FailureBudget.__dataclass_fields__}),
-        dynamic_sampling=algo.use_dynamic_sampling, step_may_shrink=run.algorithm.step_may_shrink,
-        algo_key=run.algorithm.config_key,
-        reserve=ReservePolicy(enabled=f.on_dropped_prompt == "replace", size=f.replacement_reserve_prompts,
-                              max_per_slot=f.max_replacement_attempts),
-    )
-
-
-def recovery_policy(run: RunConfig) -> RecoveryPolicy:
-    """``rollout_recovery``'s granularities; without token capture (``token_capture.enabled: false``) no finished
-    sibling is kept for an unfinished group, so every group recovers whole (``prompt_group``)."""
-    rr = run.rollout_recovery
-    if not run.token_capture.enabled:
-        return RecoveryPolicy(default_granularity="prompt_group")  # type: ignore[arg-type]
-    return RecoveryPolicy(
-        default_granularity=rr.default_granularity,  # type: ignore[arg-type]
-        task_source_granularity_overrides=dict(rr.task_source_granularity_overrides),  # type: ignore[arg-type]
-        agent_granularity_overrides=dict(rr.agent_granularity_overrides),  # type: ignore[arg-type]
-    )
-
-
-class RolloutController:
+class RolloutController(Refits):
     """The single controller. Build it with :func:`screl.controller.spawn_controller`."""
 
     def __init__(
@@ -420,60 +373,6 @@ class RolloutController:
                 )
             await self._wait_changed(min(left, 0.5))
 
-    async def _refit_workers(self, weights: list[Any], version: int, timeout_s: float = 600.0) -> None:
-        """Push ``weights`` to every live worker within ``timeout_s``."""
-        await self._on_live_workers(lambda w: w.update_weights.remote(weights, version), version, timeout_s,
-                                    "load the weights of")
-
-    async def _relabel_workers(self, version: int, timeout_s: float = 600.0) -> None:
-        """Tell every live worker its unchanged weights now serve ``version`` (PPO's critic warmup)."""
-        await self._on_live_workers(lambda w: w.set_version.remote(version), version, timeout_s,
-                                    "relabel its weights as")
-
-    async def _on_live_workers(self, call: Callable[[Any], Any], version: int, timeout_s: float, what: str) -> None:
-        """``call`` on every live worker within ``timeout_s``: a dead or restarting one is refreshed before its
-        next request, one that hangs fails the refit naming it."""
-        import ray
-
-        async def one(w: Any) -> Any:
-            return await call(w)
-
-        live = [i for i in range(len(self.workers)) if i not in self.core.dead]
-        calls = {i: asyncio.ensure_future(one(self.workers[i])) for i in live}
-        if not calls:  # every worker is dead for good: the pump's WorkersLostError reaches the trainer next
-            return
-        _, pending = await asyncio.wait(calls.values(), timeout=timeout_s)
-        if pending:
-            for t in pending:
-                t.cancel()
-            hung = [i for i, t in calls.items() if t in pending]
-            raise TimeoutError(f"generation worker(s) {hung} did not {what} version {version} within "
-                               f"{timeout_s:.0f} s (data.init_args.step_timeout_s): a hung engine, see the workers' "
-                               "logs (screl fit --verbose)")
-        for worker_index, task in calls.items():
-            res = task.exception()
-            if isinstance(res, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-                self.core.metrics["refit_skipped"] = self.core.metrics.get("refit_skipped", 0) + 1
-                log.warning("screl: worker %d missed the refit to version %d (%s); it is refreshed before its "
-                            "next request", worker_index, version, type(res).__name__)
-            elif isinstance(res, BaseException):
-                raise res
-
-    async def complete_step(self, weights: list[Any] | None, timeout_s: float = 600.0,
-                            in_place: bool = False) -> dict[str, Any]:
-        """The open step's optimizer update is done: retire it, bump the version, refit the workers (after the
-        validation of the old weights, if one runs, has finished: at most ``timeout_s``). ``in_place``: the
-        engines decode with the trainer's own module (colocated), so the new weights are already theirs and the
-        refit is the relabel."""
-        version = await self.begin_refit(timeout_s)
-        t0 = time.perf_counter()
-        if weights is not None:
-            self.latest_weights = weights
-            await self._refit_workers(weights, version, timeout_s)
-        else:  # the policy did not change (PPO critic warmup), or changed in place: the label moves
-            await self._relabel_workers(version, timeout_s)
-        return await self.end_refit(time.perf_counter() - t0, refitted=weights is not None or in_place)
-
     # ------------------------------------------------------------------ a colocated engine's mailbox
     def _mailbox(self, index: int) -> Mailbox:
         box = self.workers[index]
@@ -488,44 +387,6 @@ class RolloutController:
     def colocated_done(self, index: int, call_id: int, ok: bool, value: Any) -> None:
         """A colocated engine's reply to one call."""
         self._mailbox(index).done(call_id, ok, value)
-
-    async def validation_idle(self, timeout_s: float = 600.0) -> None:
-        """Wait for the running validation, if any (a colocated engine validates before it stands down: the
-        weights it validates change in the train step)."""
-        if self.validation is not None:
-            await self.validation.wait(timeout_s)
-
-    async def begin_refit(self, timeout_s: float = 600.0) -> int:
-        """The first half of :meth:`complete_step`, for a trainer that moves the weights itself (vLLM's NCCL
-        transfer): retire the step, wait for the validation of the old weights; returns the version to serve."""
-        await self._execute(self.core.complete_step())
-        if self.validation is not None:  # its tokens must all come from the weights it validates
-            await self.validation.wait(timeout_s)
-        return self.core.trainer_version
-
-    def use_external_refit(self) -> None:
-        """The trainer moves the weights (NCCL): a restarted worker, outside the weight group, fails the run."""
-        self.external_refit = True
-
-    async def end_refit(self, refit_s: float, refitted: bool = True) -> dict[str, Any]:
-        """The second half of :meth:`complete_step`: the workers serve the new version."""
-        await self._execute(self.core.refit_done(refit_s, refitted=refitted))
-        runner, version = self.validation, self.core.trainer_version
-        if runner is not None and runner.due(version, final=self.core.train_steps >= self.core.max_steps):
-            runner.start(version)
-        return {"trainer_version": version, "aborted": self.core.last_aborted,
-                "validation": runner.take() if runner is not None else []}
-
-    async def finish_validation(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-        """The end of training: validate the final weights (``val_at_end``) if not done yet, wait for every
-        validation, and hand the trainer the results it has not had."""
-        runner = self.validation
-        if runner is None:
-            return []
-        if runner.at_end and runner.due(self.core.trainer_version, final=True):
-            runner.start(self.core.trainer_version)
-        await runner.wait(timeout_s)
-        return runner.take()
 
     async def snapshot_now(self) -> str:
         """One periodic-snapshot attempt now; ``completed`` or ``skipped:<reason>``."""

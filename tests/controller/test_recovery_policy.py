@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from screl.config import RunConfig
-from screl.controller.controller import recovery_policy
+from screl.controller.settings import recovery_policy
 from screl.data import RolloutLedger
 
 
