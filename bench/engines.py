@@ -34,7 +34,7 @@ from bench import _common as c  # noqa: E402
 
 
 def _requests(p: int, g: int, length: int, fixed: bool, rep: int) -> list[Any]:
-    from screl.rollout.engine import GenerationRequest, SamplingParams
+    from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
 
     sp = dict(max_new_tokens=length, min_new_tokens=length if fixed else 0, ignore_eos=not fixed)
     return [GenerationRequest(f"r{rep}-{i}-{k}", [5 + i, 6, 7, 8], SamplingParams(seed=1000 * rep + 10 * i + k, **sp))
@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from screl.models import TinyCausalLM
-    from screl.rollout.torch_engine import TorchGenerationEngine
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     torch.set_num_threads(args.threads)
     spec = TinyCausalLM(scale=args.scale, seed=0)
     engines: dict[str, Any] = {"torch": TorchGenerationEngine(spec, num_threads=args.threads, seed=0)}
     if "vllm" in chosen:
-        from screl.rollout.vllm_engine import VLLMGenerationEngine
+        from screl.rollout.engines.vllm_engine import VLLMGenerationEngine
 
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         engines["vllm"] = VLLMGenerationEngine(spec, seed=0, num_threads=args.threads)

@@ -74,9 +74,9 @@ def run_one(engine: str, threads: int) -> dict[str, Any]:
 
     import screl
     from screl.models import SmolLM2
-    from screl.rollout import backends
-    from screl.rollout.backends import iter_buckets
-    from screl.rollout.engine import EngineOptions
+    from screl.rollout.engines import buckets
+    from screl.rollout.engines.buckets import iter_buckets
+    from screl.rollout.engines.protocol import EngineOptions
     from screl.rollout.worker import GenerationWorker
 
     spec = SmolLM2()
@@ -91,7 +91,7 @@ def run_one(engine: str, threads: int) -> dict[str, Any]:
             spec, backend=engine, options=EngineOptions(num_threads=threads, seed=0))
         pid = int(ray.get(worker.pid.remote(), timeout=600))
 
-        to_wire = getattr(backends, "bucket_to_wire", lambda b: b)  # what WeightSync puts (before: torch buckets)
+        to_wire = getattr(buckets, "bucket_to_wire", lambda b: b)  # what WeightSync puts (before: torch buckets)
 
         def refs(scale: float) -> list[Any]:  # the trainer's way: one bucket in the object store at a time
             return [ray.put(to_wire(b)) for b in iter_buckets(((k, v * scale) for k, v in state.items()),

@@ -74,7 +74,7 @@ def trainer_model(name: str) -> tuple[Any, torch.nn.Module]:
 def mismatch(name: str, prompts: int, tokens: int) -> dict[str, Any]:
     from screl.models.moe import TinyMoECausalLM, record_routing, replay_rows
     from screl.rollout import GenerationRequest, SamplingParams
-    from screl.rollout.torch_engine import TorchGenerationEngine
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     spec, trainer = trainer_model(name)
     engine = TorchGenerationEngine(TinyMoECausalLM(**MODELS[name]["spec"], dtype="bfloat16"), decode="hf",

@@ -1,6 +1,6 @@
 """Load on the OpenAI-compatible policy server (issue 40 item 4).
 
-The server (``screl.rollout.server.PolicyServer``) runs as the runtime starts it for ``configs/grpo_agent_tiny.yaml``:
+The server (``screl.rollout.server.server.PolicyServer``) runs as the runtime starts it for ``configs/grpo_agent_tiny.yaml``:
 a Ray actor (``max_concurrency=1000``) bound to 127.0.0.1 in front of torch-engine generation workers with the
 agent config's tiny model. Clients are the official ``openai.AsyncOpenAI``. For each concurrency level, that many
 sessions run for a bounded time: each session is 3 chat turns under its own ``X-Session-Id`` (each turn sends the
@@ -42,7 +42,7 @@ def start_server(num_workers: int, max_tokens: int) -> tuple[Any, str, list[Any]
 
     from screl.dataplane import start_local_ray
     from screl.models import TinyCausalLM
-    from screl.rollout.server import PolicyServer
+    from screl.rollout.server.server import PolicyServer
     from screl.rollout.worker import spawn_workers
 
     start_local_ray(num_cpus=max(4, num_workers + 2))

@@ -38,8 +38,8 @@ def step_rows() -> tuple[list[dict[str, Any]], Any, Any, list[Any]]:
     from screl.envs import ShapesTask
     from screl.models import TinyVisionLM
     from screl.rollout import GenerationRequest, SamplingParams
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
     from screl.rollout.rows import VISION_SCHEMA
-    from screl.rollout.torch_engine import TorchGenerationEngine
 
     spec = TinyVisionLM()
     task = ShapesTask(num_prompts=256, questions=["count"], colours=["red"], shapes=["square"], max_shapes=1)

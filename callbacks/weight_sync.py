@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from screl.rollout.backends import bucket_to_wire
+from screl.rollout.engines.buckets import bucket_to_wire
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import ray
 from screl.dataplane import start_local_ray, stop_ray_if_started
 from screl.envs.calculator import CalculatorTask, calculator_agent
 from screl.models import TinyCausalLM
-from screl.rollout.server import PolicyServer
-from screl.rollout.trajectory import Turn, build_row
+from screl.rollout.server.server import PolicyServer
 from screl.rollout.worker import spawn_workers
+from screl.rollout.workflows.trajectory import Turn, build_row
 
 
 def main() -> None:

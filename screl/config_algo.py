@@ -44,7 +44,7 @@ class AdvantageEstimatorConfig:
 
 @dataclass
 class RewardShapingConfig:
-    """Reward shaping on the workers, before advantages (see ``screl.rollout.reward_transform``)."""
+    """Reward shaping on the workers, before advantages (see ``screl.rollout.workflows.reward_transform``)."""
 
     enabled: bool = False
     """Apply the overlong penalty and/or ``class_path``."""

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_WORKFLOW = "screl.rollout.workflow.SingleTurnWorkflow"
+DEFAULT_WORKFLOW = "screl.rollout.workflows.workflow.SingleTurnWorkflow"
 """The rollout workflow a worker runs unless ``generation.workflow`` names another."""
 TORCH_DECODE_PATHS = ("auto", "static", "hf")
-"""The torch backend's ``backend_args.decode`` values (:mod:`screl.rollout.torch_engine`)."""
+"""The torch backend's ``backend_args.decode`` values (:mod:`screl.rollout.engines.torch_engine`)."""
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.5
 """The share of its GPU's memory a vLLM engine takes on ``device: cuda`` unless ``backend_args`` sets
@@ -18,7 +18,7 @@ its GPU with the trainer (one GPU, non-colocated, a fractional ``num_gpus_per_wo
 half of it. On a GPU of its own, raise it (0.85-0.9) for a larger KV cache."""
 _VLLM_COMMON: dict[str, Any] = {
     "max_model_len": None,  # the model's max_position_embeddings
-    "enable_prefix_caching": True,  # requests carry a cache salt of their weight version (screl.rollout.vllm_engine)
+    "enable_prefix_caching": True,  # requests carry a cache salt of their weight version (screl.rollout.engines.vllm_engine)
     "scheduling_policy": "priority",
     "max_logprobs": 0,
 }
@@ -86,7 +86,7 @@ class HttpServerConfig:
     tool_parser: str = "auto"
     """How replies become ``tool_calls``: ``hermes`` (``<tool_call>`` JSON: Hermes, Qwen), ``compact`` (the
     character tokenizer's ``=args``), ``auto`` (compact for the character tokenizer, else hermes), or a class path
-    (``screl.rollout.tool_calls.ToolParser``)."""
+    (``screl.rollout.server.tool_calls.ToolParser``)."""
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

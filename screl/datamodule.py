@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from screl.config import SHADOW_MODE_NOTE, GenerationConfig, RunConfig
 from screl.envs import Task
-from screl.rollout.backends import engine_capabilities
-from screl.rollout.engine import EngineCapabilities
+from screl.rollout.engines.protocol import EngineCapabilities
+from screl.rollout.engines.registry import engine_capabilities
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.threads import ThreadPlan, thread_plan
 
@@ -202,8 +202,8 @@ class RolloutDataModule(LightningDataModule):
         of its own, so its broadcasts never meet the trainer's collectives); rank 0's engine leads it."""
         import torch.distributed as dist
 
-        from screl.rollout.megatron_decode import DecodeLink
-        from screl.rollout.megatron_engine import inner_gpt_model
+        from screl.rollout.engines.megatron_decode import DecodeLink
+        from screl.rollout.engines.megatron_engine import inner_gpt_model
 
         self._decode_link = DecodeLink(dist.new_group(list(range(self._world_size())), backend="gloo"), src=0)
         self._follower = (inner_gpt_model(module.model), self._engine_autocast(module))
@@ -226,7 +226,7 @@ class RolloutDataModule(LightningDataModule):
                     if self.runtime is not None:
                         self.runtime.release_followers()
             return self._on_rank_zero(lead)
-        from screl.rollout.megatron_decode import eval_no_grad, serve_decode
+        from screl.rollout.engines.megatron_decode import eval_no_grad, serve_decode
 
         assert self._follower is not None
         model, autocast = self._follower

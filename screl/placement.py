@@ -338,7 +338,7 @@ def _inference_pool_issues(plan: _Plan) -> list[Issue]:
 def _claims_memory_share(gen: Mapping[str, Any]) -> bool:
     """Whether the configured engine preallocates a share of a GPU's memory (it declares so; an engine that does
     not resolve claims none here: the generation rules report it)."""
-    from screl.rollout.backends import engine_capabilities
+    from screl.rollout.engines.registry import engine_capabilities
 
     try:
         return engine_capabilities(str(gen.get("backend", "torch"))).claims_gpu_memory_share

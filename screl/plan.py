@@ -34,7 +34,7 @@ def _devices_line(cfg: dict[str, Any]) -> str:
 
 def _refit_line(cfg: dict[str, Any], run: RunConfig) -> str:
     """How a refit meets in-flight requests, and the per-request deadlines (the plan's ``refit`` line)."""
-    from screl.rollout.backends import engine_capabilities, engine_title
+    from screl.rollout.engines.registry import engine_capabilities, engine_title
 
     g = from_dict(GenerationConfig, cfg["data"]["init_args"].get("generation") or {})
     a = run.async_rl

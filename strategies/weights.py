@@ -390,7 +390,7 @@ def load_megatron_bucket(module: MegatronModule, bucket: Mapping[str, Tensor]) -
     """Copy a bucket of :func:`iter_export_buckets`' ``naming="megatron"`` output (full tensors in the
     tensor-parallel-size-1 layout, global layer indices, vocabulary unpadded) into this rank's shard, in place;
     returns the names it loaded. No collectives: each rank slices its own shard (the Megatron generation engine's
-    refit, :mod:`screl.rollout.megatron_engine`).
+    refit, :mod:`screl.rollout.engines.megatron_engine`).
 
     Raises ``KeyError`` for a name the model does not have and ``ValueError`` for a tensor whose shape does not
     give this rank's shard; nothing of the bucket is copied then.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from screl.rollout import EngineCapabilities
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
 
 class PlainEngine(TorchGenerationEngine):

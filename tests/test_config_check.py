@@ -93,6 +93,8 @@ def _delete(cfg: dict[str, Any], dotted: str) -> None:
 
 
 IS_KEY = "model.init_args.loss_fn.init_args.use_importance_sampling_correction"
+GEN_WORKFLOW = "data.init_args.generation.workflow"
+GEN_BACKEND = "data.init_args.generation.backend"
 
 # (rule id, base config, {dotted key: value (None deletes)}, key the error must name, words it must say)
 BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
@@ -292,10 +294,24 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "model.init_args.loss_fn", "truncation needs IS correction"),
     ("group_size_one", "grpo_tiny.yaml", {"grpo.num_generations_per_prompt": 1},
      "grpo.num_generations_per_prompt", "at least 2 rollouts per prompt"),
-    ("workflow_missing", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.rollout.workflow.Nope"},
+    ("workflow_missing", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.rollout.workflows.workflow.Nope"},
      "data.init_args.generation.workflow", "cannot import the workflow class"),
     ("workflow_no_run", "grpo_tiny.yaml", {"data.init_args.generation.workflow": "screl.envs.CountLetter"},
      "data.init_args.generation.workflow", "has no run(items, generate) method"),
+    # class paths from before screl/rollout/ split (screl/rollout/moved.py): refused, naming the new home
+    ("moved_workflow_path", "grpo_tiny.yaml", {GEN_WORKFLOW: "screl.rollout.workflow.SingleTurnWorkflow"},
+     GEN_WORKFLOW, "moved to screl.rollout.workflows.workflow.SingleTurnWorkflow"),
+    ("moved_multiturn_path", "grpo_tool_tiny.yaml", {GEN_WORKFLOW: "screl.rollout.multiturn.MultiTurnWorkflow"},
+     GEN_WORKFLOW, "moved to screl.rollout.workflows.multiturn.MultiTurnWorkflow"),
+    ("moved_agent_path", "grpo_agent_tiny.yaml", {GEN_WORKFLOW: "screl.rollout.agent:AgentWorkflow"},
+     GEN_WORKFLOW, "moved to screl.rollout.workflows.agent:AgentWorkflow"),
+    ("moved_backend_path", "grpo_tiny.yaml", {GEN_BACKEND: "screl.rollout.torch_engine.TorchGenerationEngine"},
+     GEN_BACKEND, "moved to screl.rollout.engines.torch_engine.TorchGenerationEngine"),
+    ("moved_vllm_backend_path", "grpo_tiny.yaml", {GEN_BACKEND: "screl.rollout.vllm_engine.VLLMGenerationEngine"},
+     GEN_BACKEND, "moved to screl.rollout.engines.vllm_engine.VLLMGenerationEngine"),
+    ("moved_tool_parser_path", "grpo_agent_tiny.yaml",
+     {"data.init_args.generation.http_server.tool_parser": "screl.rollout.tool_calls:HermesToolParser"},
+     "data.init_args.generation.http_server.tool_parser", "moved to screl.rollout.server.tool_calls:HermesToolParser"),
     ("backend_unknown", "grpo_tiny.yaml", {"data.init_args.generation.backend": "my_pkg.Nope"},
      "data.init_args.generation.backend", "neither a built-in backend"),
     ("backend_not_an_engine", "grpo_tiny.yaml", {"data.init_args.generation.backend": "screl.envs.CountLetter"},

@@ -16,8 +16,8 @@ from screl.datamodule import collate_chunk
 from screl.models import HFCausalLM, TinyCausalLM
 from screl.modules.distill import Distill
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.teachers import DISTILL_TOP_K_SCHEMA, completion_logprobs, completion_top_k
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 TEACHERS = Path(__file__).resolve().parents[1] / "examples" / "distill" / "teachers"
 STUDENT = TinyCausalLM(seed=0)

@@ -15,8 +15,8 @@ from screl.envs import CountLetter, PromptRecord
 from screl.models import TinyCausalLM
 from screl.modules.grpo import GRPO, token_logprobs, whole_row_on_policy
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 torch.set_num_threads(1)
 SPEC = TinyCausalLM(seed=0)
@@ -257,7 +257,7 @@ def test_task_masked_samples_reach_the_trainer_through_the_workflow() -> None:
     import asyncio
 
     from screl.envs import decode_completion
-    from screl.rollout.workflow import RolloutItem, SingleTurnWorkflow
+    from screl.rollout.workflows.workflow import RolloutItem, SingleTurnWorkflow
 
     engine, tok, task = TorchGenerationEngine(SPEC, seed=0), SPEC.build_tokenizer(), _MaskLetter()
     items = [RolloutItem(f"p{p.prompt_id}_g{s}", p, tuple(tok(p.text, add_special_tokens=False)["input_ids"]),

@@ -18,8 +18,8 @@ from screl.models import TinyCausalLM
 from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, GRPO
 from screl.modules.memory_plan import ModelShape, estimate_trainer_memory
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]

@@ -196,8 +196,8 @@ def _instantiate(spec: dict[str, Any]) -> Any:
 def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
     import yaml
 
-    from screl.rollout.engine import GenerationRequest, SamplingParams
-    from screl.rollout.vllm_engine import VLLMGenerationEngine
+    from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
+    from screl.rollout.engines.vllm_engine import VLLMGenerationEngine
 
     cfg = yaml.safe_load((work / "grpo_config.yaml").read_text())
     _rows, events, _ = _read_run(work / "grpo_run")

@@ -1,7 +1,7 @@
 """GPU check for the vLLM backend's NCCL weight transfer (two CUDA GPUs, vLLM 0.33 and Ray; a few minutes).
 
 ``backend_args: {weight_transfer: nccl}`` makes the trainer broadcast its policy's parameters straight to every
-vLLM engine (``screl.rollout.vllm_transfer``). That path is written against vLLM's API and was never run on a GPU
+vLLM engine (``screl.rollout.engines.vllm_transfer``). That path is written against vLLM's API and was never run on a GPU
 where it was written; this script is the check. It starts a loopback Ray cluster, one generation worker holding
 an ``AsyncLLM`` on GPU 1 (``num_gpus=1``), and the "trainer" (this process) on GPU 0. It then:
 
@@ -33,8 +33,8 @@ def run_checks(spec: Any = None, gpu_memory_utilization: float = 0.3, max_new_to
 
     from screl.dataplane import start_local_ray
     from screl.models import TinyCausalLM
-    from screl.rollout.engine import EngineOptions, GenerationRequest, SamplingParams
-    from screl.rollout.vllm_transfer import NcclWeightSender
+    from screl.rollout.engines.protocol import EngineOptions, GenerationRequest, SamplingParams
+    from screl.rollout.engines.vllm_transfer import NcclWeightSender
     from screl.rollout.worker import WorkerResources, spawn_workers
 
     start_local_ray(num_cpus=4)

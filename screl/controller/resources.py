@@ -8,7 +8,7 @@ node's workers needed) and ``screl fit``'s startup summary; it imports none of t
 from __future__ import annotations
 
 from screl.config import GenerationConfig, RunConfig
-from screl.rollout.engine import EngineOptions
+from screl.rollout.engines.protocol import EngineOptions
 from screl.rollout.worker import WorkerResources
 from screl.threads import thread_plan
 

@@ -26,13 +26,14 @@ from screl.envs import Task
 from screl.models import PolicySpec
 from screl.placement import DeviceMap
 from screl.placement_env import ENV_DEVICE_MAP, joined_cluster_problem, local_ray_gpu_ids
-from screl.rollout.backends import engine_capabilities, iter_buckets, resolve_backend
 from screl.rollout.colocated import ColocatedHost, ColocatedSlot
 from screl.rollout.deadlines import Deadlines
-from screl.rollout.engine import SamplingParams
-from screl.rollout.reward_transform import reward_transform
+from screl.rollout.engines.buckets import iter_buckets
+from screl.rollout.engines.protocol import SamplingParams
+from screl.rollout.engines.registry import engine_capabilities, resolve_backend
 from screl.rollout.rows import ROW_FIELDS
 from screl.rollout.worker import GenerationWorker, spawn_workers
+from screl.rollout.workflows.reward_transform import reward_transform
 
 log = logging.getLogger(__name__)
 startup = logging.getLogger("screl.startup")
@@ -256,7 +257,7 @@ class RolloutRuntime:
 
     def _start_server(self, policy: PolicySpec, seed: int = 0) -> None:
         """The OpenAI-compatible policy server in front of the workers (``generation.expose_http_server``)."""
-        from screl.rollout.server import PolicyServer
+        from screl.rollout.server.server import PolicyServer
 
         g, hs = self.generation, self.generation.http_server
         self.server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(
@@ -333,9 +334,9 @@ class RolloutRuntime:
         return self._wait(self.controller.complete_step.remote(refs, self.timeout_s), "refit the workers")  # type: ignore[no-any-return]
 
     def _complete_step_by_broadcast(self, module: torch.nn.Module) -> dict[str, Any]:
-        """vLLM's NCCL transfer (``screl.rollout.vllm_transfer``; unverified on a GPU here): the controller
+        """vLLM's NCCL transfer (``screl.rollout.engines.vllm_transfer``; unverified on a GPU here): the controller
         retires the step, the trainer broadcasts ``module``'s parameters to every engine, the controller resumes."""
-        from screl.rollout.vllm_transfer import NcclWeightSender
+        from screl.rollout.engines.vllm_transfer import NcclWeightSender
 
         if self._sender is None:
             self._wait(self.controller.use_external_refit.remote(), "switch to the NCCL refit")

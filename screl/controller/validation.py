@@ -20,7 +20,7 @@ from typing import Any
 from screl.config import GRPOConfig
 from screl.data.core_types import seed_for
 from screl.data.events import Event, ValidateEvent
-from screl.rollout.engine import SamplingParams
+from screl.rollout.engines.protocol import SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

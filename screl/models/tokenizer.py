@@ -41,5 +41,5 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
     )
-    tokenizer.chat_template = CHAR_CHAT_TEMPLATE  # chat requests and multi-turn rollouts (screl.rollout.chat)
+    tokenizer.chat_template = CHAR_CHAT_TEMPLATE  # chat requests and multi-turn rollouts (screl.rollout.workflows.chat)
     return tokenizer

@@ -28,7 +28,7 @@ from typing_extensions import override
 from screl.modules.logprobs import token_logprobs
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
-from screl.rollout.backends import iter_buckets
+from screl.rollout.engines.buckets import iter_buckets
 
 POLICY, CRITIC = "model", "critic"
 """The policy's and the critic's paths in a module (their Megatron modules' names under MegatronStrategy)."""

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from screl.modules.compute import PolicyCompute
-from screl.rollout.backends import merge_buckets
+from screl.rollout.engines.buckets import merge_buckets
 
 
 class WeightExport:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from screl.rollout.engine import GenerationRequest, GenerationResult
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult
 from screl.rollout.rows import ROW_SCHEMA
 
 

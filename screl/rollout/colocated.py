@@ -140,7 +140,7 @@ class ColocatedHost:
     Args:
         controller: The ``RolloutController`` actor handle.
         index: The worker index the controller knows this engine by.
-        worker: The worker, built with ``engine=`` a :class:`~screl.rollout.torch_engine.TorchGenerationEngine` on
+        worker: The worker, built with ``engine=`` a :class:`~screl.rollout.engines.torch_engine.TorchGenerationEngine` on
             the trainer's module.
         dataplane: The trainer's data-plane client; the worker's rows go through it.
         stand_down_timeout_s: Longest wait for a decode step to finish at a stand-down.

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from screl.rollout.engine import GenerationRequest, GenerationResult
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
 
 class HangsOnceEngine(TorchGenerationEngine):

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from screl.models.vision_inputs import VisionInputs
-from screl.rollout.engine import GenerationResult
+from screl.rollout.engines.protocol import GenerationResult
 
 Kind = Literal["sequence", "prompt_len", "per_completion_token", "completion_mask", "scalar", "per_sequence_token",
                "per_row"]

@@ -34,7 +34,6 @@ from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.models.vision_inputs import VisionInputs
-from screl.rollout.backends import bucket_from_wire, build_engine, merge_buckets
 from screl.rollout.batching import (
     Pending,
     RowSink,
@@ -44,7 +43,8 @@ from screl.rollout.batching import (
     take_batch,
 )
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
-from screl.rollout.engine import (
+from screl.rollout.engines.buckets import bucket_from_wire, merge_buckets
+from screl.rollout.engines.protocol import (
     EngineOptions,
     GenerationRequest,
     GenerationResult,
@@ -52,9 +52,10 @@ from screl.rollout.engine import (
     SamplingParams,
     declared_capabilities,
 )
-from screl.rollout.reward_transform import RewardTransform
+from screl.rollout.engines.registry import build_engine
 from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA
-from screl.rollout.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
+from screl.rollout.workflows.reward_transform import RewardTransform
+from screl.rollout.workflows.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
 
 
 @dataclass
@@ -404,7 +405,7 @@ class GenerationWorker:
             self.clock.resume()
         return version
 
-    # -- vLLM's NCCL weight transfer (screl.rollout.vllm_transfer): the trainer drives these -------------------
+    # -- vLLM's NCCL weight transfer (screl.rollout.engines.vllm_transfer): the trainer drives these --
     async def attach_server(self, server: Any, url: str, api_key: str | None) -> None:
         """The policy server, for a workflow that runs agents against it (``AgentWorkflow``)."""
         attach = getattr(self.workflow, "attach_server", None)

@@ -25,6 +25,7 @@ from screl.rules.distill_rules import distill_rules
 from screl.rules.engine_rules import engine_rules
 from screl.rules.model_rules import model_memory_rules, precision_rules
 from screl.rules.moe_rules import routing_replay_rules
+from screl.rules.moved_rules import moved_path_rules
 from screl.rules.optimizer_rules import distributed_optimizer_rules
 from screl.rules.placement_rules import placement_rules
 from screl.rules.rollout_rules import deadline_rules, refit_rules, worker_health_rules
@@ -48,6 +49,7 @@ from screl.rules.vlm_rules import vlm_rules
 
 #: Every rule, one per config block, in the order their problems are listed.
 RULES = (
+    moved_path_rules,
     algorithm_rules,
     strategy_rules,
     distributed_optimizer_rules,

@@ -7,7 +7,7 @@ import importlib.util
 import inspect
 from typing import Any
 
-from screl.config_generation import bind_problem
+from screl.config_generation import DEFAULT_WORKFLOW, bind_problem
 from screl.rules.context import RuleContext, get
 
 GEN = "data.init_args.generation"
@@ -24,7 +24,7 @@ def _class(target: str) -> Any:
 def agent_rules(c: RuleContext) -> None:
     """``workflow_args`` against the workflow's signature; multi-turn and agent workflows against the task and
     the server; a non-loopback server without an API key."""
-    workflow = str(c.gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    workflow = str(c.gen.get("workflow") or DEFAULT_WORKFLOW)
     cls = _class(workflow)
     args = c.gen.get("workflow_args") or {}
     if cls is not None and args:

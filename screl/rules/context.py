@@ -16,8 +16,8 @@ from screl.data.sampler_config import (
     parse_sampler_config,
 )
 from screl.data.sampler_factory import declared_capabilities, sampler_rules
-from screl.rollout.backends import engine_capabilities, engine_title
-from screl.rollout.engine import EngineCapabilities
+from screl.rollout.engines.protocol import EngineCapabilities
+from screl.rollout.engines.registry import engine_capabilities, engine_title
 
 #: Legacy async knobs and where they went (the spec's migration table).
 LEGACY_MIGRATION = (
@@ -86,7 +86,7 @@ def import_target(target: str) -> type | None:
 
 def workflow_problem(target: str) -> str | None:
     """Why ``generation.workflow`` cannot be used (not importable, no ``run``), or None."""
-    from screl.rollout.workflow import load_workflow
+    from screl.rollout.workflows.workflow import load_workflow
 
     try:
         load_workflow(target)

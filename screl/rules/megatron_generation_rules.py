@@ -1,5 +1,5 @@
 """``data.init_args.generation.backend: megatron``: the policy's megatron-core ``GPTModel`` generates
-(:mod:`screl.rollout.megatron_engine`). It needs ``MegatronStrategy`` (the trainer exports Megatron's own names and
+(:mod:`screl.rollout.engines.megatron_engine`). It needs ``MegatronStrategy`` (the trainer exports Megatron's own names and
 layout to it, or lends it its module when colocated); its workers run tensor parallel size 1 and take no
 ``backend_args``; a colocated Megatron engine runs across the trainer's tensor-parallel ranks only."""
 

@@ -4,6 +4,7 @@ generation worker; everything else is refused here, naming the key and the fix."
 
 from __future__ import annotations
 
+from screl.config_generation import DEFAULT_WORKFLOW
 from screl.rules.context import RuleContext, get
 from screl.rules.megatron_generation_rules import is_megatron_strategy
 
@@ -29,7 +30,7 @@ def routing_replay_rules(c: RuleContext) -> None:
     if is_megatron_strategy(c.cfg):
         c.bad(KEY, True, "MegatronStrategy does not train mixture-of-experts policies here (no MoE export)",
               "train under the default strategy or screl.strategies.DDPStrategy")
-    workflow = str(gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    workflow = str(gen.get("workflow") or DEFAULT_WORKFLOW)
     if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
         c.bad(f"{GEN}.workflow", workflow, "routing replay records single-turn completions only (a multi-turn row "
               "joins several engine calls)", "use the single-turn workflow, or routing_replay: false")

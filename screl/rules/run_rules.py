@@ -10,8 +10,9 @@ from screl.algorithms import algorithm, block_keys
 from screl.algos import adv_estimator_names, get_adv_estimator
 from screl.data.sampler_config import InOrderSamplerConfig
 from screl.data.sampler_factory import required_buffer_capacity
-from screl.rollout.backends import resolve_backend
-from screl.rollout.reward_transform import load_shaping_fn
+from screl.rollout.engines.registry import resolve_backend
+from screl.rollout.moved import MovedPathError, moved_to
+from screl.rollout.workflows.reward_transform import load_shaping_fn
 from screl.rules.context import (
     LEGACY_MIGRATION,
     RuleContext,
@@ -144,7 +145,7 @@ def _reward_transform_rules(c: RuleContext) -> None:
         if isinstance(buf, int) and buf > length:
             c.bad(f"{key}.reward_shaping.overlong_buffer_length", buf, f"exceeds the penalty's max_response_length "
                   f"({length})", f"set it <= {length}")
-        if fn:
+        if fn and moved_to(str(fn)) is None:  # a moved path: moved_path_rules names its new home
             try:
                 load_shaping_fn(str(fn), f"{key}.reward_shaping.class_path")
             except ValueError as err:
@@ -268,15 +269,18 @@ def generation_rules(c: RuleContext) -> None:
     gen, key = c.gen, "data.init_args.generation"
     backend = gen.get("backend", "torch")
     workflow = gen.get("workflow")
-    workflow_error = workflow_problem(str(workflow)) if workflow is not None else None
+    resolvable = workflow is not None and moved_to(str(workflow)) is None  # moved_path_rules names a moved one's home
+    workflow_error = workflow_problem(str(workflow)) if resolvable else None
     if workflow_error is not None:
         c.bad(f"{key}.workflow", workflow, workflow_error, "name an importable class with a run(items, generate) "
-              "method, e.g. screl.rollout.workflow.SingleTurnWorkflow")
+              "method, e.g. screl.rollout.workflows.workflow.SingleTurnWorkflow")
     if not gen.get("async_engine", True):
         c.bad(f"{key}.async_engine", False, "screl has no synchronous engine: every backend runs an async engine "
               "(vLLM's AsyncLLM, the torch engine's request loop), colocated or not", "set async_engine: true")
     try:
         resolve_backend(str(backend))
+    except MovedPathError:
+        pass  # moved_path_rules names its new home
     except ValueError as err:
         why = str(err).removeprefix(f"{key}.backend={backend!r}").lstrip(": ")
         c.bad(f"{key}.backend", backend, why, "use backend: torch, or the class path of an "

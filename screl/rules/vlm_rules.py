@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from screl.config_generation import DEFAULT_WORKFLOW
 from screl.rules.context import RuleContext, get, model_algorithm
 from screl.rules.megatron_generation_rules import is_megatron_strategy
 
@@ -74,7 +75,7 @@ def vlm_rules(c: RuleContext) -> None:
     if get(c.gen, "colocated.enabled", False):
         c.bad(f"{GEN}.colocated.enabled", True, "colocated generation builds text prompts only; the images are "
               "drawn on a generation worker", "colocated.enabled: false")
-    workflow = str(c.gen.get("workflow") or "screl.rollout.workflow.SingleTurnWorkflow")
+    workflow = str(c.gen.get("workflow") or DEFAULT_WORKFLOW)
     if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
         c.bad(f"{GEN}.workflow", workflow, "multimodal rows are built by the single-turn workflow only (a multi-turn "
               "row would need each turn's images)", "use the single-turn workflow with a vision-language policy")

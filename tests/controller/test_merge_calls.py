@@ -52,7 +52,7 @@ def test_groups_merge_only_for_an_engine_that_decodes_a_call_to_its_end() -> Non
     makes a step's groups land apart (another workflow, injected latency)."""
     from screl.config import GenerationConfig
     from screl.controller.dispatch import groups_land_together
-    from screl.rollout.backends import engine_capabilities
+    from screl.rollout.engines.registry import engine_capabilities
 
     plain = GenerationConfig()
     assert engine_capabilities("torch").whole_call_batches

@@ -22,9 +22,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from screl.models import TinyCausalLM
-from screl.rollout.engine import EngineOptions, GenerationRequest, GenerationResult
+from screl.rollout.engines.protocol import EngineOptions, GenerationRequest, GenerationResult
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.faults import HangsOnceEngine
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 SPECIALS = ("<pad>", "<|im_end|>", "<bos>", "<|im_start|>", "<tool_call>", "</tool_call>")
 HERMES_TEMPLATE = (
@@ -138,7 +138,7 @@ def serve(policy: TinyCausalLM, backend: str = "tests.e2e._scripted.ScriptedEngi
     (the caller's Ray cluster); returns (server, url, workers)."""
     import ray
 
-    from screl.rollout.server import PolicyServer
+    from screl.rollout.server.server import PolicyServer
     from screl.rollout.worker import spawn_workers
 
     spawned = spawn_workers(workers, policy, namespace_prefix=f"screl-test-{uuid.uuid4().hex[:8]}", max_restarts=0,

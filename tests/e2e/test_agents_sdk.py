@@ -16,9 +16,9 @@ import ray
 from screl.envs.base import PromptRecord
 from screl.envs.calculator import CalculatorTask
 from screl.models import TinyCausalLM
-from screl.rollout.agent import AgentResult, AgentWorkflow
-from screl.rollout.engine import SamplingParams
-from screl.rollout.workflow import RolloutItem
+from screl.rollout.engines.protocol import SamplingParams
+from screl.rollout.workflows.agent import AgentResult, AgentWorkflow
+from screl.rollout.workflows.workflow import RolloutItem
 from tests.e2e._scripted import serve
 
 pytest.importorskip("agents", reason="the OpenAI Agents SDK is in the agents and dev extras")

@@ -11,10 +11,10 @@ import torch
 
 from screl.envs.calculator import CalculatorTask
 from screl.models import TinyCausalLM
-from screl.rollout.engine import SamplingParams
-from screl.rollout.multiturn import MultiTurnWorkflow
-from screl.rollout.torch_engine import TorchGenerationEngine
-from screl.rollout.workflow import RolloutItem
+from screl.rollout.engines.protocol import SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
+from screl.rollout.workflows.multiturn import MultiTurnWorkflow
+from screl.rollout.workflows.workflow import RolloutItem
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from screl.rollout.vllm_transfer import WorkerSyncClient, nccl_world_size
+from screl.rollout.engines.vllm_transfer import WorkerSyncClient, nccl_world_size
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 

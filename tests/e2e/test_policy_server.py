@@ -18,13 +18,13 @@ import torch
 from screl.envs.calculator import CalculatorTask
 from screl.models import TinyCausalLM
 from screl.modules.grpo import token_logprobs
-from screl.rollout.agent import AgentWorkflow
-from screl.rollout.chat import chat_prompt_ids
-from screl.rollout.engine import EngineOptions, SamplingParams
-from screl.rollout.server import PolicyServer
-from screl.rollout.trajectory import Turn, build_row
+from screl.rollout.engines.protocol import EngineOptions, SamplingParams
+from screl.rollout.server.server import PolicyServer
 from screl.rollout.worker import spawn_workers
-from screl.rollout.workflow import RolloutItem
+from screl.rollout.workflows.agent import AgentWorkflow
+from screl.rollout.workflows.chat import chat_prompt_ids
+from screl.rollout.workflows.trajectory import Turn, build_row
+from screl.rollout.workflows.workflow import RolloutItem
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from screl.models import TinyCausalLM
-from screl.rollout.engine import EngineOptions
-from screl.rollout.trajectory import Turn, build_row
+from screl.rollout.engines.protocol import EngineOptions
+from screl.rollout.workflows.trajectory import Turn, build_row
 from tests.e2e._scripted import HermesTinyLM, serve
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]

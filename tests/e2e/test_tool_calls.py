@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from screl.models import TinyCausalLM
-from screl.rollout.trajectory import Turn, build_row
+from screl.rollout.workflows.trajectory import Turn, build_row
 from tests.e2e._scripted import HermesTinyLM, serve
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]

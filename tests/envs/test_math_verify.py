@@ -14,7 +14,7 @@ import pytest
 
 from screl.envs import DatasetTask, MathVerify, MathVerifyError, PromptRecord
 from screl.envs._verify_worker import answer_text
-from screl.rollout.workflow import SingleTurnWorkflow
+from screl.rollout.workflows.workflow import SingleTurnWorkflow
 
 HANG = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power tower: a verification that never ends
 

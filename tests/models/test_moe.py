@@ -8,8 +8,8 @@ import torch
 
 from screl.models.moe import TinyMoECausalLM, moe_routers, record_routing, replay_routing, replay_rows
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROUTING_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 SPEC = TinyMoECausalLM(num_experts=8, top_k=2)
 IDS = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -31,8 +31,8 @@ def test_prompts_go_through_the_chat_template_and_stop_at_its_eos(smollm2: SmolL
 
 
 def test_the_torch_engine_generates_an_answer_and_its_logprobs_match_the_model(smollm2: SmolLM2) -> None:
-    from screl.rollout.engine import EngineOptions, GenerationRequest, SamplingParams
-    from screl.rollout.torch_engine import TorchGenerationEngine
+    from screl.rollout.engines.protocol import EngineOptions, GenerationRequest, SamplingParams
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     engine = TorchGenerationEngine.from_options(smollm2, EngineOptions(seed=0))
     tok = engine.tokenizer

@@ -14,8 +14,8 @@ from screl.models.vision import VISION_TOKENS, vision_token_ids
 from screl.modules.logprobs import token_logprobs
 from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import VISION_SCHEMA, vision_of_rows
-from screl.rollout.torch_engine import TorchGenerationEngine
 
 SPEC = TinyVisionLM()
 TASK = ShapesTask(num_prompts=16)

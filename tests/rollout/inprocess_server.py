@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 from screl.models import TinyCausalLM
-from screl.rollout.server import PolicyServer
+from screl.rollout.server.server import PolicyServer
 from screl.rollout.worker import GenerationWorker
 
 POLICY = TinyCausalLM(hidden_size=32, num_layers=1)

@@ -1,4 +1,4 @@
-"""A model directory whose greedy completions stop by each rule of ``screl.rollout.stop_tokens``.
+"""A model directory whose greedy completions stop by each rule of ``screl.rollout.engines.stop_tokens``.
 
 A random Qwen2 (head_dim 64, as vLLM's CPU attention requires; untied, wide init, so greedy decoding does not just
 repeat a token) and a ChatML tokenizer, saved with ``save_pretrained``. The stop ids are picked from the model's own

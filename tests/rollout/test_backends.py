@@ -17,10 +17,11 @@ from screl.controller.resources import check_cluster_fits, engine_options, worke
 from screl.envs import CountLetter
 from screl.models import TinyCausalLM
 from screl.rollout import EngineOptions, GenerationEngine, GenerationRequest, SamplingParams
-from screl.rollout.backends import build_engine, iter_buckets, merge_buckets, resolve_backend
+from screl.rollout.engines.buckets import iter_buckets, merge_buckets
+from screl.rollout.engines.registry import build_engine, resolve_backend
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
-from screl.rollout.workflow import RolloutItem, SingleTurnWorkflow
+from screl.rollout.workflows.workflow import RolloutItem, SingleTurnWorkflow
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 POLICY = TinyCausalLM(hidden_size=32, num_layers=1)
@@ -28,7 +29,7 @@ POLICY = TinyCausalLM(hidden_size=32, num_layers=1)
 
 def test_torch_is_the_builtin_and_a_class_path_names_the_same_class() -> None:
     assert resolve_backend("torch") is TorchGenerationEngine
-    assert resolve_backend("screl.rollout.torch_engine.TorchGenerationEngine") is TorchGenerationEngine
+    assert resolve_backend("screl.rollout.engines.torch_engine.TorchGenerationEngine") is TorchGenerationEngine
     engine = build_engine("torch", POLICY, EngineOptions(max_batch_size=3, seed=5))
     assert isinstance(engine, TorchGenerationEngine) and isinstance(engine, GenerationEngine)
     assert engine.max_batch_size == 3
@@ -49,8 +50,8 @@ def test_a_backend_that_cannot_be_used_is_named(name: str, match: str) -> None:
 
 def test_megatron_names_the_megatron_engine_which_takes_no_backend_args() -> None:
     from screl.models import TinyCausalLM
-    from screl.rollout.engine import EngineOptions
-    from screl.rollout.megatron_engine import MegatronGenerationEngine
+    from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
+    from screl.rollout.engines.protocol import EngineOptions
 
     assert resolve_backend("megatron") is MegatronGenerationEngine
     with pytest.raises(ValueError, match=r"backend_args=\{'decode': 'hf'\}: the megatron backend takes none"):

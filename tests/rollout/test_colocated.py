@@ -21,8 +21,8 @@ from screl.envs import CountLetter
 from screl.models import TinyCausalLM
 from screl.rollout.colocated import ColocatedSlot, EngineTurns, Mailbox, with_mailboxes
 from screl.rollout.deadlines import Deadlines
-from screl.rollout.engine import GenerationRequest, SamplingParams
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.worker import GenerationWorker
 
 SPEC = TinyCausalLM(seed=0)

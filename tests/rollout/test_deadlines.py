@@ -20,7 +20,7 @@ from screl.data.core_types import Dispatch
 from screl.envs import CountLetter
 from screl.models import TinyCausalLM
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
-from screl.rollout.engine import GenerationRequest, GenerationResult, PauseMode, SamplingParams
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, PauseMode, SamplingParams
 from screl.rollout.worker import GenerationWorker
 
 

@@ -16,13 +16,13 @@ from screl.envs.calculator import CalculatorEnv, CalculatorTask, evaluate_sum
 from screl.envs.environment import Action, Environment, EnvTask, StepResult, ToolCall
 from screl.models import TinyCausalLM
 from screl.models.tokenizer import build_char_tokenizer
-from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
-from screl.rollout.engine import SamplingParams
-from screl.rollout.multiturn import MultiTurnWorkflow
+from screl.rollout.engines.protocol import SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
-from screl.rollout.trajectory import TrajectoryError, Turn, build_row
-from screl.rollout.workflow import RolloutItem
+from screl.rollout.workflows.chat import SpliceError, chat_prompt_ids, encode_text
+from screl.rollout.workflows.multiturn import MultiTurnWorkflow
+from screl.rollout.workflows.trajectory import TrajectoryError, Turn, build_row
+from screl.rollout.workflows.workflow import RolloutItem
 
 TOK = build_char_tokenizer()
 
@@ -187,7 +187,7 @@ class _Scripted:
         self.replies = {k: list(v) for k, v in replies.items()}
 
     async def __call__(self, requests: list[Any]) -> list[Any]:
-        from screl.rollout.engine import GenerationResult
+        from screl.rollout.engines.protocol import GenerationResult
 
         out = []
         for r in requests:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from screl.models import TinyCausalLM
-from screl.rollout.backends import bucket_from_wire, bucket_to_wire, iter_buckets
-from screl.rollout.engine import GenerationRequest, SamplingParams
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.buckets import bucket_from_wire, bucket_to_wire, iter_buckets
+from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.worker import GenerationWorker
 
 SPEC = TinyCausalLM()

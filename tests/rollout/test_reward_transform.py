@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from screl.config import GRPOConfig, from_dict
-from screl.rollout.reward_transform import RewardTransform, load_shaping_fn, reward_transform
+from screl.rollout.workflows.reward_transform import RewardTransform, load_shaping_fn, reward_transform
 
 
 def halve(reward: float, response_length: int, finish_reason: str) -> float:
@@ -46,4 +46,4 @@ def test_a_shaping_function_that_cannot_be_used_names_the_key() -> None:
     with pytest.raises(ValueError, match=r"reward_shaping.class_path='nope.fn': cannot import it"):
         load_shaping_fn("nope.fn")
     with pytest.raises(ValueError, match=r"is not callable as fn\(reward, response_length, finish_reason\)"):
-        load_shaping_fn("screl.rollout.reward_transform.__doc__")
+        load_shaping_fn("screl.rollout.workflows.reward_transform.__doc__")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from screl.datamodule import ROW_KEYS, collate_chunk, shard_groups
-from screl.rollout.engine import GenerationResult
+from screl.rollout.engines.protocol import GenerationResult
 from screl.rollout.rows import DERIVED_KEYS, FINISH_CODES, ROW_FIELDS, ROW_SCHEMA, RowField, RowSchema
 
 # two rows: prompt [5, 6] + completion [7, 8, 9]; prompt [11, 12, 13] + completion [14]

@@ -1,5 +1,5 @@
 """The policy server fuzzed from its own OpenAPI schema (issue 40, item 3) with ``schemathesis``: FastAPI's
-``/openapi.json`` of :meth:`screl.rollout.server.PolicyServer.app`, called in-process over ASGI, in front of a real
+``/openapi.json`` of :meth:`screl.rollout.server.server.PolicyServer.app`, called in-process over ASGI, in front of a real
 :class:`~screl.rollout.worker.GenerationWorker` (the torch engine and its batching decode thread, a tiny model) in
 this process: only Ray's hop between the server and the worker is left out (``tests/rollout/inprocess_server.py``).
 
@@ -37,7 +37,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from screl.rollout.server import PolicyServer
+from screl.rollout.server.server import PolicyServer
 from tests.rollout.inprocess_server import POLICY, InProcess, build_server
 
 SERVER = build_server()

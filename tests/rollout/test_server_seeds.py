@@ -1,5 +1,5 @@
 """A session's request that names no seed samples with one derived from the run's seed, the session and the turn
-(``screl.rollout.server.session_seed``): an agent run's tokens do not depend on the order its concurrent requests
+(``screl.rollout.server.server.session_seed``): an agent run's tokens do not depend on the order its concurrent requests
 reach the engine (the engine draws the seeds of seedless requests in arrival order)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from screl.rollout.server import session_seed
+from screl.rollout.server.server import session_seed
 from tests.rollout.inprocess_server import build_server, build_worker
 
 
@@ -45,7 +45,7 @@ def test_a_rollouts_session_samples_by_its_siblings_seed_whatever_the_session_is
     an Agents SDK run that never learned). The turns sample as the multi-turn workflow's (turn_seed)."""
     import asyncio
 
-    from screl.rollout.multiturn import turn_seed
+    from screl.rollout.workflows.multiturn import turn_seed
 
     worker = build_worker()
     replies = []

@@ -15,8 +15,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from screl.rollout.engine import GenerationResult
-from screl.rollout.server_sessions import MAX_ABORTED_NOTES
+from screl.rollout.engines.protocol import GenerationResult
+from screl.rollout.server.server_sessions import MAX_ABORTED_NOTES
 from tests.rollout.inprocess_server import build_server, build_worker
 
 WORKER = build_worker()

@@ -1,4 +1,4 @@
-"""The one stop rule (``screl.rollout.stop_tokens``): tokenizers built in memory, and the torch engine applying it.
+"""The one stop rule (``screl.rollout.engines.stop_tokens``): tokenizers built in memory, and the torch engine applying it.
 
 The same model directory runs on vLLM's CPU build in ``test_vllm_stop_tokens.py``.
 """
@@ -14,10 +14,10 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from screl.models import HFCausalLM
 from screl.models.tokenizer import EOS_TOKEN_ID, build_char_tokenizer
-from screl.rollout.engine import GenerationRequest, SamplingParams
+from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
+from screl.rollout.engines.stop_tokens import StopTokens, end_of_turn_ids, load_generation_config, stop_tokens
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import FINISH_CODES, ROW_SCHEMA
-from screl.rollout.stop_tokens import StopTokens, end_of_turn_ids, load_generation_config, stop_tokens
-from screl.rollout.torch_engine import TorchGenerationEngine
 from tests.rollout.stop_model import MAX_NEW, PROMPTS, StopModel, build_stop_model, chatml_tokenizer
 
 torch.set_num_threads(1)

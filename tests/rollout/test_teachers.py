@@ -18,7 +18,7 @@ from screl.data.core_types import Dispatch
 from screl.envs import CountLetter, TaskMixture
 from screl.models import TinyCausalLM
 from screl.modules.logprobs import full_token_logprobs
-from screl.rollout.engine import SamplingParams
+from screl.rollout.engines.protocol import SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.teachers import (
     DISTILL_SCHEMA,

@@ -12,8 +12,8 @@ import torch
 
 from screl.models import EOS_TOKEN_ID, TinyCausalLM
 from screl.rollout import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.torch_engine import TorchGenerationEngine, _Batch, _Row
-from screl.rollout.weight_copy import copy_serial
+from screl.rollout.engines.torch_engine import TorchGenerationEngine, _Batch, _Row
+from screl.rollout.engines.weight_copy import copy_serial
 
 torch.set_num_threads(1)
 
@@ -377,7 +377,7 @@ import sys, torch, psutil
 from concurrent.futures import ThreadPoolExecutor
 torch.set_num_threads(2)
 from screl.models import TinyCausalLM
-from screl.rollout import torch_engine as te, weight_copy
+from screl.rollout.engines import torch_engine as te, weight_copy
 spec = TinyCausalLM(scale="small")
 eng = te.TorchGenerationEngine(spec, num_threads=2)
 weights = spec.build_model().state_dict()

@@ -21,9 +21,9 @@ from screl.data.core_types import Dispatch  # noqa: E402
 from screl.envs import CountLetter  # noqa: E402
 from screl.models import EOS_TOKEN_ID, TinyCausalLM  # noqa: E402
 from screl.rollout.deadlines import Deadlines  # noqa: E402
-from screl.rollout.engine import EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
+from screl.rollout.engines.protocol import EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
+from screl.rollout.engines.vllm_engine import VLLMGenerationEngine  # noqa: E402
 from screl.rollout.rows import ROW_SCHEMA  # noqa: E402
-from screl.rollout.vllm_engine import VLLMGenerationEngine  # noqa: E402
 from screl.rollout.worker import GenerationWorker  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]

@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/vllm-venv builds .venv-vllm, .ci/run runs it")
 
 from screl.models import TinyCausalLM  # noqa: E402
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from screl.rollout.vllm_engine import VLLMGenerationEngine, cache_salt  # noqa: E402
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
+from screl.rollout.engines.vllm_engine import VLLMGenerationEngine, cache_salt  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 

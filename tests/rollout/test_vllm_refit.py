@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/vllm-venv builds .venv-vllm, .ci/run runs it")
 
 from screl.models import TinyCausalLM  # noqa: E402
-from screl.rollout.backends import iter_buckets  # noqa: E402
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from screl.rollout.vllm_engine import BucketAssembler, VLLMGenerationEngine, bucket_pieces  # noqa: E402
+from screl.rollout.engines.buckets import iter_buckets  # noqa: E402
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
+from screl.rollout.engines.vllm_engine import BucketAssembler, VLLMGenerationEngine, bucket_pieces  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 

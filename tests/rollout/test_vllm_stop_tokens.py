@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/vllm-venv builds .venv-vllm, .ci/run runs it")
 
 from screl.models import HFCausalLM  # noqa: E402
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from screl.rollout.stop_tokens import StopTokens  # noqa: E402
-from screl.rollout.torch_engine import TorchGenerationEngine  # noqa: E402
-from screl.rollout.vllm_engine import VLLMGenerationEngine  # noqa: E402
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
+from screl.rollout.engines.stop_tokens import StopTokens  # noqa: E402
+from screl.rollout.engines.torch_engine import TorchGenerationEngine  # noqa: E402
+from screl.rollout.engines.vllm_engine import VLLMGenerationEngine  # noqa: E402
 from tests.rollout.stop_model import MAX_NEW, PROMPTS, StopModel, build_stop_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from screl.rollout.batching import Pending, take_batch
-from screl.rollout.engine import GenerationRequest
+from screl.rollout.engines.protocol import GenerationRequest
 
 
 def group(name: str, rows: int, priority: int) -> Pending:

@@ -14,7 +14,7 @@ from screl.data.core_types import STALE, Burst, Dispatch
 from screl.envs import CountLetter
 from screl.models import TinyCausalLM
 from screl.rollout.batching import Pending, RowSink, bursts_missing
-from screl.rollout.engine import SamplingParams
+from screl.rollout.engines.protocol import SamplingParams
 from screl.rollout.worker import GenerationWorker
 
 G = 2  # siblings per group
@@ -124,7 +124,7 @@ def test_bursts_missing_counts_each_bursts_absent_calls() -> None:
 
 
 def _row() -> dict[str, Any]:
-    from screl.rollout.engine import GenerationResult
+    from screl.rollout.engines.protocol import GenerationResult
     from screl.rollout.rows import ROW_SCHEMA
 
     res = GenerationResult("r", [2, 3], [4], [-0.5], "length", [0], 0, 0)

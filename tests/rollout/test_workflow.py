@@ -11,10 +11,10 @@ import pytest
 
 from screl.envs import CountLetter, PromptRecord, Task
 from screl.models import TinyCausalLM
-from screl.rollout.engine import SamplingParams
+from screl.rollout.engines.protocol import SamplingParams
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 from screl.rollout.rows import ROW_SCHEMA
-from screl.rollout.torch_engine import TorchGenerationEngine
-from screl.rollout.workflow import RolloutItem, SingleTurnWorkflow
+from screl.rollout.workflows.workflow import RolloutItem, SingleTurnWorkflow
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 

@@ -43,7 +43,7 @@ def trainer_gpt(spec: TinyCausalLM, hf: Any) -> Any:
 
 def recompute(model: Any, results: list[Any], temperature: float) -> list[list[float]]:
     """The trainer's logprobs of each completion (Megatron's full forward over prompt + completion, at TP=1)."""
-    from screl.rollout.megatron_decode import unpadded_vocab_size
+    from screl.rollout.engines.megatron_decode import unpadded_vocab_size
 
     vocab, out = unpadded_vocab_size(model), []
     with torch.no_grad():
@@ -60,8 +60,8 @@ def engine_job(rank: int, out: str) -> None:
     from screl.strategies import iter_export_buckets
     from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
 
-    from screl.rollout.megatron_engine import MegatronGenerationEngine
-    from screl.rollout.torch_engine import TorchGenerationEngine
+    from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     spec = policy()
     hf = spec.build_model()
@@ -103,9 +103,9 @@ def tensor_parallel_job(rank: int, out: str) -> None:
     """Two ranks: rank 0's engine decodes with its TP=2 shard, rank 1 follows through the decode link."""
     from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
 
-    from screl.rollout.megatron_decode import DecodeLink, eval_no_grad, serve_decode
-    from screl.rollout.megatron_engine import MegatronGenerationEngine
-    from screl.rollout.torch_engine import TorchGenerationEngine
+    from screl.rollout.engines.megatron_decode import DecodeLink, eval_no_grad, serve_decode
+    from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     spec = policy()
     hf = spec.build_model()

@@ -29,7 +29,7 @@ from screl.datamodule import collate_chunk, shard_groups
 from screl.models.moe import TinyMoECausalLM
 from screl.modules.grpo import GRPO
 from screl.rollout import GenerationRequest, SamplingParams
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
 SPEC = TinyMoECausalLM(num_experts=8, top_k=2)
 GROUPS, G = 4, 2

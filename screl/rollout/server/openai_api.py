@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request and response shapes of screl's policy server (``screl.rollout.server``).
+"""The OpenAI-compatible request and response shapes of screl's policy server (``screl.rollout.server.server``).
 
 Requests are validated by pydantic; a bad field becomes a 400 with an OpenAI-style error body naming it. A field
 the server does not implement is a 400 naming it too: nothing is silently dropped, except the fields listed in
@@ -10,7 +10,7 @@ completion objects, plus what RL needs (docs/agents.md):
 * on a chat choice's message, NeMo-Gym's ``prompt_token_ids`` / ``generation_token_ids`` /
   ``generation_log_probs``: sent back unchanged on that message next turn, they make the server splice the
   past tokens verbatim instead of re-tokenizing the conversation;
-* ``message.tool_calls`` (``finish_reason: tool_calls``) parsed from the reply (:mod:`screl.rollout.tool_calls`).
+* ``message.tool_calls`` (``finish_reason: tool_calls``) parsed from the reply (:mod:`screl.rollout.server.tool_calls`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from screl.rollout.engine import GenerationResult
-from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, new_call_id
+from screl.rollout.engines.protocol import GenerationResult
+from screl.rollout.server.tool_calls import ParsedReply, ToolChoice, ToolSpec, new_call_id
 
 __all__ = ["IGNORED_FIELDS", "ChatRequest", "CompletionRequest", "Reply", "RequestError", "ScrelRequest", "api_error",
            "chat_response", "completion_response", "parse_tool_choice", "parse_tools"]

@@ -4,7 +4,7 @@ Batched sampling with a KV cache: prompts are left-padded (attention mask + posi
 token per step is decoded for the whole batch. Sampling is our own loop (not ``model.generate``) so
 that logprobs, per-token weight versions, stop handling and ``min_new_tokens`` are exact.
 
-Decoding runs on the model's static-cache path (:mod:`screl.rollout.static_decode`) where the model supports it
+Decoding runs on the model's static-cache path (:mod:`screl.rollout.engines.static_decode`) where the model supports it
 (Qwen2 and Llama layouts) and ``decode`` (``generation.backend_args.decode``) is ``auto`` or ``static``; else on
 the Hugging Face forward with its dynamic cache (``hf``, or ``auto`` on other models). Both give the same logits
 to fp32 round-off; the engine logs which one it runs.
@@ -31,8 +31,8 @@ from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec
 from screl.models.vision import is_vision_model, mrope_positions, vision_token_ids
 from screl.models.vision_inputs import VisionInputs
-from screl.rollout.backends import WeightBuckets, as_buckets
-from screl.rollout.engine import (
+from screl.rollout.engines.buckets import WeightBuckets, as_buckets
+from screl.rollout.engines.protocol import (
     EngineCapabilities,
     EngineOptions,
     FinishReason,
@@ -41,10 +41,10 @@ from screl.rollout.engine import (
     PauseMode,
     SamplingParams,
 )
-from screl.rollout.routing import RoutingRecorder
-from screl.rollout.static_decode import StaticDecoder, static_decode_support
-from screl.rollout.stop_tokens import StopTokens, stop_tokens
-from screl.rollout.weight_copy import copy_bucket
+from screl.rollout.engines.routing import RoutingRecorder
+from screl.rollout.engines.static_decode import StaticDecoder, static_decode_support
+from screl.rollout.engines.stop_tokens import StopTokens, stop_tokens
+from screl.rollout.engines.weight_copy import copy_bucket
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Row:
     finish: FinishReason | None = None
     start_version: int | None = None
     stop_token: int | None = None
-    routing: torch.Tensor | None = None  # [positions, MoE layers, top_k]: see screl.rollout.routing
+    routing: torch.Tensor | None = None  # [positions, MoE layers, top_k]: see screl.rollout.engines.routing
 
     @property
     def sampling(self) -> SamplingParams:
@@ -91,7 +91,7 @@ class _Batch:
 
 
 class TorchGenerationEngine:
-    """The torch implementation of :class:`~screl.rollout.engine.GenerationEngine`.
+    """The torch implementation of :class:`~screl.rollout.engines.protocol.GenerationEngine`.
 
     Args:
         policy: Spec to build the model and tokenizer from (weights then come via ``update_weights``).
@@ -192,7 +192,7 @@ class TorchGenerationEngine:
         """The vocabulary, the stop rule, the seeds and the request/pause/refit state (every engine on this loop)."""
         self.vocab_size = vocab_size
         self.stop_tokens: StopTokens = stops
-        self.eos_token_ids = self.stop_tokens.ids  # the one stop rule (screl.rollout.stop_tokens)
+        self.eos_token_ids = self.stop_tokens.ids  # the one stop rule (screl.rollout.engines.stop_tokens)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()

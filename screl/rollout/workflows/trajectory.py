@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from screl.rollout.engine import GenerationResult
+from screl.rollout.engines.protocol import GenerationResult
 from screl.rollout.rows import FINISH_CODES, ROW_SCHEMA, RowSchema
 
 __all__ = ["Turn", "TrajectoryError", "build_row", "turn_of"]

@@ -20,7 +20,8 @@ import torch
 
 from screl.envs import PromptRecord, Task, decode_completion
 from screl.models.vision_inputs import VisionInputs
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.moved import refuse_moved
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 
 Generate = Callable[[list[GenerationRequest]], Awaitable[list[GenerationResult]]]
@@ -64,6 +65,7 @@ class RolloutWorkflow(Protocol):
 def load_workflow(target: str) -> type:
     """The workflow class named ``"package.module.Class"`` (or ``module:Class``); the error names the config key."""
     key = "data.init_args.generation.workflow"
+    refuse_moved(target, key)
     module_name, _, name = target.replace(":", ".").rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)

@@ -1,7 +1,7 @@
 """Decoding on a Megatron ``GPTModel`` with megatron-core's own KV cache, and the link that makes every
 tensor-parallel rank take part in it (docs/generation.md, "The Megatron backend").
 
-:class:`MegatronDecoder` is the Megatron engine's counterpart of :class:`~screl.rollout.static_decode.StaticDecoder`:
+:class:`MegatronDecoder` is the Megatron engine's counterpart of :class:`~screl.rollout.engines.static_decode.StaticDecoder`:
 ``start`` prefills a batch of left-padded sequences and ``step`` decodes one token per row, both through
 ``GPTModel.forward`` with a ``StaticInferenceContext``. Invariant: its logits equal Hugging Face's and Megatron's own
 full forward to fp32 round-off (``tests/rollout/test_megatron_engine.py``).

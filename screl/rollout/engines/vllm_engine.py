@@ -10,7 +10,7 @@ reload, ``collective_rpc`` calls of at most 16 MiB), labels the new version and 
 
 Invariants: each token's weight version comes from vLLM's ``weight_versions`` spans; each request's ``cache_salt``
 is ``screl-v<weight version at dispatch>``, so prefix caching never serves a request dispatched after a refit a block
-computed under older weights; vLLM stops on :mod:`screl.rollout.stop_tokens`'s ids only (its ``generation_config``
+computed under older weights; vLLM stops on :mod:`screl.rollout.engines.stop_tokens`'s ids only (its ``generation_config``
 is an empty one of screl's); logprobs are ``processed_logprobs``, the torch backend's ``log_softmax(logits / T)``.
 """
 
@@ -31,8 +31,8 @@ import torch
 
 from screl.config_generation import vllm_engine_args
 from screl.models.spec import PolicySpec
-from screl.rollout.backends import WeightBuckets, as_buckets
-from screl.rollout.engine import (
+from screl.rollout.engines.buckets import WeightBuckets, as_buckets
+from screl.rollout.engines.protocol import (
     EngineCapabilities,
     EngineOptions,
     FinishReason,
@@ -41,7 +41,7 @@ from screl.rollout.engine import (
     PauseMode,
     SamplingParams,
 )
-from screl.rollout.stop_tokens import StopTokens, load_generation_config, stop_tokens
+from screl.rollout.engines.stop_tokens import StopTokens, load_generation_config, stop_tokens
 
 KEY = "data.init_args.generation.backend_args"
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class BucketAssembler:
 
 
 class VLLMGenerationEngine:
-    """:class:`~screl.rollout.engine.GenerationEngine` on a vLLM ``AsyncLLM`` (see the module docstring).
+    """:class:`~screl.rollout.engines.protocol.GenerationEngine` on a vLLM ``AsyncLLM`` (see the module docstring).
 
     Args:
         policy: The policy spec; an :class:`~screl.models.HFCausalLM` directory is served as is, any other spec
@@ -486,7 +486,7 @@ class VLLMGenerationEngine:
                 self.resume()
 
     def weight_transfer(self, method: str, payload: Any = None) -> None:
-        """One call of vLLM's native weight transfer (``screl.rollout.vllm_transfer``; needs
+        """One call of vLLM's native weight transfer (``screl.rollout.engines.vllm_transfer``; needs
         ``backend_args.weight_transfer: nccl``): ``init`` / ``start`` / ``update`` / ``finish`` (payload: the
         version label or None)."""
         from vllm.distributed.weight_transfer.base import (

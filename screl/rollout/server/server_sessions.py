@@ -1,4 +1,4 @@
-"""The policy server's per-session records, and how they are let go (``screl.rollout.server``).
+"""The policy server's per-session records, and how they are let go (``screl.rollout.server.server``).
 
 A session's records (its turns, its last reply, its worker, whether it was aborted, its stored responses) go when
 ``AgentWorkflow`` takes the session. A session nobody takes (its rollout's worker died, or a client outside the
@@ -14,8 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from screl.rollout.chat import message_text
-from screl.rollout.openai_api import Reply
+from screl.rollout.server.openai_api import Reply
+from screl.rollout.workflows.chat import message_text
 
 log = logging.getLogger(__name__)
 

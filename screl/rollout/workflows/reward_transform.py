@@ -17,12 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from screl.rollout.moved import refuse_moved
+
 ShapingFn = Callable[[float, int, str], float]
 """``fn(reward, response_length, finish_reason) -> shaped reward``."""
 
 
 def load_shaping_fn(path: str, key: str = "reward_shaping.class_path") -> ShapingFn:
     """The callable named ``package.module.name`` (a function, or a class built with no arguments)."""
+    refuse_moved(path, key)
     module, _, name = path.replace(":", ".").rpartition(".")
     try:
         obj = getattr(importlib.import_module(module), name)

@@ -7,7 +7,7 @@ of its chunks come when the reply is done: the content, one chunk per tool call 
 (``token_ids``, ``weight_versions``, and ``prompt_token_ids`` at the top level), then the usage chunk (empty
 ``choices``) when ``stream_options.include_usage`` asks for it, then ``data: [DONE]``. Streamed and plain
 requests give the same tokens for the same seed. A client that goes away mid-stream gets its engine request
-aborted (``screl.rollout.server``).
+aborted (``screl.rollout.server.server``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from screl.rollout.openai_api import Reply, chat_logprobs, completion_logprobs, usage
+from screl.rollout.server.openai_api import Reply, chat_logprobs, completion_logprobs, usage
 
 __all__ = ["DONE", "OPEN", "chat_chunks", "completion_chunks", "role_chunk", "sse"]
 

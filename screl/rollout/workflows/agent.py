@@ -10,7 +10,7 @@ thread), ``prompt`` the :class:`~screl.envs.PromptRecord`, ``env`` a fresh envir
 whose ``mask`` keeps the reward and group but trains nothing (as ``StepResult.mask`` does for the direct workflow).
 
 Invariant: the agent never handles token ids. The server records the session's turns token by token and they
-become the row (:func:`screl.rollout.trajectory.build_row`), so the agent must send the assistant messages back
+become the row (:func:`screl.rollout.workflows.trajectory.build_row`), so the agent must send the assistant messages back
 unchanged for the server to splice the past tokens verbatim.
 """
 
@@ -27,8 +27,8 @@ from screl.envs import Task
 from screl.envs.base import load_reward_fn
 from screl.envs.environment import EnvTask
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
-from screl.rollout.trajectory import TrajectoryError, Turn, build_row
-from screl.rollout.workflow import Generate, RolloutItem, RolloutOutcome
+from screl.rollout.workflows.trajectory import TrajectoryError, Turn, build_row
+from screl.rollout.workflows.workflow import Generate, RolloutItem, RolloutOutcome
 
 __all__ = ["AgentResult", "AgentWorkflow"]
 

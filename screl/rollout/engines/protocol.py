@@ -46,7 +46,7 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same seed, prompt and weights give the same completion, whatever the batch."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra stop tokens besides the model's (:mod:`screl.rollout.stop_tokens`: the tokenizer's EOS, the
+    """Extra stop tokens besides the model's (:mod:`screl.rollout.engines.stop_tokens`: the tokenizer's EOS, the
     generation config's EOS ids and the chat template's end-of-turn token)."""
     ignore_eos: bool = False
     """Never stop at the model's stop tokens (stop_token_ids still stop)."""
@@ -107,7 +107,7 @@ class GenerationResult:
     stop_token_id: int | None = None
     """With ``finish_reason == "stop"``: the token that stopped it (the last of ``token_ids``); else None."""
     stop_kind: str | None = None
-    """With ``finish_reason == "stop"``: which rule that token belongs to (:mod:`screl.rollout.stop_tokens`):
+    """With ``finish_reason == "stop"``: which rule that token belongs to (:mod:`screl.rollout.engines.stop_tokens`):
     ``eos`` (the tokenizer's), ``generation_config`` (its ``eos_token_id`` list), ``end_of_turn`` (the chat
     template's) or ``request`` (``SamplingParams.stop_token_ids`` only); else None."""
     num_cached_tokens: int | None = None
@@ -116,7 +116,7 @@ class GenerationResult:
     routing: torch.Tensor | None = None
     """Rollout routing replay (a mixture-of-experts policy, the engine recording): ``[prompt + completion
     positions, MoE layers, top_k]`` int16, the experts each layer chose for each position the engine fed (``-1`` for
-    the last sampled token, never fed); None otherwise (:mod:`screl.rollout.routing`)."""
+    the last sampled token, never fed); None otherwise (:mod:`screl.rollout.engines.routing`)."""
 
     vision: VisionInputs | None = None
     """The request's processed images (a vision-language prompt), echoed so the row carries them; else None."""

@@ -3,10 +3,10 @@ and fields are in docs/agents.md, "The OpenAI-compatible server".
 
 One Ray actor, :class:`PolicyServer`, serves FastAPI through uvicorn and forwards every request to a generation
 worker's engine (the same ``generate`` the rollouts use, so requests batch with them): chat and text completions,
-``/v1/responses`` (:mod:`screl.rollout.responses_api`), function calling (:mod:`screl.rollout.tool_calls`) and
-streaming (:mod:`screl.rollout.openai_stream`). A ``session_id`` (body field or ``X-Session-Id`` header) routes a
-conversation to one worker and records its turns token by token for :class:`~screl.rollout.agent.AgentWorkflow` to
-turn into a row; chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.chat`). A client that
+``/v1/responses`` (:mod:`screl.rollout.server.responses_api`), function calling (:mod:`screl.rollout.server.tool_calls`) and
+streaming (:mod:`screl.rollout.server.openai_stream`). A ``session_id`` (body field or ``X-Session-Id`` header) routes a
+conversation to one worker and records its turns token by token for :class:`~screl.rollout.workflows.agent.AgentWorkflow` to
+turn into a row; chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.workflows.chat`). A client that
 disconnects mid-request (or mid-stream) gets its engine request aborted.
 
 Invariant: it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``; every ``/v1`` request
@@ -34,10 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from screl.config_generation import bind_problem
-from screl.rollout.chat import SpliceError, chat_prompt_ids, encode_text
-from screl.rollout.engine import GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.multiturn import turn_seed
-from screl.rollout.openai_api import (
+from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.server.openai_api import (
     ChatRequest,
     CompletionRequest,
     Reply,
@@ -48,16 +46,16 @@ from screl.rollout.openai_api import (
     parse_tool_choice,
     parse_tools,
 )
-from screl.rollout.openai_schema import (
+from screl.rollout.server.openai_schema import (
     client_token_ids,
     max_request_tokens,
     model_vocab_size,
     route_responses,
     validation_error_message,
 )
-from screl.rollout.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
-from screl.rollout.responses_api import ResponsesRequest, input_messages, response_object
-from screl.rollout.server_sessions import (
+from screl.rollout.server.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
+from screl.rollout.server.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.server.server_sessions import (
     MAX_ABORTED_NOTES,
     SESSION_IDLE_TIMEOUT_S,
     assistant_message,
@@ -66,8 +64,10 @@ from screl.rollout.server_sessions import (
     record_reply,
     same_reply,
 )
-from screl.rollout.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
-from screl.rollout.trajectory import turn_of
+from screl.rollout.server.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
+from screl.rollout.workflows.chat import SpliceError, chat_prompt_ids, encode_text
+from screl.rollout.workflows.multiturn import turn_seed
+from screl.rollout.workflows.trajectory import turn_of
 
 log = logging.getLogger(__name__)
 
@@ -517,7 +517,7 @@ class PolicyServer:
             self._note_aborted(generating.result())
 
     def _stream(self, job: _Job, opening: str, chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
-        """A server-sent event stream (:mod:`screl.rollout.openai_stream`); a client that goes away mid-stream
+        """A server-sent event stream (:mod:`screl.rollout.server.openai_stream`); a client that goes away mid-stream
         cancels it, and its requests are aborted in the engine."""
         index = self._route(job.session)
         worker = self.workers[index]

@@ -11,7 +11,7 @@ the text after ``=`` is the tool's first parameter), ``auto`` (default: ``compac
 parser's :meth:`~ToolParser.opener` (``<tool_call>\\n``, ``=``) into the prompt so the model writes the rest: those
 tokens are prompt tokens of the turn, never trained on. Invariant: a reply that looks like a call but does not parse
 (bad JSON, an unknown tool, an unclosed block) is returned as content with ``finish_reason: stop`` and a
-``tool_call_error`` saying why, so the agent may mask the rollout (``screl.rollout.agent.AgentResult``).
+``tool_call_error`` saying why, so the agent may mask the rollout (``screl.rollout.workflows.agent.AgentResult``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from screl.rollout.moved import refuse_moved
 
 __all__ = ["TOOL_PARSERS", "CompactToolParser", "HermesToolParser", "ParsedCall", "ParsedReply", "ToolChoice",
            "ToolParser", "ToolSpec", "new_call_id", "resolve_tool_parser"]
@@ -175,6 +177,7 @@ def resolve_tool_parser(name: str, tokenizer: Any = None) -> ToolParser:
     if name in TOOL_PARSERS:
         parser: ToolParser = TOOL_PARSERS[name]()
         return parser
+    refuse_moved(name, key)
     if not _CLASS_PATH.match(name):
         raise ValueError(f"{key}={name!r} is neither a built-in parser ({['auto', *TOOL_PARSERS]}) nor a class path "
                          "'package.module:Class'")

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from screl.rollout.openai_api import IGNORED_FIELDS, RequestError
+from screl.rollout.server.openai_api import IGNORED_FIELDS, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """OpenAI's error body (``screl.rollout.openai_api.api_error``)."""
+    """OpenAI's error body (``screl.rollout.server.openai_api.api_error``)."""
 
     model_config = ConfigDict(extra="forbid")
 

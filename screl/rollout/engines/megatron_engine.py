@@ -4,7 +4,7 @@
 The engine is the torch engine's request loop (batching, per-request seeds, logprobs, per-token weight versions,
 stop rule, abort, pause, in-flight refits, stand-downs) over the policy's ``GPTModel``, built by the same
 :class:`~screl.strategies.GPTModelProvider` mapping the trainer uses and decoding with megatron-core's static KV
-cache (:class:`~screl.rollout.megatron_decode.MegatronDecoder`). Two topologies:
+cache (:class:`~screl.rollout.engines.megatron_decode.MegatronDecoder`). Two topologies:
 
 - **In a generation worker** (``colocated.enabled: false``): its own ``GPTModel`` at tensor parallel size 1 (a
   one-process gloo group); a refit loads Megatron's own parameter names in the TP=1 layout, which the trainer
@@ -12,7 +12,7 @@ cache (:class:`~screl.rollout.megatron_decode.MegatronDecoder`). Two topologies:
   split.
 - **Colocated** (``colocated.enabled: true``): the trainer's own ``GPTModel`` in the trainer's process; under
   tensor parallelism the other ranks follow each forward through a
-  :class:`~screl.rollout.megatron_decode.DecodeLink`. A refit is a version bump.
+  :class:`~screl.rollout.engines.megatron_decode.DecodeLink`. A refit is a version bump.
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ from typing import Any
 import torch
 
 from screl.models.spec import PolicySpec, resolve_dtype
-from screl.rollout.backends import WeightBuckets
-from screl.rollout.engine import EngineCapabilities, EngineOptions
-from screl.rollout.megatron_decode import DecodeLink, MegatronDecoder, eval_no_grad, unpadded_vocab_size
-from screl.rollout.stop_tokens import StopTokens, load_generation_config, stop_tokens
-from screl.rollout.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.buckets import WeightBuckets
+from screl.rollout.engines.megatron_decode import (
+    DecodeLink,
+    MegatronDecoder,
+    eval_no_grad,
+    unpadded_vocab_size,
+)
+from screl.rollout.engines.protocol import EngineCapabilities, EngineOptions
+from screl.rollout.engines.stop_tokens import StopTokens, load_generation_config, stop_tokens
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ def build_engine_model(policy: PolicySpec, device: str, seed: int | None) -> tup
 
 
 class MegatronGenerationEngine(TorchGenerationEngine):
-    """:class:`~screl.rollout.engine.GenerationEngine` on a Megatron ``GPTModel`` (see the module docstring).
+    """:class:`~screl.rollout.engines.protocol.GenerationEngine` on a Megatron ``GPTModel`` (see the module docstring).
 
     Args:
         policy: The policy spec (its tokenizer, and its architecture through ``GPTModelProvider.from_hf_config``).
@@ -91,7 +96,7 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         model: Decode with this ``GPTModel`` (colocated: the trainer's own) instead of building one.
         link: Colocated under tensor parallelism: the followers' link (this engine is the leader).
         autocast: With ``model``: the dtype its forward passes compute in (fp32 masters under ``bf16-mixed``).
-        Others: as :class:`~screl.rollout.torch_engine.TorchGenerationEngine`'s.
+        Others: as :class:`~screl.rollout.engines.torch_engine.TorchGenerationEngine`'s.
     """
 
     capabilities = EngineCapabilities(

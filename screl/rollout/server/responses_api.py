@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from screl.rollout.openai_api import SEED_MAX, SEED_MIN, Reply, RequestError, ScrelRequest
-from screl.rollout.tool_calls import ToolChoice
+from screl.rollout.server.openai_api import SEED_MAX, SEED_MIN, Reply, RequestError, ScrelRequest
+from screl.rollout.server.tool_calls import ToolChoice
 
 __all__ = ["ResponsesRequest", "input_messages", "response_object"]
 

@@ -3,9 +3,9 @@
 :class:`MultiTurnWorkflow` (the direct one) drives an :class:`~screl.envs.environment.Environment` from the
 task (an :class:`~screl.envs.environment.EnvTask`) and calls the worker's engine in-process: each turn's
 prompt is the chat template's rendering with the past turns' tokens spliced in verbatim
-(:func:`screl.rollout.chat.chat_prompt_ids`), each reply is parsed for tool calls and stepped through the
+(:func:`screl.rollout.workflows.chat.chat_prompt_ids`), each reply is parsed for tool calls and stepped through the
 environment, until it is done, ``max_turns`` replies were made, or the conversation reaches
-``max_total_tokens``. The row (:func:`screl.rollout.trajectory.build_row`) trains on the model's tokens only;
+``max_total_tokens``. The row (:func:`screl.rollout.workflows.trajectory.build_row`) trains on the model's tokens only;
 a step the environment flags (``StepResult.mask``) masks the whole conversation (``sample_mask`` 0).
 
 A sibling is sealed when its conversation ends, as a single-turn one is: ``sibling`` recovery keeps finished
@@ -21,11 +21,11 @@ from typing import Any
 
 from screl.envs import PromptRecord, Task, decode_completion
 from screl.envs.environment import Action, EnvTask, StepResult
-from screl.rollout.chat import chat_prompt_ids
-from screl.rollout.engine import GenerationRequest
+from screl.rollout.engines.protocol import GenerationRequest
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
-from screl.rollout.trajectory import TrajectoryError, Turn, build_row, turn_of
-from screl.rollout.workflow import Generate, RolloutItem, RolloutOutcome
+from screl.rollout.workflows.chat import chat_prompt_ids
+from screl.rollout.workflows.trajectory import TrajectoryError, Turn, build_row, turn_of
+from screl.rollout.workflows.workflow import Generate, RolloutItem, RolloutOutcome
 
 __all__ = ["MultiTurnWorkflow", "turn_seed"]
 
