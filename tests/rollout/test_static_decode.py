@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from screl.models import TinyCausalLM
 from screl.rollout import GenerationRequest, SamplingParams
 from screl.rollout.engines.static_decode import StaticDecoder, static_decode_support
-from screl.rollout.engines.torch_engine import DECODE_KEY, TorchGenerationEngine
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.torch_model import DECODE_KEY
 
 ATOL = 2e-5  # fp32 round-off of a different op order (fused RMSNorm, grouped-query attention without a copy)
 

@@ -12,7 +12,9 @@ import torch
 
 from screl.models import EOS_TOKEN_ID, TinyCausalLM
 from screl.rollout import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.engines.torch_engine import TorchGenerationEngine, _Batch, _Row
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.torch_sampling import Batch as _Batch
+from screl.rollout.engines.torch_sampling import Row as _Row
 from screl.rollout.engines.weight_copy import copy_serial
 
 torch.set_num_threads(1)

@@ -7,7 +7,8 @@ import pytest
 from screl.config_generation import VLLM_GPU_MEMORY_UTILIZATION, vllm_engine_args
 from screl.models import TinyCausalLM
 from screl.rollout.engines.protocol import EngineOptions
-from screl.rollout.engines.vllm_engine import FIXED_ENGINE_ARGS, VLLMGenerationEngine, cache_salt
+from screl.rollout.engines.vllm_args import FIXED_ENGINE_ARGS
+from screl.rollout.engines.vllm_engine import VLLMGenerationEngine, cache_salt
 
 COMMON = {"max_model_len": None, "enable_prefix_caching": True, "scheduling_policy": "priority", "max_logprobs": 0}
 

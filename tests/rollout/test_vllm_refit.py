@@ -15,7 +15,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/vllm-venv bu
 from screl.models import TinyCausalLM  # noqa: E402
 from screl.rollout.engines.buckets import iter_buckets  # noqa: E402
 from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
-from screl.rollout.engines.vllm_engine import BucketAssembler, VLLMGenerationEngine, bucket_pieces  # noqa: E402
+from screl.rollout.engines.vllm_buckets import BucketAssembler, bucket_pieces  # noqa: E402
+from screl.rollout.engines.vllm_engine import VLLMGenerationEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 

@@ -12,82 +12,53 @@ to fp32 round-off; the engine logs which one it runs.
 Determinism: each request draws its uniforms from its own ``torch.Generator`` seeded by
 ``SamplingParams.seed`` and samples by inverse CDF, so a request's tokens depend on its seed, prompt
 and weights, not on its batch mates. Give siblings of a group different seeds.
+
+This module is the request loop (batching, pause/abort gates, refits between steps); the rows, batch tensors and
+sampling are :mod:`.torch_sampling`'s, the model, its decode path and a refit's tensors :mod:`.torch_model`'s,
+the Hugging Face forward passes :mod:`.torch_forward`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec
-from screl.models.vision import is_vision_model, mrope_positions, vision_token_ids
-from screl.models.vision_inputs import VisionInputs
+from screl.models.vision import is_vision_model
 from screl.rollout.engines.buckets import WeightBuckets, as_buckets
 from screl.rollout.engines.protocol import (
     EngineCapabilities,
     EngineOptions,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     PauseMode,
-    SamplingParams,
 )
 from screl.rollout.engines.routing import RoutingRecorder
-from screl.rollout.engines.static_decode import StaticDecoder, static_decode_support
+from screl.rollout.engines.static_decode import StaticDecoder
 from screl.rollout.engines.stop_tokens import StopTokens, stop_tokens
-from screl.rollout.engines.weight_copy import copy_bucket
-
-log = logging.getLogger(__name__)
-
-DECODE_PATHS = TORCH_DECODE_PATHS
-DECODE_KEY = "data.init_args.generation.backend_args.decode"
-
-
-@dataclass
-class _Row:
-    """Decode state of one request."""
-
-    req: GenerationRequest
-    uniforms: torch.Tensor
-    stop_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: FinishReason | None = None
-    start_version: int | None = None
-    stop_token: int | None = None
-    routing: torch.Tensor | None = None  # [positions, MoE layers, top_k]: see screl.rollout.engines.routing
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.req.sampling
-
-
-@dataclass
-class _Batch:
-    """Per-batch tensors of the sampling parameters and the KV-cache state."""
-
-    temps: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    min_new: torch.Tensor
-    stop_mask: torch.Tensor
-    uniforms: torch.Tensor  # [rows, steps]: each row's draws, padded with its last
-    cache: Any = None
-    static: Any = None  # the static-cache path's decoder (StaticDecoder, or the Megatron engine's)
-    attn: torch.Tensor | None = None
-    next_pos: torch.Tensor | None = None
-    dropped: bool = False  # the KV cache was freed in a stand-down: re-prefill before the next step
-    rope_delta: torch.Tensor | None = None  # a vision-language model: each row's multimodal rotary offset [rows, 1]
+from screl.rollout.engines.torch_forward import HFForward
+from screl.rollout.engines.torch_model import (
+    DECODE_KEY,
+    DECODE_PATHS,
+    ModelTensors,
+    banned_tokens,
+    choose_decode_path,
+    load_model,
+)
+from screl.rollout.engines.torch_sampling import (
+    Batch,
+    Row,
+    batch_params,
+    check_prompt,
+    new_row,
+    row_result,
+    sample_step,
+)
 
 
 class TorchGenerationEngine:
@@ -147,31 +118,21 @@ class TorchGenerationEngine:
     ) -> None:
         self._init_settings(policy, num_threads, max_batch_size, recompute_kv_cache_after_weight_updates, model,
                             autocast)
-        self.device = torch.device(device)
-        if model is not None:
-            self.model: Any = model
-            self.device = next(model.parameters()).device
-        else:
-            self.model = policy.build_model()
-            self.model.to(self.device)  # transformers' wrapped .to
-            self.model.eval()
-            self.model.requires_grad_(False)
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.decode_path = self._decode_path(decode)
+        self.model: Any
+        self.model, self.device = load_model(policy, device, model)
+        self.decode_path = choose_decode_path(self.model, decode)
         self.routing = RoutingRecorder(self.model) if record_routing else None
         self.vision = is_vision_model(self.model)
         if self.vision and self.decode_path != "hf":
             raise ValueError(f"a vision-language policy decodes through Hugging Face's forward: set {DECODE_KEY}=hf")
         if self.routing is not None and self.decode_path != "hf":
             raise ValueError(f"routing replay records the experts through Hugging Face's forward: set {DECODE_KEY}=hf")
+        self._hf = HFForward(self.model, self.device, self.routing, self.vision)
         self._init_state(int(self.model.get_output_embeddings().weight.shape[0]),
                          stop_tokens(self.tokenizer, getattr(self.model, "generation_config", None), self.model.config),
                          seed, version)
         if self.vision:
-            banned = torch.zeros(self.vocab_size, dtype=torch.bool)
-            banned[[t for t in vision_token_ids(self.model.config) if t < self.vocab_size]] = True
-            self._banned = banned.to(self.device)
+            self._banned = banned_tokens(self.model, self.vocab_size, self.device)
 
     def _init_settings(self, policy: PolicySpec, num_threads: int | None, max_batch_size: int | None,
                        recompute_kv_cache: bool, model: Any, autocast: torch.dtype | None) -> None:
@@ -205,24 +166,6 @@ class TorchGenerationEngine:
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
         self._stood_down = False  # paused with the KV caches freed (colocated: the trainer has the module)
-
-    def _decode_path(self, decode: str) -> str:
-        """``static`` or ``hf`` from the setting, logged once (never a silent choice)."""
-        if decode not in DECODE_PATHS:
-            raise ValueError(f"{DECODE_KEY}={decode!r}: expected one of {DECODE_PATHS}")
-        if decode == "hf":
-            log.info("screl: the torch engine decodes with Hugging Face's forward (%s=hf)", DECODE_KEY)
-            return "hf"
-        why = static_decode_support(self.model)
-        if why is not None:
-            if decode == "static":
-                raise ValueError(f"{DECODE_KEY}=static: {why}; set it to auto or hf")
-            log.info("screl: the torch engine decodes with Hugging Face's forward: the static-cache path cannot run "
-                     "this model (%s)", why)
-            return "hf"
-        log.info("screl: the torch engine decodes %s on its static-cache path (%s=%s)",
-                 type(self.model).__name__, DECODE_KEY, decode)
-        return "static"
 
     # ----------------------------------------------------------------------------------- protocol
 
@@ -267,16 +210,8 @@ class TorchGenerationEngine:
         keeps the old version label; if it failed after a bucket was copied, the weights are a mix and the
         engine refuses to generate until a complete refit succeeds.
         """
-        names: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        names.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        loaded: set[int] = set()  # ids of the tensors given so far (a tied tensor counts under any name)
-        given: set[str] = set()
-
-        def missing() -> list[str]:
-            persistent = set(self.model.state_dict())
-            return sorted(k for k, t in names.items() if id(t) not in loaded and k in persistent)
-
-        self._refit(weights, version, lambda bucket: copy_bucket(bucket, names, given, loaded), missing)
+        tensors = ModelTensors(self.model)
+        self._refit(weights, version, tensors.load, tensors.missing)
 
     def _refit(self, weights: WeightBuckets, version: int, load: Callable[[Mapping[str, torch.Tensor]], int],
                missing: Callable[[], list[str]]) -> None:
@@ -371,7 +306,7 @@ class TorchGenerationEngine:
         finally:
             self._exit(ids)
         end = self._version
-        return [self._result(r, end) for r in rows]
+        return [row_result(r, end, self.stop_tokens) for r in rows]
 
     # ------------------------------------------------------------------------- pause/abort gates
 
@@ -391,7 +326,7 @@ class TorchGenerationEngine:
             self._aborted.difference_update(ids)
             self._cond.notify_all()
 
-    def _checkpoint(self, rows: list[_Row], batch: _Batch | None = None) -> None:
+    def _checkpoint(self, rows: list[Row], batch: Batch | None = None) -> None:
         """Between steps: park while paused in ``keep`` mode (a stand-down frees the batch's KV cache first),
         then apply aborts."""
         with self._cond:
@@ -409,54 +344,24 @@ class TorchGenerationEngine:
 
     # -------------------------------------------------------------------------------- decoding
 
-    def _new_row(self, req: GenerationRequest) -> _Row:
-        if len(req.prompt_token_ids) == 0:
-            raise ValueError(f"generate: request {req.request_id!r} has an empty prompt.")
-        bad = [t for t in req.prompt_token_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"generate: request {req.request_id!r} has token ids outside the vocabulary: {bad[:5]}."
-            )
+    def _new_row(self, req: GenerationRequest) -> Row:
+        check_prompt(req, self.vocab_size)
         if req.vision is not None and not self.vision:
             raise ValueError(f"generate: request {req.request_id!r} carries images, and {type(self.model).__name__} "
                              "has no vision tower (use a vision-language policy: screl.models.HFVisionLM)")
-        sp = req.sampling
-        seed = sp.seed if sp.seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        uniforms = torch.rand(sp.max_new_tokens, generator=gen, dtype=torch.float64)
-        stop = self.stop_tokens.for_request(sp.stop_token_ids, sp.ignore_eos)
-        routing = self.routing.empty(len(req.prompt_token_ids) + sp.max_new_tokens) if self.routing else None
-        return _Row(req=req, uniforms=uniforms, stop_ids=stop, routing=routing)
+        return new_row(req, self.stop_tokens, self._seed_rng, self.routing)
 
-    def _batch_params(self, rows: list[_Row]) -> _Batch:
-        dev, n_vocab = self.device, self.vocab_size
-        stop_mask = torch.zeros(len(rows), n_vocab, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids = [t for t in r.stop_ids if 0 <= t < n_vocab]
-            stop_mask[i, ids] = True
-        steps = max(len(r.uniforms) for r in rows)
-        uniforms = torch.stack([torch.cat([r.uniforms, r.uniforms[-1:].expand(steps - len(r.uniforms))])
-                                for r in rows]).to(dev)
-        return _Batch(
-            uniforms=uniforms,
-            temps=torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r.sampling.top_k or n_vocab for r in rows], dtype=torch.long, device=dev),
-            min_new=torch.tensor([r.sampling.min_new_tokens for r in rows], dtype=torch.long, device=dev),
-            stop_mask=stop_mask.to(dev),
-        )
-
-    def _run_batch(self, rows: list[_Row]) -> None:
+    def _run_batch(self, rows: list[Row]) -> None:
         self._checkpoint(rows)
         if all(r.finish is not None for r in rows):
             return
-        batch = self._batch_params(rows)
+        batch = batch_params(rows, self.device, self.vocab_size)
         try:
             self._decode_batch(rows, batch)
         finally:
             self._release(batch)
 
-    def _decode_batch(self, rows: list[_Row], batch: _Batch) -> None:
+    def _decode_batch(self, rows: list[Row], batch: Batch) -> None:
         with self._forwarding():
             version = self._version
             logits = self._prefill(rows, batch)
@@ -477,7 +382,7 @@ class TorchGenerationEngine:
                 else:
                     logits = self._decode(rows, batch)
 
-    def _release(self, batch: _Batch) -> None:
+    def _release(self, batch: Batch) -> None:
         """A batch is done (finished, aborted or failed): drop its KV cache."""
         batch.cache = batch.static = batch.attn = batch.next_pos = None
 
@@ -506,7 +411,7 @@ class TorchGenerationEngine:
                 if training:
                     self.model.train()
 
-    def _prefill(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+    def _prefill(self, rows: list[Row], batch: Batch) -> torch.Tensor:
         """Forward the full sequences (prompt + tokens so far), left-padded; logits of the last position."""
         seqs = [list(r.req.prompt_token_ids) + r.tokens for r in rows]
         width = max(len(s) for s in seqs)
@@ -520,118 +425,15 @@ class TorchGenerationEngine:
             batch.static = self._new_decoder()
             capacity = width + max(r.sampling.max_new_tokens - len(r.tokens) for r in rows)
             return batch.static.start(ids, attn, capacity)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        images: dict[str, torch.Tensor] = {}
-        if self.vision:
-            pos, images = self._vision_prefill(rows, ids, attn, batch)
-        with self._recording(rows, [len(s) for s in seqs], width):
-            out = self.model(
-                input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1, **images
-            )
-        batch.cache = self._out_cache(out)
-        batch.attn = attn
-        batch.next_pos = attn.sum(-1)
-        return out.logits[:, -1, :].float()
+        return self._hf.prefill(rows, batch, ids, attn, [len(s) for s in seqs])
 
-    def _decode(self, rows: list[_Row], batch: _Batch) -> torch.Tensor:
+    def _decode(self, rows: list[Row], batch: Batch) -> torch.Tensor:
         """One cached step on each row's last token (finished rows decode a dummy token, ignored)."""
         last = [r.tokens[-1] if r.finish is None else self.pad_token_id for r in rows]
         if batch.static is not None:
             return batch.static.step(torch.tensor(last, dtype=torch.long, device=self.device))
-        assert batch.attn is not None and batch.next_pos is not None
-        ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]
-        batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(rows), 1))], dim=1)
-        pos = batch.next_pos[:, None]
-        if batch.rope_delta is not None:  # the multimodal rotary position: the same for its three sections
-            pos = (pos + batch.rope_delta)[None].expand(3, -1, -1)
-        batch.next_pos = batch.next_pos + 1
-        kwargs = {self._cache_kw: batch.cache}
-        fed = [len(r.req.prompt_token_ids) + len(r.tokens) if r.finish is None else 0 for r in rows]
-        with self._recording(rows, fed, 1):
-            out = self.model(input_ids=ids, attention_mask=batch.attn, position_ids=pos, use_cache=True, **kwargs)
-        batch.cache = self._out_cache(out)
-        return out.logits[:, -1, :].float()
+        return self._hf.step(rows, batch, last)
 
-    def _vision_prefill(self, rows: list[_Row], ids: torch.Tensor, attn: torch.Tensor,
-                        batch: _Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A vision-language model's prefill: the multimodal rotary positions of the left-padded batch (its decode
-        offsets kept in ``batch``) and the rows' images, in row order, for the model's own forward."""
-        inputs = [r.req.vision for r in rows if r.req.vision is not None]
-        vision = VisionInputs.concat(inputs) if inputs else None
-        grid = vision.image_grid_thw.to(self.device) if vision is not None else None
-        pos, batch.rope_delta = mrope_positions(self.model, ids, attn, grid)  # type: ignore[arg-type]
-        if vision is None:
-            return pos, {}
-        return pos, {"pixel_values": vision.pixel_values.to(self.device), "image_grid_thw": grid}  # type: ignore[dict-item]
-
-    def _recording(self, rows: list[_Row], lengths: list[int], width: int) -> Any:
-        """Record the routing of this forward pass into the rows (a MoE policy under routing replay)."""
-        if self.routing is None:
-            return contextlib.nullcontext()
-        return self.routing.forward([r.routing for r in rows], lengths, width)  # type: ignore[misc]
-
-    @staticmethod
-    def _out_cache(out: Any) -> Any:
-        cache = getattr(out, "cache", None)
-        return cache if cache is not None else out.past_key_values
-
-    def _sample_step(self, rows: list[_Row], batch: _Batch, logits: torch.Tensor, version: int) -> None:
+    def _sample_step(self, rows: list[Row], batch: Batch, logits: torch.Tensor, version: int) -> None:
         """Sample one token for every unfinished row and record logprob, version and finish."""
-        step = len(next(r for r in rows if r.finish is None).tokens)
-        greedy = batch.temps == 0
-        scaled = logits / torch.where(greedy, torch.ones_like(batch.temps), batch.temps)[:, None]
-        logp = torch.log_softmax(scaled, dim=-1)
-        proc = scaled.masked_fill(batch.stop_mask & (step < batch.min_new)[:, None], float("-inf"))
-        if self._banned is not None:
-            proc = proc.masked_fill(self._banned, float("-inf"))
-        proc = _filter_top_k_top_p(proc, batch.top_k, batch.top_p)
-        probs = torch.softmax(proc, dim=-1).double()
-        cdf = probs.cumsum(dim=-1)
-        u = batch.uniforms[:, min(step, batch.uniforms.shape[1] - 1)]
-        target = ((1.0 - u) * cdf[:, -1])[:, None]
-        sampled = torch.searchsorted(cdf, target).squeeze(1).clamp(max=self.vocab_size - 1)
-        tokens = torch.where(greedy, proc.argmax(dim=-1), sampled)
-        tok_logp = logp.gather(1, tokens[:, None]).squeeze(1)
-        for r, t, lp in zip(rows, tokens.tolist(), tok_logp.tolist(), strict=True):
-            if r.finish is not None:
-                continue
-            r.tokens.append(t)
-            r.logprobs.append(lp)
-            r.versions.append(version)
-            if t in r.stop_ids and len(r.tokens) > r.sampling.min_new_tokens:
-                r.finish, r.stop_token = "stop", t
-            elif len(r.tokens) >= r.sampling.max_new_tokens:
-                r.finish = "length"
-
-    def _result(self, r: _Row, end_version: int) -> GenerationResult:
-        return GenerationResult(
-            request_id=r.req.request_id,
-            prompt_token_ids=[int(t) for t in r.req.prompt_token_ids],
-            token_ids=r.tokens,
-            logprobs=r.logprobs,
-            finish_reason=r.finish or "abort",
-            weight_versions=r.versions,
-            start_version=r.start_version if r.start_version is not None else end_version,
-            end_version=end_version,
-            stop_token_id=r.stop_token if r.finish == "stop" else None,
-            stop_kind=(self.stop_tokens.kind(r.stop_token, r.sampling.ignore_eos)
-                       if r.finish == "stop" and r.stop_token is not None else None),
-            routing=(r.routing[: len(r.req.prompt_token_ids) + len(r.tokens)].clone()
-                     if r.routing is not None else None),
-            vision=r.req.vision,
-        )
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
-    n_vocab = logits.shape[-1]
-    if bool((top_k >= n_vocab).all()) and bool((top_p >= 1).all()):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(n_vocab, device=logits.device)[None, :]
-    drop_sorted = ranks >= top_k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted |= (mass_before >= top_p[:, None]) & (ranks > 0)
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+        sample_step(rows, batch, logits, version, self.vocab_size, self._banned)

