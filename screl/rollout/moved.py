@@ -41,8 +41,8 @@ def moved_to(path: str) -> str | None:
     if dotted in MOVED:
         return MOVED[dotted]
     module, _, name = dotted.rpartition(".")
-    if module not in MOVED:
-        return None
+    if module not in MOVED or (module in _NEW and _is_module(dotted)):
+        return None  # a module of the package that replaced the old file is new, not moved
     return f"{MOVED[module]}{':' if ':' in path else '.'}{name}"
 
 
@@ -59,3 +59,12 @@ def refuse_moved(path: str, key: str) -> None:
     new = moved_to(path)
     if new is not None:
         raise MovedPathError(key, path, new)
+
+
+def _is_module(dotted: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(dotted) is not None
+    except (ImportError, ValueError):
+        return False

@@ -6,9 +6,10 @@ into the data plane under its attempt id (concurrent calls' writes coalesced int
 (reward, lengths, finish reason, version). Invariant: rows never pass through the controller.
 
 One decode thread gathers whatever is queued (up to ``max_batch_size`` rows) into one ``engine.generate`` call, so
-concurrent groups share forward passes; an engine that batches continuously itself (``continuous_batching``, e.g.
-vLLM) gets each group at once through ``submit``. Weight updates run beside it, each token labelled with its version.
-Deadlines (:mod:`screl.rollout.deadlines`) abort what runs past them as ``timeout``, their clock stopped while a
+concurrent groups share forward passes (:mod:`screl.rollout.decode_queue`); an engine that batches continuously
+itself (``continuous_batching``, e.g. vLLM) gets each group at once through ``submit``. Weight updates run beside it
+(:mod:`screl.rollout.worker_refit`), each token labelled with its version. Deadlines (:mod:`screl.rollout.deadlines`,
+watched by :mod:`screl.rollout.rollout_call`) abort what runs past them as ``timeout``, their clock stopped while a
 refit pauses the engine; under the drain gate (``in_flight_weight_updates: false``) a refit first waits for the
 requests in flight. ``injected_latency_s``, a testing aid, delays each group's reply by a uniform random amount.
 """
@@ -16,13 +17,10 @@ requests in flight. ``injected_latency_s``, a testing aid, delays each group's r
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import os
 import random
-import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +32,9 @@ from screl.data.core_types import STALE, Burst, Dispatch, SiblingReport
 from screl.envs import Task, decode_completion
 from screl.models import PolicySpec
 from screl.models.vision_inputs import VisionInputs
-from screl.rollout.batching import (
-    Pending,
-    RowSink,
-    bursts_missing,
-    set_exception,
-    set_results,
-    take_batch,
-)
+from screl.rollout.batching import RowSink
 from screl.rollout.deadlines import CallDeadlines, Deadlines, PausableClock
-from screl.rollout.engines.buckets import bucket_from_wire, merge_buckets
+from screl.rollout.decode_queue import DecodeQueue
 from screl.rollout.engines.protocol import (
     EngineOptions,
     GenerationRequest,
@@ -53,21 +44,19 @@ from screl.rollout.engines.protocol import (
     declared_capabilities,
 )
 from screl.rollout.engines.registry import build_engine
-from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA
+from screl.rollout.rollout_call import (
+    CALL,
+    CallState,
+    deadline_generate,
+    mark_timeouts,
+    shape_reward,
+    teacher_score,
+    watch_deadlines,
+)
+from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA, RowSchema
+from screl.rollout.worker_refit import refit
 from screl.rollout.workflows.reward_transform import RewardTransform
 from screl.rollout.workflows.workflow import RolloutItem, RolloutOutcome, RolloutWorkflow, load_workflow
-
-
-@dataclass
-class _CallState:
-    """One rollout call's place, for the gathering of its first generate and the row sink's flush."""
-
-    burst: Burst | None
-    generating: int = 0
-    first_generate_done: bool = False
-
-
-_CALL: contextvars.ContextVar[_CallState | None] = contextvars.ContextVar("screl_rollout_call", default=None)
 
 
 class GenerationWorker:
@@ -98,43 +87,49 @@ class GenerationWorker:
         if engine is None and options.num_threads is not None:
             torch.set_num_threads(options.num_threads)
         self.engine: Any = engine if engine is not None else build_engine(backend, policy, options)
-        self.max_batch_size = options.max_batch_size or 64
-        seed = options.seed or 0
+        self.decoding = DecodeQueue(lambda requests: self.engine.generate(requests), options.max_batch_size or 64,
+                                    batch_window_s)  # the engine looked up at each batch (a test may swap it)
         self.injected_latency_s = injected_latency_s
-        self.batch_window_s = batch_window_s
-        self._rng = random.Random(seed + 7919)
-        self._queue: list[Pending] = []
-        self._burst_arrivals: dict[int, int] = {}  # calls seen per burst id (insertion-ordered: oldest first)
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._decode_loop, name="screl-decode", daemon=True)
-        self._thread.start()
-        self.task = task
+        self._rng = random.Random((options.seed or 0) + 7919)
+        self.task, self.val_task = task, val_task
         self.sampling = sampling or SamplingParams()
         self.workflow: RolloutWorkflow | None = None
         self._policy = policy
         if task is not None or val_task is not None:
             self._tokenizer = policy.build_tokenizer()
-        schema = ROUTING_SCHEMA if options.record_routing else ROW_SCHEMA  # routing replay: rows carry the routing
-        if policy.is_vlm:
-            schema = VISION_SCHEMA  # a vision-language policy: rows carry the prompt's processed images
+        schema = _row_schema(policy, options)
         if task is not None:
             self.workflow = load_workflow(workflow)(task=task, tokenizer=self._tokenizer, schema=schema,
                                                     **(workflow_args or {}))
         self._prompt_tokens: dict[int, tuple[int, ...]] = {}
         self._prompt_images: dict[int, VisionInputs | None] = {}  # a vision-language policy's processed images
-        self._call_states: dict[int, _CallState] = {}  # the rollout calls running now
+        self._call_states: dict[int, CallState] = {}  # the rollout calls running now
         self.rows = RowSink(row_window_s, busy=self._calls_working)
-        self.rows.schema = schema
         self.teachers = teachers  # distillation: a screl.rollout.teachers.TeacherRouter; rows gain teacher_logprobs
-        if teachers is not None:
-            self.rows.schema = teachers.schema
+        self.rows.schema = schema if teachers is None else teachers.schema
         self.reward_transform = reward_transform
-        self.val_task = val_task
-        self.deadlines = deadlines or Deadlines()
-        self.clock = PausableClock()
+        self.deadlines, self.clock = deadlines or Deadlines(), PausableClock()
         self.in_flight_weight_updates = in_flight_weight_updates
         self.capabilities = declared_capabilities(self.engine)
         self.continuous = self.capabilities.continuous_batching
+
+    @property
+    def max_batch_size(self) -> int:
+        """Rows one decode takes at most (``EngineOptions.max_batch_size``, default 64)."""
+        return self.decoding.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, rows: int) -> None:
+        self.decoding.max_batch_size = rows
+
+    @property
+    def batch_window_s(self) -> float:
+        """How long a decode waits for more groups when no burst marks them."""
+        return self.decoding.batch_window_s
+
+    @batch_window_s.setter
+    def batch_window_s(self, seconds: float) -> None:
+        self.decoding.batch_window_s = seconds
 
     # -- rollouts -------------------------------------------------------------------------------------
     def set_data_plane(self, dataplane: Any) -> None:
@@ -166,8 +161,8 @@ class GenerationWorker:
             raise RuntimeError("this worker was started without a task: it can generate but not roll out")
         if expect_version is not None and (self.engine.version < expect_version or self.rows.dataplane is None):
             return STALE
-        state = _CallState(burst)
-        _CALL.set(state)
+        state = CallState(burst)
+        CALL.set(state)
         self._call_states[id(state)] = state
         try:
             return await self._rollout(dispatches)
@@ -190,16 +185,13 @@ class GenerationWorker:
         except asyncio.CancelledError:  # aborted while queued
             outcomes = [RolloutOutcome(d.attempt, "abort", finish_reason="abort") for d in dispatches]
         if call is not None:
-            for o in outcomes:
-                why = call.reason(o.attempt) if o.status == "abort" else None
-                if why is not None:
-                    o.status, o.detail = "timeout", why
+            mark_timeouts(call, outcomes)
         sealed = [o for o in outcomes if o.status == "sealed" and o.row is not None]
         if self.reward_transform is not None:
             for o in sealed:
-                self._shape(o)
+                shape_reward(self.reward_transform, o)
         if self.teachers is not None and sealed:  # distillation: the teachers score before the row is written
-            sealed = await self._teacher_score(items, sealed)
+            sealed = await teacher_score(self.teachers, items, sealed)
         if sealed:
             await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
         return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
@@ -211,60 +203,8 @@ class GenerationWorker:
         assert self.workflow is not None
         if call is None:
             return await self.workflow.run(items, self.generate)
-
-        async def generate(requests: list[GenerationRequest]) -> list[GenerationResult]:
-            ids = [r.request_id for r in requests]
-            if call.expired_at is not None:  # the rollout ran out: no new turn starts
-                return [GenerationResult(r.request_id, list(r.prompt_token_ids), [], [], "abort", [],
-                                         self.engine.version, self.engine.version) for r in requests]
-            call.opened(ids)
-            try:
-                return await self.generate(requests)
-            finally:
-                call.closed(ids)
-
-        run = asyncio.ensure_future(self.workflow.run(items, generate))
-        try:
-            while True:
-                done, _ = await asyncio.wait({run}, timeout=self.deadlines.poll_s)
-                if done:
-                    return run.result()
-                due = call.due()
-                if due:
-                    await self.abort(due)
-                if call.expired_at is not None and self.clock.now() - call.expired_at > 1.0:
-                    return [RolloutOutcome(i.attempt, "abort", finish_reason="abort") for i in items]
-        finally:
-            if not run.done():
-                run.cancel()
-
-    async def _teacher_score(self, items: list[RolloutItem], sealed: list[RolloutOutcome]) -> list[RolloutOutcome]:
-        """Distillation: each sealed row gains ``teacher_logprobs`` from its prompt's teacher; a sibling whose
-        teacher call failed becomes a data failure (no row written). Returns the rows still sealed."""
-        prompts = {i.attempt: i.prompt for i in items}
-        rows = [(prompts[o.attempt].metadata.get("task_source"), o.row["input_ids"].tolist(),
-                 int(o.row["prompt_len"][0])) for o in sealed if o.row is not None]
-        scores = await self.teachers.score(rows)
-        kept = []
-        for o, scored in zip(sealed, scores, strict=True):
-            if isinstance(scored, BaseException):
-                o.status, o.row, o.detail = "data_error", None, repr(scored)[:200]
-                continue
-            assert o.row is not None
-            lp = scored
-            if isinstance(scored, tuple):  # estimator: top_k
-                lp, o.row["teacher_top_ids"], o.row["teacher_top_logprobs"] = scored
-            o.row["teacher_logprobs"] = torch.tensor(lp, dtype=torch.float32)
-            kept.append(o)
-        return kept
-
-    def _shape(self, outcome: Any) -> None:
-        """Reward shaping and scaling of a sealed sibling: its row's ``reward`` and its report change, its
-        ``raw_reward`` keeps the task's."""
-        assert self.reward_transform is not None and outcome.row is not None
-        shaped = self.reward_transform(float(outcome.reward), int(outcome.response_len), str(outcome.finish_reason))
-        outcome.row["reward"] = torch.tensor([shaped], dtype=outcome.row["reward"].dtype)
-        outcome.reward = shaped
+        run = asyncio.ensure_future(self.workflow.run(items, deadline_generate(call, self.generate, self.engine)))
+        return await watch_deadlines(run, items, call, self.abort, self.deadlines.poll_s, self.clock)
 
     # -- validation ---------------------------------------------------------------------------------
     async def validate(self, version: int, samples: list[tuple[int, int, int]],
@@ -294,19 +234,11 @@ class GenerationWorker:
         if self.continuous:
             results: list[GenerationResult] = await asyncio.wrap_future(self.engine.submit(requests))  # type: ignore[attr-defined]
             return results
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[GenerationResult]] = loop.create_future()
-        call = _CALL.get()
+        call = CALL.get()
         burst = None
         if call is not None and not call.first_generate_done and call.burst is not None:
             burst = (call.burst.id, call.burst.size)
-        with self._cv:
-            self._queue.append(Pending(requests, future, loop, burst))
-            if burst is not None:
-                self._burst_arrivals[burst[0]] = self._burst_arrivals.get(burst[0], 0) + 1
-                while len(self._burst_arrivals) > 1024:  # forget the oldest bursts
-                    del self._burst_arrivals[next(iter(self._burst_arrivals))]
-            self._cv.notify()
+        future = self.decoding.put(requests, asyncio.get_running_loop(), burst)
         if call is not None:
             call.first_generate_done = True
             call.generating += 1
@@ -320,57 +252,10 @@ class GenerationWorker:
             await asyncio.sleep(self._rng.uniform(0.0, self.injected_latency_s))
         return results
 
-    def _decode_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                # a step's groups arrive one by one as the pump reserves them: gather them into one decode. Calls
-                # sent as a burst start as soon as every call of the burst is queued; others wait until no new
-                # group came for `batch_window_s`. Never past the batch size, nor 4 windows.
-                deadline = time.monotonic() + 4 * self.batch_window_s
-                while self.batch_window_s > 0 and self._queued_rows() < self.max_batch_size:
-                    missing = bursts_missing(self._queue, self._burst_arrivals)
-                    if missing == 0 and all(item.burst is not None for item in self._queue):
-                        break
-                    seen = len(self._queue)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cv.wait(timeout=min(left, self.batch_window_s))
-                    if len(self._queue) == seen and missing == 0:
-                        break
-                batch, self._queue = take_batch(self._queue, self.max_batch_size)
-            flat = [r for item in batch for r in item.requests]
-            try:
-                results = self.engine.generate(flat)
-            except BaseException as err:  # noqa: BLE001 - handed to each waiting caller
-                for item in batch:
-                    item.loop.call_soon_threadsafe(set_exception, item.future, err)
-                continue
-            # one hand-over per event loop: the batch's callers all resume in the same loop iteration, so none
-            # reaches the row sink while another still counts as generating (the sink would put it alone)
-            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
-            at = 0
-            for item in batch:
-                part = results[at : at + len(item.requests)]
-                at += len(item.requests)
-                by_loop.setdefault(item.loop, []).append((item.future, part))
-            for loop, handed in by_loop.items():
-                loop.call_soon_threadsafe(set_results, handed)
-
-    def _queued_rows(self) -> int:
-        return sum(len(item.requests) for item in self._queue)
-
     async def abort(self, request_ids: list[str]) -> None:
         """Finish these requests early: running ones return partial tokens (finish_reason ``abort``),
         queued ones are dropped before they start (their callers see a cancellation)."""
-        ids = set(request_ids)
-        with self._cv:
-            dropped = [item for item in self._queue if ids & {r.request_id for r in item.requests}]
-            self._queue = [item for item in self._queue if item not in dropped]
-        for item in dropped:
-            item.future.cancel()
+        self.decoding.drop(set(request_ids))
         self.engine.abort(request_ids)
         forward = getattr(self.workflow, "abort", None)  # a workflow whose requests are not the sibling's own
         if forward is not None:
@@ -385,24 +270,8 @@ class GenerationWorker:
         time: each ObjectRef is fetched only when the engine asks for the next bucket, and released once loaded,
         so the worker never holds more than one bucket (no merged state dict). Any other backend gets one merged
         state dict (the ``GenerationEngine`` protocol's)."""
-        loop = asyncio.get_running_loop()
-        state: Any
-        if self.capabilities.streams_weight_buckets:
-            state = _fetched_lazily(weights, loop)
-        else:
-            state = merge_buckets([bucket_from_wire(await w if isinstance(w, ray.ObjectRef) else w) for w in weights])
-        self.clock.pause()  # deadlines stand still while the engine is paused for the refit
-        try:
-            drain = not self.in_flight_weight_updates
-            if drain:  # the drain gate: in-flight requests finish under the old weights, new ones wait
-                await loop.run_in_executor(None, self.engine.pause, "wait")
-            try:
-                await loop.run_in_executor(None, self.engine.update_weights, state, version)
-            finally:
-                if drain:
-                    self.engine.resume()
-        finally:
-            self.clock.resume()
+        await refit(self.engine, weights, version, self.clock, streams=self.capabilities.streams_weight_buckets,
+                    drain=not self.in_flight_weight_updates)  # the drain gate: in-flight requests finish first
         return version
 
     # -- vLLM's NCCL weight transfer (screl.rollout.engines.vllm_transfer): the trainer drives these --
@@ -468,19 +337,11 @@ class GenerationWorker:
         return self.rows.puts
 
 
-async def _fetch(ref: Any) -> Any:
-    return await ref
-
-
-def _fetched_lazily(weights: list[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
-    """The buckets of ``weights`` for an engine's thread: an ObjectRef is awaited on the worker's event loop when
-    the engine draws it (``map`` keeps no reference to a bucket it has handed out)."""
-    def get(w: Any) -> Any:
-        if isinstance(w, ray.ObjectRef):
-            return bucket_from_wire(asyncio.run_coroutine_threadsafe(_fetch(w), loop).result())
-        return bucket_from_wire(w)
-
-    return map(get, weights)
+def _row_schema(policy: PolicySpec, options: EngineOptions) -> RowSchema:
+    """The schema of the rows a worker writes (before distillation adds the teachers' fields)."""
+    if policy.is_vlm:
+        return VISION_SCHEMA  # a vision-language policy: rows carry the prompt's processed images
+    return ROUTING_SCHEMA if options.record_routing else ROW_SCHEMA  # routing replay: rows carry the routing
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ def test_an_old_path_names_its_new_home(old: str, new: str) -> None:
     DEFAULT_WORKFLOW, *BUILTIN_BACKENDS.values(), *BUILTIN_BACKENDS, *MOVED.values(),
     "screl.rollout.MultiTurnWorkflow", "screl.rollout.AgentWorkflow", "screl.rollout.EngineCapabilities",
     "screl.rollout.faults.HangsOnceEngine", "screl.rollout.server.server.PolicyServer",
+    "screl.rollout.server.server_routes", "screl.rollout.server.server_requests.Job",
     "screl.rollout.server.tool_calls:HermesToolParser", "tests.engine_plugins.PlainEngine",
 ])
 def test_a_current_path_is_not_moved(path: str) -> None:

@@ -7,7 +7,9 @@ worker's engine (the same ``generate`` the rollouts use, so requests batch with 
 streaming (:mod:`screl.rollout.server.openai_stream`). A ``session_id`` (body field or ``X-Session-Id`` header) routes a
 conversation to one worker and records its turns token by token for :class:`~screl.rollout.workflows.agent.AgentWorkflow` to
 turn into a row; chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.workflows.chat`). A client that
-disconnects mid-request (or mid-stream) gets its engine request aborted.
+disconnects mid-request (or mid-stream) gets its engine request aborted. The routes and their error replies are
+``server_routes.py`` beside it, a request's prompt, sampling and engine requests ``server_requests.py``; the actor
+keeps the sessions' records and the generating.
 
 Invariant: it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``; every ``/v1`` request
 must then carry ``Authorization: Bearer <key>`` (401 otherwise).
@@ -25,47 +27,25 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 from screl.config_generation import bind_problem
 from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.server.openai_api import (
-    ChatRequest,
-    CompletionRequest,
-    Reply,
-    RequestError,
-    api_error,
-    chat_response,
-    completion_response,
-    parse_tool_choice,
-    parse_tools,
-)
-from screl.rollout.server.openai_schema import (
-    client_token_ids,
-    max_request_tokens,
-    model_vocab_size,
-    route_responses,
-    validation_error_message,
-)
-from screl.rollout.server.openai_stream import DONE, OPEN, chat_chunks, completion_chunks, role_chunk, sse
-from screl.rollout.server.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.server import server_requests, server_routes
+from screl.rollout.server.openai_api import Reply
+from screl.rollout.server.openai_schema import max_request_tokens, model_vocab_size
+from screl.rollout.server.openai_stream import DONE, sse
 from screl.rollout.server.server_sessions import (
     MAX_ABORTED_NOTES,
     SESSION_IDLE_TIMEOUT_S,
-    assistant_message,
     forget_idle,
     forget_session,
     record_reply,
-    same_reply,
 )
-from screl.rollout.server.tool_calls import ParsedReply, ToolChoice, ToolSpec, resolve_tool_parser
-from screl.rollout.workflows.chat import SpliceError, chat_prompt_ids, encode_text
+from screl.rollout.server.tool_calls import ParsedReply, resolve_tool_parser
 from screl.rollout.workflows.multiturn import turn_seed
 from screl.rollout.workflows.trajectory import turn_of
 
@@ -104,22 +84,6 @@ def apply_stops(tokenizer: Any, result: GenerationResult, stops: Sequence[str]) 
     cut = GenerationResult(result.request_id, result.prompt_token_ids, result.token_ids[:n], result.logprobs[:n],
                            "stop", result.weight_versions[:n], result.start_version, result.end_version)
     return cut, text[:at], True
-
-
-@dataclass
-class _Job:
-    """A request made ready to generate: its prompts, engine requests (``n`` per prompt) and tool handling."""
-
-    session: str | None
-    prompts: list[list[int]]
-    requests: list[GenerationRequest]
-    n: int = 1
-    stops: list[str] = field(default_factory=list)
-    tools: list[ToolSpec] = field(default_factory=list)
-    choice: ToolChoice = field(default_factory=ToolChoice)
-    opener: str = ""
-    parallel: bool = True
-    rollout: dict[str, Any] | None = None
 
 
 class PolicyServer:
@@ -215,204 +179,12 @@ class PolicyServer:
 
     # -- the app ----------------------------------------------------------------------------------------
     def app(self) -> FastAPI:
-        app = FastAPI(title="screl policy server", docs_url=None, redoc_url=None)
+        """The FastAPI app (its routes: ``server_routes.py``)."""
+        return server_routes.build_app(self)
 
-        @app.exception_handler(RequestValidationError)
-        async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-            self.stats["errors"] += 1
-            message, param = validation_error_message(exc.errors())
-            return JSONResponse(api_error(message, param=param), status_code=400)
-
-        async def auth(request: Request) -> None:
-            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                raise HTTPException(401, detail="invalid API key")
-
-        @app.exception_handler(401)
-        async def unauthorized(request: Request, exc: Exception) -> JSONResponse:
-            return JSONResponse(api_error("invalid or missing API key (Authorization: Bearer <key>)",
-                                          kind="authentication_error", code="invalid_api_key"), status_code=401)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405, ...
-            if exc.status_code == 400:  # FastAPI's own: the body could not be read (not UTF-8, not JSON)
-                return JSONResponse(api_error(f"body: {exc.detail}", param="body"), status_code=400)
-            return JSONResponse(api_error(f"{request.method} {request.url.path}: {exc.detail}", code=str(
-                exc.status_code)), status_code=exc.status_code, headers=exc.headers)
-
-        @app.get("/health")
-        async def health() -> dict[str, str]:
-            return {"status": "ok"}
-
-        @app.get("/v1/models", dependencies=[Depends(auth)], responses=route_responses("models"))
-        async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "screl"}]}
-
-        @app.post("/v1/chat/completions", dependencies=[Depends(auth)], responses=route_responses("chat", stream=True))
-        async def chat(body: ChatRequest, request: Request) -> Any:
-            return await self._guard(self._chat(body, request), "messages")
-
-        @app.post("/v1/completions", dependencies=[Depends(auth)],
-                  responses=route_responses("completions", stream=True))
-        async def completions(body: CompletionRequest, request: Request) -> Any:
-            return await self._guard(self._completions(body, request), "prompt")
-
-        @app.post("/v1/responses", dependencies=[Depends(auth)], responses=route_responses("responses"))
-        async def responses(body: ResponsesRequest, request: Request) -> Any:
-            return await self._guard(self._responses(body, request), "input")
-
-        return app
-
-    async def _guard(self, handler: Any, param: str) -> Any:
-        self.stats["requests"] += 1
-        try:
-            return await handler
-        except RequestError as err:
-            self.stats["errors"] += 1
-            return JSONResponse(api_error(str(err), param=err.param), status_code=400)
-        except (SpliceError, ValueError) as err:
-            self.stats["errors"] += 1
-            return JSONResponse(api_error(str(err), param=param), status_code=400)
-        except _SessionAborted as err:
-            return JSONResponse(api_error(f"session {err.args[0]!r} was aborted (its rollout left the sampler's "
-                                          "window or ran past its deadline)", code="session_aborted"),
-                                status_code=409)
-
-    # -- the routes -------------------------------------------------------------------------------------
-    async def _chat(self, body: ChatRequest, request: Request) -> Any:
-        session = body.session_id or request.headers.get("x-session-id")
-        tools = parse_tools(body.tools)
-        choice = parse_tool_choice(body.tool_choice, tools)
-        job = self._job(session, body.messages, tools, choice, body.n, body.parallel_tool_calls, body.rollout,
-                        body.stops, self._max_tokens(body), body.temperature, body.top_p,
-                        body.top_k, body.min_tokens, body.seed)
-        [prompt] = job.prompts
-        if body.stream:
-            rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-            def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
-                return chat_chunks(rid, created, self.model_name, self.tokenizer, prompt, replies, body.logprobs,
-                                   body.include_usage)
-
-            return self._stream(job, sse(role_chunk(rid, created, self.model_name, body.n, body.include_usage)),
-                                chunks)
-        replies = await self._replies(job, request)
-        if replies is None:
-            return Response(status_code=499)
-        return chat_response(self.model_name, self.tokenizer, prompt, replies, body.logprobs)
-
-    async def _completions(self, body: CompletionRequest, request: Request) -> Any:
-        session = body.session_id or request.headers.get("x-session-id")
-        prompts = [client_token_ids(p, self.vocab_size, "prompt") if isinstance(p, list)
-                   else encode_text(self.tokenizer, p) for p in body.prompts]
-        if session is not None and len(prompts) > 1:
-            raise RequestError("a batch of prompts within a session_id cannot be recorded as one conversation",
-                               "prompt")
-        self._admit(session, body.n)
-        sampling = self._sampling(self._max_tokens(body), body.temperature, body.top_p,
-                                  body.top_k, body.min_tokens, body.stops)
-        job = _Job(session, prompts, self._requests(prompts, sampling, body.n, body.seed, session), body.n, body.stops,
-                   rollout=body.rollout)
-        logprobs = body.logprobs is not None
-        if body.stream:
-            rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-            def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
-                return completion_chunks(rid, created, self.model_name, self.tokenizer, prompts, replies, body.n,
-                                         logprobs, body.include_usage)
-
-            return self._stream(job, OPEN, chunks)
-        replies = await self._replies(job, request)
-        if replies is None:
-            return Response(status_code=499)
-        return completion_response(self.model_name, self.tokenizer, prompts, replies, logprobs)
-
-    async def _responses(self, body: ResponsesRequest, request: Request) -> Any:
-        session = body.session_id or request.headers.get("x-session-id")
-        messages = input_messages(body.input)
-        if body.previous_response_id is not None:
-            stored = self.responses.get(body.previous_response_id)
-            if stored is None or stored["session"] != session:
-                whose = "" if stored is None else " (it belongs to another session)"
-                raise RequestError(f"previous_response_id: {body.previous_response_id!r} is not a response of this "
-                                   f"session{whose}", "previous_response_id")
-            messages = [*stored["messages"], *messages]
-        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        tools = parse_tools(body.tools, flat=True)
-        choice = parse_tool_choice(body.tool_choice, tools, flat=True)
-        job = self._job(session, [*system, *messages], tools, choice, 1, body.parallel_tool_calls, body.rollout,
-                        [], self._max_tokens(body), body.temperature, body.top_p, None, 0, body.seed)
-        replies = await self._replies(job, request)
-        if replies is None:
-            return Response(status_code=499)
-        [reply] = replies
-        out = response_object(self.model_name, body, job.prompts[0], reply, choice)
-        self.responses[out["id"]] = {"session": session, "messages": [*messages, assistant_message(reply)]}
-        while len(self.responses) > self.MAX_STORED_RESPONSES:
-            self.responses.popitem(last=False)
-        return out
-
-    # -- preparing a request ----------------------------------------------------------------------------
-    def _job(self, session: str | None, messages: list[dict[str, Any]], tools: list[ToolSpec], choice: ToolChoice,
-             n: int, parallel: bool | None, rollout: dict[str, Any] | None, stops: list[str], max_tokens: int | None,
-             temperature: float | None, top_p: float | None, top_k: int | None, min_tokens: int,
-             seed: int | None) -> _Job:
-        opener = self.parser.opener(tools, choice.name) if choice.mode == "required" else ""
-        prefix = self._prefix(messages, session)
-        prompt = chat_prompt_ids(self.tokenizer, messages, prefix, [t.as_chat_tool() for t in tools], opener)
-        self._admit(session, n)
-        sampling = self._sampling(max_tokens, temperature, top_p, top_k, min_tokens, stops)
-        return _Job(session, [prompt], self._requests([prompt], sampling, n, seed, session), n, stops, tools, choice, opener,
-                    parallel is not False, rollout)
-
-    def _admit(self, session: str | None, n: int) -> None:
-        if session is not None and n > 1:
-            raise RequestError("n > 1 within a session_id cannot be recorded as one conversation", "n")
-        if session in self.cancelled:
-            raise _SessionAborted(session)
-
-    def _prefix(self, messages: list[dict[str, Any]], session: str | None) -> list[int] | None:
-        """The past tokens to splice: the last assistant message's own ids, else the session's last turn when
-        that message is its reply; a session whose past cannot be matched is refused (SpliceError)."""
-        assistant = [m for m in messages if m.get("role") == "assistant"]
-        if not assistant:
-            return None
-        last = assistant[-1]
-        if last.get("prompt_token_ids") is not None and last.get("generation_token_ids") is not None:
-            return client_token_ids([*last["prompt_token_ids"], *last["generation_token_ids"]], self.vocab_size,
-                                    "messages")
-        turns = self.sessions.get(session or "", [])
-        if turns:
-            if same_reply(last, self.replies.get(session or "")):
-                prev = turns[-1]
-                return [*prev["prompt_token_ids"], *prev["token_ids"]]
-            raise SpliceError(f"session {session!r}: the last assistant message is not the reply this session "
-                              "recorded; send it back unchanged, its content and tool_calls (or with its "
-                              "prompt_token_ids and generation_token_ids)")
-        return None
-
-    def _max_tokens(self, body: Any) -> int | None:
-        """The request's token budget (``max_completion_tokens``, else ``max_tokens``; ``max_output_tokens``), refused
-        above :attr:`max_request_tokens`: the engine sizes a request's buffers by it."""
-        for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-            value = getattr(body, name, None)
-            if value is not None:
-                if value > self.max_request_tokens:
-                    raise RequestError(f"{name}: {value} is more than this server generates for one request "
-                                       f"({self.max_request_tokens}: the model's context length, or "
-                                       "generation.max_new_tokens when larger)", name)
-                return int(value)
-        return None
-
-    def _sampling(self, max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-                  min_tokens: int, stops: list[str]) -> SamplingParams:
-        max_tokens = max_tokens or self.max_tokens
-        one_token = [ids[0] for s in stops if len(ids := encode_text(self.tokenizer, s)) == 1]
-        return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature if temperature is None
-                              else temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k,
-                              min_new_tokens=min(min_tokens, max_tokens), stop_token_ids=tuple(one_token))
-
-    def _requests(self, prompts: list[list[int]], sampling: SamplingParams, n: int, seed: int | None,
-                  session: str | None) -> list[GenerationRequest]:
+    # -- sessions ---------------------------------------------------------------------------------------
+    def session_requests(self, prompts: list[list[int]], sampling: SamplingParams, n: int, seed: int | None,
+                         session: str | None) -> list[GenerationRequest]:
         """One engine request per prompt and choice; a session's request without a seed gets
         :func:`turn_seed` of its sibling's seed (:meth:`open_session`), or else :func:`session_seed` (reproducible
         whatever order the agents' requests arrive in)."""
@@ -440,7 +212,7 @@ class PolicyServer:
         return self.sticky[session]
 
     # -- generating -------------------------------------------------------------------------------------
-    async def _replies(self, job: _Job, request: Any) -> list[Reply] | None:
+    async def generate_replies(self, job: server_requests.Job, request: Any) -> list[Reply] | None:
         """The replies; None when the client went away (its requests are aborted in the engine)."""
         worker = self._route(job.session)
         self._inflight(job, True)
@@ -448,20 +220,20 @@ class PolicyServer:
             results = await self._generate(worker, job.requests, request)
         except Exception:
             if job.session in self.cancelled:  # dropped from the worker's queue by the session's abort
-                raise _SessionAborted(job.session) from None
+                raise server_requests.SessionAborted(job.session) from None
             raise
         finally:
             self._inflight(job, False)
         return None if results is None else self._finish(job, results)
 
-    def _inflight(self, job: _Job, on: bool) -> None:
+    def _inflight(self, job: server_requests.Job, on: bool) -> None:
         if job.session is not None:
             if on:
                 self.inflight[job.session] = [r.request_id for r in job.requests]
             else:
                 self.inflight.pop(job.session, None)
 
-    def _finish(self, job: _Job, results: list[GenerationResult]) -> list[Reply]:
+    def _finish(self, job: server_requests.Job, results: list[GenerationResult]) -> list[Reply]:
         """Stop strings, tool calls, and the session's record of the turn."""
         replies = []
         for i, r in enumerate(results):
@@ -474,7 +246,7 @@ class PolicyServer:
             self.replies[job.session] = record_reply(replies[0])
         return replies
 
-    def _parse(self, job: _Job, text: str) -> ParsedReply | None:
+    def _parse(self, job: server_requests.Job, text: str) -> ParsedReply | None:
         if not job.tools or job.choice.mode == "none":
             return None
         parsed = self.parser.parse(job.opener + text, job.tools)
@@ -516,7 +288,8 @@ class PolicyServer:
         else:
             self._note_aborted(generating.result())
 
-    def _stream(self, job: _Job, opening: str, chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
+    def stream_replies(self, job: server_requests.Job, opening: str,
+                       chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
         """A server-sent event stream (:mod:`screl.rollout.server.openai_stream`); a client that goes away mid-stream
         cancels it, and its requests are aborted in the engine."""
         index = self._route(job.session)
@@ -541,10 +314,6 @@ class PolicyServer:
             yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-class _SessionAborted(Exception):
-    pass
 
 
 async def _await(ref: Any) -> Any:
