@@ -204,3 +204,23 @@ def test_no_import_cycles_between_project_files() -> None:
     for chain in cycles:
         print(" -> ".join(str(p.relative_to(ROOT)) for p in chain))
     assert cycles == [], "\n".join(" -> ".join(str(p.relative_to(ROOT)) for p in c) for c in cycles)
+
+
+def test_no_file_over_450_lines_and_no_function_over_50() -> None:
+    """Rooms stay readable: a file of screl/, callbacks/ or strategies/ past 450 lines, or a function past 50 (its
+    def line to its last, decorators aside), is split by responsibility instead."""
+    import ast
+
+    long_files, long_functions = [], []
+    for folder in ("screl", "callbacks", "strategies"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            rel = path.relative_to(ROOT)
+            if len(text.splitlines()) > 450:
+                long_files.append(f"{rel}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if length > 50:
+                        long_functions.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
+    assert long_files == [] and long_functions == [], "\n".join(long_files + long_functions)
