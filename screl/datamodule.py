@@ -17,6 +17,7 @@ broadcast too, so the other ranks raise instead of waiting on a collective that 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -360,9 +361,9 @@ class RolloutDataModule(LightningDataModule):
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
-    @property
+    @functools.cached_property
     def engine(self) -> EngineCapabilities:
-        """What the configured engine declares it can do."""
+        """What the configured engine declares it can do (resolved once: every refit reads its naming)."""
         return engine_capabilities(self.generation.backend)
 
     @property

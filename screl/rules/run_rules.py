@@ -379,22 +379,22 @@ def _adv_estimator_rule(c: RuleContext) -> None:
     """``adv_estimator.name`` is registered, and of the kind the algorithm computes (from values with a critic,
     from the group's rewards without one)."""
     algo, key = c.algorithm, c.algo_key
-    name = get(c.algo, "adv_estimator.name", algo.default_adv_estimator)
+    field, name = f"{key}.adv_estimator.name", get(c.algo, "adv_estimator.name", algo.default_adv_estimator)
     fitting = adv_estimator_names(needs_values=algo.needs_critic)
+    unknown = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
+    fix = f"set {field} to one of {fitting}, or your function as 'package.module:fn'"
+    if not isinstance(name, str):
+        c.bad(field, name, unknown, fix)
+        return
     try:
-        needs_values = get_adv_estimator(name).needs_values if isinstance(name, str) else None
-        why = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
-    except ValueError as err:
-        needs_values, why = None, str(err).replace(f"advantage estimator {name!r} ", "")
-        if str(err).startswith("unknown"):
-            why = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
-    if needs_values is None:
-        c.bad(f"{key}.adv_estimator.name", name, why,
-              f"set {key}.adv_estimator.name to one of {fitting}, or your function as 'package.module:fn'")
-    elif needs_values != algo.needs_critic:
+        needs_values = get_adv_estimator(name).needs_values
+    except ValueError as err:  # a path says why it does not load; a bare name is simply not registered
+        c.bad(field, name, str(err) if ":" in name else unknown, fix)
+        return
+    if needs_values != algo.needs_critic:
         why = (f"{algo.title} has no critic, and {name} needs its values" if needs_values
                else f"{algo.title} computes advantages from its critic's values, and {name} is group-relative")
-        c.bad(f"{key}.adv_estimator.name", name, why, f"set {key}.adv_estimator.name to one of {fitting}")
+        c.bad(field, name, why, f"set {field} to one of {fitting}")
 
 
 def _full_step_rules(c: RuleContext) -> None:

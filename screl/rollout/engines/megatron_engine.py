@@ -106,13 +106,10 @@ class MegatronGenerationEngine(TorchGenerationEngine):
     )
 
     @classmethod
-    def on_trainer_module(cls, policy: PolicySpec, options: EngineOptions, *, model: Any,
-                          autocast: torch.dtype | None, link: Any = None) -> MegatronGenerationEngine:
-        """The colocated engine on the trainer's ``GPTModel`` shard; the other tensor-parallel ranks follow it
-        through ``link``."""
-        return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
-                   recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-                   model=model, link=link, autocast=autocast)
+    def _colocated_args(cls, options: EngineOptions, link: Any) -> dict[str, Any]:
+        """Colocated on the trainer's ``GPTModel`` shard: the other tensor-parallel ranks follow it through
+        ``link``."""
+        return {"link": link}
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> MegatronGenerationEngine:

@@ -190,7 +190,12 @@ class TorchGenerationEngine:
         """The colocated engine: it decodes with ``model`` (the trainer's module) in the trainer's threads."""
         return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-                   decode=str(options.args.get("decode", "auto")), model=model, autocast=autocast)
+                   model=model, autocast=autocast, **cls._colocated_args(options, link))
+
+    @classmethod
+    def _colocated_args(cls, options: EngineOptions, link: Any) -> dict[str, Any]:
+        """What this engine's colocated build takes beyond the shared settings (its decode path)."""
+        return {"decode": str(options.args.get("decode", "auto"))}
 
     capabilities = EngineCapabilities(
         whole_call_batches=True, streams_weight_buckets=True, colocated=True, vision_inputs=True,
