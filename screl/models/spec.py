@@ -44,13 +44,20 @@ class PolicySpec(ABC):
         or None when this spec cannot tell its architecture without loading the model."""
         return None
 
+    def model_dir(self) -> str | None:
+        """The local folder holding the checkpoint this spec loads (an engine that loads from disk reads it), or
+        None for a spec built in memory."""
+        return None
+
     def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         """The tokens a prompt's text is generated from. Default: the text as is, no special tokens; an instruct
         model's spec wraps it in the tokenizer's chat template."""
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _fields(self) -> dict[str, Any]:
-        return dict(vars(self))
+        """The spec's settings (its identity: repr, equality, the run's fingerprint); ``_``-prefixed attributes are
+        where this process found them (a resolved cache folder, a built processor), not settings."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from screl.models.hub import HubFiles
 from screl.models.spec import PolicySpec, chat_prompt_token_ids, resolve_dtype
 from screl.models.vision_inputs import VisionInputs
 
@@ -79,11 +80,8 @@ class VisionPolicy(PolicySpec):
         per_image = [int(g.prod()) // merge**2 for g in vision.image_grid_thw]
         return self.prompt_token_ids(tokenizer, self.prompt_text(text, len(images), per_image)), vision
 
-    def _fields(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "_processor"}
-
     def __getstate__(self) -> dict[str, Any]:
-        return self._fields()  # the processor is rebuilt where it is used
+        return {k: v for k, v in vars(self).items() if k != "_processor"}  # the processor is rebuilt where it is used
 
 
 class TinyVisionLM(VisionPolicy):
@@ -155,41 +153,51 @@ class TinyVisionLM(VisionPolicy):
                                         temporal_patch_size=2)
 
 
-class HFVisionLM(VisionPolicy):
-    """Any Hugging Face image-text-to-text model saved with ``save_pretrained`` (Qwen2-VL, Qwen2.5-VL), with its
-    processor saved next to it (``processor.save_pretrained(path)``).
+class HFVisionLM(HubFiles, VisionPolicy):
+    """Any Hugging Face image-text-to-text model of the Qwen2-VL layout (Qwen2-VL, Qwen2.5-VL) with its processor: a
+    hub id (resolved into the Hugging Face cache once, on the driver) or a local directory (``save_pretrained`` of
+    the model and of its processor).
 
     Args:
-        path: Local checkpoint directory (``config.json``, weights, tokenizer and preprocessor config).
+        path: A hub model id or a local checkpoint directory (``config.json``, weights, tokenizer and preprocessor
+            config).
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         chat_template: Wrap each prompt (image placeholders, then the question) in the tokenizer's chat template.
         min_pixels: The processor's smallest image area (None: the checkpoint's setting).
         max_pixels: The processor's largest image area: fewer patches per image, a smaller row (None: the checkpoint's).
+        revision: The hub revision (branch, tag or commit) of a hub id.
+        trust_remote_code: Run the model repository's own Python code; off by default.
     """
 
     def __init__(self, path: str, dtype: str = "float32", chat_template: bool = True, min_pixels: int | None = None,
-                 max_pixels: int | None = None) -> None:
+                 max_pixels: int | None = None, revision: str | None = None, trust_remote_code: bool = False) -> None:
         resolve_dtype(dtype)
         self.path, self.dtype, self.chat_template = path, dtype, chat_template
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.revision, self.trust_remote_code = revision, trust_remote_code
+        self._resolve_sources("path")
 
     def _dir(self) -> str:
-        if not os.path.isdir(self.path):
-            raise FileNotFoundError(f"HFVisionLM: path={self.path!r} is not a local directory (no hub downloads).")
-        return self.path
+        return self.local_dir("path")
+
+    def model_dir(self) -> str | None:
+        folder = str(self.__dict__.get("_local_path", self.path))
+        return folder if os.path.isdir(folder) else None
 
     def build_config(self) -> Any:
-        if not os.path.isfile(os.path.join(self.path, "config.json")):
+        folder = self.model_dir()
+        if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
             return None
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=self.trust_remote_code)
 
     def build_model(self) -> Any:
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(self._dir(), dtype=resolve_dtype(self.dtype),
-                                                            local_files_only=True)
+                                                            local_files_only=True,
+                                                            trust_remote_code=self.trust_remote_code)
         if not is_vision_model(model):
             raise ValueError(f"HFVisionLM: {type(model).__name__} at {self.path!r} is not of the Qwen2-VL layout (a "
                              "vision tower and get_rope_index); only the Qwen2-VL / Qwen2.5-VL family is supported")
@@ -198,7 +206,8 @@ class HFVisionLM(VisionPolicy):
     def build_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self._dir(), local_files_only=True)
+        return AutoTokenizer.from_pretrained(self._dir(), local_files_only=True,
+                                             trust_remote_code=self.trust_remote_code)
 
     def build_processor(self) -> Any:
         from transformers import AutoImageProcessor

@@ -158,5 +158,5 @@ def test_hf_checkpoint_roundtrip(tmp_path: Path) -> None:
 
 
 def test_hf_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="is not a local directory"):
+    with pytest.raises(FileNotFoundError, match="is neither a local directory nor a hub id"):
         HFCausalLM(str(tmp_path / "nope")).build_model()

@@ -155,5 +155,5 @@ def test_hf_vision_lm_loads_a_saved_qwen2_vl_with_its_processor(tmp_path: object
     assert mine[0] == theirs[0] and torch.equal(mine[1].pixel_values, theirs[1].pixel_values)  # type: ignore[union-attr]
     loaded = spec.build_model()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True))
-    with pytest.raises(FileNotFoundError, match=r"HFVisionLM: path='/nope' is not a local directory"):
+    with pytest.raises(FileNotFoundError, match=r"HFVisionLM: path='/nope' is neither a local directory nor a hub id"):
         HFVisionLM("/nope").build_model()
