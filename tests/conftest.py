@@ -1,6 +1,17 @@
-"""Shared fixtures: a real S3 endpoint (``moto_server`` on 127.0.0.1), started once per session."""
+"""Shared fixtures: a real S3 endpoint (``moto_server`` on 127.0.0.1), started once per session; the suite runs
+offline against a Hugging Face cache of the shipped configs' models (``_hub_cache.py``)."""
 
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from _hub_cache import shipped_models_cache
+
+# before anything imports huggingface_hub (it reads these once); subprocesses (`screl fit`, `screl check`) inherit them
+os.environ["HF_HUB_CACHE"] = str(shipped_models_cache(Path(tempfile.mkdtemp(prefix="screl-hf-cache-"))))
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import shutil
 import socket
@@ -9,7 +20,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import fsspec

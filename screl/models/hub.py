@@ -8,11 +8,27 @@ workers never download. ``screl check`` asks :func:`model_source_problem` and do
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """``org/name``: a hub model id (a path that exists on disk is always read as a path)."""
+
+_DOWNLOADS = [True]
+
+
+@contextlib.contextmanager
+def no_downloads() -> Iterator[None]:
+    """Within it, specs built here read the cache only and a miss is left for :func:`model_source_problem` to
+    report (``screl check`` downloads nothing)."""
+    _DOWNLOADS.append(False)
+    try:
+        yield
+    finally:
+        _DOWNLOADS.pop()
+
 
 IGNORED = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.pth", "original/*", "onnx/*",
            "coreml/*", "openvino/*", "*.gguf"]
@@ -117,11 +133,18 @@ class HubFiles:
     def _resolve_sources(self, *keys: str, gguf_file: str | None = None) -> None:
         """Resolve each of ``keys`` (attributes holding a folder or a hub id) that is a hub id, downloading if needed:
         called where the spec is built, i.e. on the driver."""
+        download = _DOWNLOADS[-1]
         for key in keys:
             value = getattr(self, key)
-            if isinstance(value, str) and is_hub_id(value):
+            if not (isinstance(value, str) and is_hub_id(value)):
+                continue
+            try:
                 self.__dict__[f"_local_{key}"] = resolve_model_dir(value, owner=type(self).__name__, key=key,
-                                                                   revision=self.revision, gguf_file=gguf_file)
+                                                                   revision=self.revision, gguf_file=gguf_file,
+                                                                   download=download)
+            except FileNotFoundError:
+                if download:
+                    raise  # under no_downloads() a miss is the config rules' to report, with every other problem
 
     def local_dir(self, key: str = "path") -> str:
         """The local folder of ``key``: resolved on the driver, or found in this process's cache (never downloaded

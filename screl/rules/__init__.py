@@ -23,6 +23,7 @@ from screl.rules.context import (
 )
 from screl.rules.distill_rules import distill_rules
 from screl.rules.engine_rules import engine_rules
+from screl.rules.hub_rules import model_source_rules
 from screl.rules.model_rules import model_memory_rules, precision_rules
 from screl.rules.moe_rules import routing_replay_rules
 from screl.rules.moved_rules import moved_path_rules
@@ -54,6 +55,7 @@ RULES = (
     strategy_rules,
     distributed_optimizer_rules,
     precision_rules,
+    model_source_rules,
     model_memory_rules,
     sampler_block_rules,
     loss_rules,

@@ -2,7 +2,8 @@
 
 A twin is the recipe's own config with only what a CPU cannot hold replaced:
 
-- the model: ``screl.models.ShapeTwin`` over the family's ``configs/recipes/shapes/<family>/config.json`` (sizes
+- the model: ``screl.models.ShapeTwin`` over the family's ``configs/recipes/shapes/<family>/config.json`` (the recipe
+  names the hub id at a pinned revision; ``shapes/hub.json`` maps it to the folder) (sizes
   shrunk; grouped-query ratio, head width, RoPE type and scaling, tied or untied embeddings, QKV bias or QK norm
   kept) and the character tokenizer; the policy's ``chat_template`` stays on where the recipe sets it;
 - the dataset: a parquet file written here in the dataset's column layout (the recipe's column names, its
@@ -74,11 +75,15 @@ def _write(layout: str, folder: Path, splits: dict[str, int]) -> Path:
     return folder
 
 
+#: hub id -> the folder holding its config.json (configs/recipes/shapes/hub.json)
+SHAPES = {e["repo_id"]: folder for folder, e in json.loads((RECIPES / "shapes" / "hub.json").read_text()).items()}
+
+
 def _twin_policy(spec: dict[str, Any], head_dim: int) -> dict[str, Any]:
     args = spec["init_args"]
-    assert spec["class_path"] == "screl.models.HFCausalLM" and "configs/recipes/shapes/" in args["path"], spec
+    assert spec["class_path"] == "screl.models.HFCausalLM" and args["path"] in SHAPES and args["revision"], spec
     return {"class_path": "screl.models.ShapeTwin",
-            "init_args": {"config": str(ROOT / args["path"]), "head_dim": head_dim,
+            "init_args": {"config": str(ROOT / SHAPES[args["path"]]), "head_dim": head_dim,
                           "chat_template": bool(args.get("chat_template", False))}}
 
 

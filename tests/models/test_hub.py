@@ -116,3 +116,24 @@ def test_hf_hub_offline_in_the_environment_loads_from_the_cache(tmp_path: Path) 
     miss = subprocess.run([sys.executable, "-c", "from screl.models import HFCausalLM; HFCausalLM('org/absent')"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert miss.returncode == 1 and "HF_HUB_OFFLINE=1 forbids a download" in miss.stderr
+
+
+def test_screl_check_names_every_model_it_cannot_load_and_downloads_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The suite runs with ``HF_HUB_OFFLINE=1`` (tests/conftest.py): an id not in the cache is refused, each under
+    its own key, beside a cached one that passes, and ``screl check`` builds no spec that would download."""
+    from _check_helpers import load_config, run_check
+
+    cfg = load_config("recipes/grpo_1b_megatron_colocated.yaml")  # the policy by hub id at a pinned commit, cached
+    rc, out = run_check(cfg, tmp_path, capsys)
+    assert rc == 0 and "trainer memory" in out.lower(), out  # its config.json read from the cache
+    cfg["model"]["init_args"]["policy"]["init_args"]["path"] = "org/absent-policy"
+    cfg["model"]["init_args"]["policy"]["init_args"]["tokenizer_path"] = "org/absent-tokenizer"
+    rc, out = run_check(cfg, tmp_path, capsys)
+    assert rc == 2 and "2 problem(s)" in out, out
+    for key, repo in (("model.init_args.policy.init_args.path", "org/absent-policy"),
+                      ("model.init_args.policy.init_args.tokenizer_path", "org/absent-tokenizer")):
+        assert (f"{key} = '{repo}': cannot be loaded: '{repo}' (revision '9213176726f574b556790deb65791e0c5aa438b6') "
+                f"is not in the Hugging Face cache {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1 forbids a download"
+                ) in out, out
+    assert f"hf download {repo}" in out
