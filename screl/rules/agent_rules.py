@@ -24,9 +24,10 @@ def _class(target: str) -> Any:
 def agent_rules(c: RuleContext) -> None:
     """``workflow_args`` against the workflow's signature; multi-turn and agent workflows against the task and
     the server; a non-loopback server without an API key."""
-    workflow = str(c.gen.get("workflow") or DEFAULT_WORKFLOW)
+    gen = c.gen_cfg
+    workflow = str(gen.workflow or DEFAULT_WORKFLOW)
     cls = _class(workflow)
-    args = c.gen.get("workflow_args") or {}
+    args = gen.workflow_args or {}
     if cls is not None and args:
         params = inspect.signature(cls).parameters
         reserved = {"task", "tokenizer", "schema"}
@@ -38,16 +39,15 @@ def agent_rules(c: RuleContext) -> None:
     name = workflow.rpartition(".")[2]
     if name in ("MultiTurnWorkflow", "AgentWorkflow"):
         _multi_turn_rules(c, name, args)
-    missing = [m for m, needed in (("fastapi", c.gen.get("expose_http_server")), ("uvicorn", c.gen.get(
-        "expose_http_server")), ("openai", name == "AgentWorkflow")) if needed and importlib.util.find_spec(m) is None]
+    serve = gen.expose_http_server
+    missing = [m for m, needed in (("fastapi", serve), ("uvicorn", serve), ("openai", name == "AgentWorkflow"))
+               if needed and importlib.util.find_spec(m) is None]
     if missing:
-        c.bad(f"{GEN}.expose_http_server" if c.gen.get("expose_http_server") else f"{GEN}.workflow",
-              c.gen.get("expose_http_server") or workflow, f"needs {', '.join(missing)}, which is not installed",
+        c.bad(f"{GEN}.expose_http_server" if serve else f"{GEN}.workflow", serve or workflow, f"needs {', '.join(missing)}, which is not installed",
               "pip install -e '.[serve]'")
-    server = get(c.gen, "http_server", {}) or {}
-    host = str(server.get("host", "127.0.0.1"))
-    problem = bind_problem(host, server.get("api_key"))
-    if c.gen.get("expose_http_server") and problem is not None:
+    host = str(gen.http_server.host)
+    problem = bind_problem(host, gen.http_server.api_key)
+    if serve and problem is not None:
         c.bad(f"{GEN}.http_server.host", host, f"the policy server binds a non-loopback address without an API key "
               f"({problem})", "set http_server.api_key (clients send Authorization: Bearer <key>), or bind 127.0.0.1")
 
@@ -63,8 +63,8 @@ def _multi_turn_rules(c: RuleContext, name: str, args: dict[str, Any]) -> None:
               "has none (it is not a screl.envs.environment.EnvTask)", "use an EnvTask (e.g. "
               "screl.envs.calculator.CalculatorTask), or the default SingleTurnWorkflow")
     if name == "AgentWorkflow":
-        if not c.gen.get("expose_http_server"):
-            c.bad(f"{GEN}.expose_http_server", c.gen.get("expose_http_server", False), "AgentWorkflow runs the "
+        if not c.gen_cfg.expose_http_server:
+            c.bad(f"{GEN}.expose_http_server", c.gen_cfg.expose_http_server, "AgentWorkflow runs the "
                   "agent against the OpenAI-compatible server", "set expose_http_server: true")
         if not args.get("agent"):
             c.bad(f"{GEN}.workflow_args.agent", args.get("agent"), "AgentWorkflow needs the agent function",
@@ -74,7 +74,9 @@ def _multi_turn_rules(c: RuleContext, name: str, args: dict[str, Any]) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
             c.bad(f"{GEN}.workflow_args.{knob}", v, f"must be an integer >= {low}", f"set e.g. {knob}: {max(low, 4)}")
     for algo in ("grpo", "ppo"):
-        block = c.cfg.get(algo) or {}
+        block = c.cfg.get(algo)
+        if not isinstance(block, dict):
+            continue  # not set, or not a block (reported as such)
         on = [k for k in ("val_period", "val_at_start", "val_at_end") if block.get(k)]
         if on:
             c.bad(f"{algo}.{on[0]}", block[on[0]], f"validation runs single-turn generations, not {name}'s "

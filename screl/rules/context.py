@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from screl.algorithms import Algorithm, algorithm_of_model, algorithm_of_run
+from screl.config import (
+    AsyncRLConfig,
+    CheckpointingConfig,
+    DataPlaneConfig,
+    RolloutCheckpointingConfig,
+    RolloutRecoveryConfig,
+    RunConfig,
+    TokenCaptureConfig,
+)
+from screl.config_algo import GRPOConfig
+from screl.config_generation import GenerationConfig
 from screl.data.sampler_api import StalenessSampler
 from screl.data.sampler_config import (
     SamplerConfig,
@@ -18,6 +30,7 @@ from screl.data.sampler_config import (
 from screl.data.sampler_factory import declared_capabilities, sampler_rules
 from screl.rollout.engines.protocol import EngineCapabilities
 from screl.rollout.engines.registry import engine_capabilities, engine_title
+from screl.rules.blocks import block_type, field_default, typed_block
 
 #: Legacy async knobs and where they went (the spec's migration table).
 LEGACY_MIGRATION = (
@@ -132,8 +145,9 @@ def fingerprint_path_problem(path: Any) -> str | None:
 
 @dataclass
 class RuleContext:
-    """What every rule reads: the config as a mapping plus the values derived from it (clamped to usable
-    values, so one bad knob is reported once, by its own rule, and does not cascade)."""
+    """What every rule reads: the config as a mapping, its blocks as typed views (:mod:`screl.rules.blocks`: the
+    values as written, the defaults of the config dataclasses for the rest) and the values derived from them
+    (clamped to usable values, so one bad knob is reported once, by its own rule, and does not cascade)."""
 
     cfg: Mapping[str, Any]
     problems: list[Problem] = field(default_factory=list)
@@ -142,29 +156,27 @@ class RuleContext:
         cfg = self.cfg
         self.algorithm = algorithm_of_run(cfg)
         self.algo_key = self.algorithm.config_key
-        self.algo: Mapping[str, Any] = cfg.get(self.algo_key) or {}
-        P, G = self.algo.get("num_prompts_per_step", 8), self.algo.get("num_generations_per_prompt", 4)
+        self._typed_blocks(cfg)
+        self.unreadable = {p.key for p in self.problems}
+        """The blocks that could not be read (reported; their views hold the defaults)."""
+        P, G = self.algo_cfg.num_prompts_per_step, self.algo_cfg.num_generations_per_prompt
         self.P = P if isinstance(P, int) and P >= 1 else 1
         self.G = G if isinstance(G, int) and G >= 1 else 1
-        self.async_rl: Mapping[str, Any] = cfg.get("async_rl") or {}
-        self.rf: Mapping[str, Any] = self.async_rl.get("rollout_failure") or {}
-        m = self.async_rl.get("min_groups_for_streaming_train")
+        m = self.async_cfg.min_groups_for_streaming_train
         self.min_groups_raw = self.P if m is None else m
         ok = isinstance(self.min_groups_raw, int) and 1 <= self.min_groups_raw
         self.min_groups = self.min_groups_raw if ok else self.P
         self.sampler_errors: list[tuple[str, str]] = []
         self.sampler: SamplerConfig | None = None
         try:
-            self.sampler = parse_sampler_config(get(cfg, "async_rl.sampler", {"name": "in_order"}))
+            self.sampler = parse_sampler_config(self.async_cfg.sampler or field_default(AsyncRLConfig, "sampler"))
         except SamplerConfigError as err:
             self.sampler_errors = err.problems
         self.rules: StalenessSampler | None = (
             sampler_rules(self.sampler, self.P) if self.sampler is not None else None
         )
-        self.dp_backend = get(cfg, "data_plane.backend", "simple")
-        self.gen: Mapping[str, Any] = get(cfg, "data.init_args.generation", None) or get(cfg, "data.generation", {}) or {}
-        self.ck: Mapping[str, Any] = cfg.get("checkpointing") or {}
-        self.engine_name = str(self.gen.get("backend", "torch"))
+        self.dp_backend = self.dp_cfg.backend
+        self.engine_name = str(self.gen_cfg.backend)
         """The configured engine as messages name it; ``engine`` holds what it declares (None: it does not resolve,
         which the generation rules report)."""
         self.engine: EngineCapabilities | None = None
@@ -174,5 +186,46 @@ class RuleContext:
         except ValueError:
             pass
 
+    def _typed_blocks(self, cfg: Mapping[str, Any]) -> None:
+        """The raw blocks (``algo``, ``async_rl``, ``rf``, ``gen``, ``ck``: for a rule that must see what was
+        written) and their typed views (``*_cfg``), each built once; a block that cannot be read is a problem."""
+        algo_cls = _block_class(self.algorithm)
+        raw = {key: cfg.get(key) for key in (self.algo_key, *_RUN_BLOCKS)}
+        self.gen_key = gen_key = GEN if get(cfg, GEN) is not None else "data.generation"
+        self.algo: Mapping[str, Any] = _mapping(raw[self.algo_key])
+        self.async_rl: Mapping[str, Any] = _mapping(raw["async_rl"])
+        self.rf: Mapping[str, Any] = _mapping(self.async_rl.get("rollout_failure"))
+        self.gen: Mapping[str, Any] = _mapping(get(cfg, gen_key))
+        self.ck: Mapping[str, Any] = _mapping(raw["checkpointing"])
+        self.algo_cfg: GRPOConfig = typed_block(algo_cls, raw[self.algo_key], self.algo_key, self.bad)
+        self.async_cfg = typed_block(AsyncRLConfig, raw["async_rl"], "async_rl", self.bad)
+        self.rf_cfg = self.async_cfg.rollout_failure
+        self.dp_cfg = typed_block(DataPlaneConfig, raw["data_plane"], "data_plane", self.bad)
+        self.ck_cfg = typed_block(CheckpointingConfig, raw["checkpointing"], "checkpointing", self.bad)
+        self.snapshot_cfg = typed_block(RolloutCheckpointingConfig, raw["rollout_checkpointing"],
+                                        "rollout_checkpointing", self.bad)
+        self.recovery_cfg = typed_block(RolloutRecoveryConfig, raw["rollout_recovery"], "rollout_recovery", self.bad)
+        self.capture_cfg = typed_block(TokenCaptureConfig, raw["token_capture"], "token_capture", self.bad)
+        self.gen_cfg = typed_block(GenerationConfig, get(cfg, gen_key), gen_key, self.bad)
+
     def bad(self, key: str, value: Any, message: str, fix: str) -> None:
         self.problems.append(Problem(key, value, message, fix))
+
+
+GEN = "data.init_args.generation"
+_RUN_BLOCKS = ("async_rl", "data_plane", "checkpointing", "rollout_checkpointing", "rollout_recovery",
+               "token_capture")
+
+
+def _block_class(algorithm: Algorithm) -> type[GRPOConfig]:
+    """The dataclass of the algorithm's run block: the one it registers, else ``RunConfig``'s field type."""
+    declared: type[GRPOConfig] | None = getattr(algorithm, "block", None)
+    if declared is None:
+        declared, _ = block_type(typing.get_type_hints(RunConfig).get(algorithm.config_key))
+    if declared is None:
+        raise ValueError(f"algorithm {algorithm.name!r}: no dataclass for its `{algorithm.config_key}` block")
+    return declared
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}

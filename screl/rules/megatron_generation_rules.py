@@ -23,24 +23,24 @@ def is_megatron_strategy(cfg: Any) -> bool:
 
 def megatron_backend_rules(c: RuleContext) -> None:
     """``backend: megatron`` needs MegatronStrategy and takes no ``backend_args``."""
-    gen = c.gen
+    gen = c.gen_cfg
     if not is_megatron_strategy(c.cfg):
         strategy = get(c.cfg, "trainer.strategy")
         c.bad(f"{GEN}.backend", "megatron", "the Megatron engine loads the policy as MegatronStrategy trains it "
               f"(Megatron's own names and layout), and the trainer's strategy is {strategy!r}",
               "set trainer.strategy: {class_path: screl.strategies.MegatronStrategy} (docs/megatron.md), or "
               "backend: torch")
-    if gen.get("backend_args"):
-        c.bad(f"{GEN}.backend_args", gen.get("backend_args"), "the megatron backend takes none (each worker runs the "
+    if gen.backend_args:
+        c.bad(f"{GEN}.backend_args", gen.backend_args, "the megatron backend takes none (each worker runs the "
               "policy's GPTModel at tensor parallel size 1)", "remove backend_args")
 
 
 def colocated_megatron_layout_problem(cfg: Any) -> str | None:
     """Why a colocated Megatron engine cannot run on this trainer layout (None: it can): its ranks must be one
     tensor-parallel group (no pipeline, context or data parallelism), as every rank takes part in each decode."""
-    par = get(cfg, "trainer.strategy.init_args.parallelism", {}) or {}
-    tp = _size(par.get("tensor_model_parallel_size", 1))
-    others = {k: _size(par.get(k, 1)) for k in ("pipeline_model_parallel_size", "context_parallel_size")}
+    par = get(cfg, "trainer.strategy.init_args.parallelism") or {}
+    tp = _size(par.get("tensor_model_parallel_size"))  # unset or unclear: 1
+    others = {k: _size(par.get(k)) for k in ("pipeline_model_parallel_size", "context_parallel_size")}
     world = _world_size(cfg)
     if any(v > 1 for v in others.values()) or world != tp:
         bad = ", ".join(f"{k}={v}" for k, v in others.items() if v > 1)

@@ -22,7 +22,7 @@ def _int_knob(c: RuleContext, key: str, value: Any, meaning: str) -> None:
 
 
 def precision_rules(c: RuleContext) -> None:
-    precision = str(get(c.cfg, "trainer.precision", "32-true") or "32-true")
+    precision = str(get(c.cfg, "trainer.precision"))  # unset: Lightning's default (32-true), which is sound
     if precision in _PURE_HALF:
         c.bad("trainer.precision", precision, "trains half-precision parameters with no fp32 master copy: an "
               "update smaller than a weight's precision step is lost (bf16 keeps 8 bits of mantissa)", _MIXED_FIX)
@@ -45,7 +45,7 @@ def model_memory_rules(c: RuleContext) -> None:
               "0: full logits, null: sized from the vocabulary")
     _int_knob(c, "model.init_args.micro_batch_tokens", args.get("micro_batch_tokens"),
               "0: the whole chunk, null: automatic")
-    ckpt = args.get("activation_checkpointing", False)
+    ckpt = args.get("activation_checkpointing")
     if ckpt not in (True, False, None, "full", "selective"):
         c.bad("model.init_args.activation_checkpointing", ckpt, "expected false, true, full or selective",
               "set model.init_args.activation_checkpointing: full (or false)")

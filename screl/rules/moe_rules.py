@@ -15,22 +15,22 @@ GEN = "data.init_args.generation"
 
 
 def routing_replay_rules(c: RuleContext) -> None:
-    if not get(c.cfg, KEY, False):
+    if not get(c.cfg, KEY):
         return
-    gen = c.gen
+    gen = c.gen_cfg
     if c.engine is not None and not c.engine.routing_records:
         c.bad(KEY, True, c.engine.reason("routing_records", c.engine_name),
               "use backend: torch, or routing_replay: false")
-    elif (gen.get("backend_args") or {}).get("decode", "auto") == "static":
+    elif (gen.backend_args or {}).get("decode") == "static":
         c.bad(f"{GEN}.backend_args.decode", "static", "routing replay records the experts through Hugging Face's "
               "forward", "set decode: hf or auto")
-    if get(gen, "colocated.enabled", False):
+    if gen.colocated.enabled:
         c.bad(KEY, True, "a colocated engine decodes with the trainer's own module and precision: its routing is "
               "the trainer's already", "routing_replay: false, or colocated.enabled: false")
     if is_megatron_strategy(c.cfg):
         c.bad(KEY, True, "MegatronStrategy does not train mixture-of-experts policies here (no MoE export)",
               "train under the default strategy or screl.strategies.DDPStrategy")
-    workflow = str(gen.get("workflow") or DEFAULT_WORKFLOW)
+    workflow = str(gen.workflow or DEFAULT_WORKFLOW)
     if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
         c.bad(f"{GEN}.workflow", workflow, "routing replay records single-turn completions only (a multi-turn row "
               "joins several engine calls)", "use the single-turn workflow, or routing_replay: false")

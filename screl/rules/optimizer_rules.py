@@ -27,11 +27,11 @@ def _size(value: Any) -> int:
 
 
 def _world_size(cfg: Any) -> int:
-    devices = get(cfg, "trainer.devices", 1)
+    devices = get(cfg, "trainer.devices")  # unset or unclear (auto): 1
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
     procs = len(devices) if isinstance(devices, (list, tuple)) else _size(devices)
-    return procs * _size(get(cfg, "trainer.num_nodes", 1))
+    return procs * _size(get(cfg, "trainer.num_nodes"))
 
 
 def distributed_optimizer_rules(c: RuleContext) -> None:
@@ -39,7 +39,7 @@ def distributed_optimizer_rules(c: RuleContext) -> None:
     strategy = get(c.cfg, STRATEGY)
     if not isinstance(strategy, dict):
         return
-    on = get(strategy, "init_args.use_distributed_optimizer", False)
+    on = get(strategy, "init_args.use_distributed_optimizer")
     ddp_flag = get(strategy, "init_args.ddp_config.use_distributed_optimizer")
     is_megatron = str(strategy.get("class_path", "")).rsplit(".", 1)[-1] == "MegatronStrategy"
     if on and not is_megatron:
@@ -53,10 +53,10 @@ def distributed_optimizer_rules(c: RuleContext) -> None:
         return
     if not on:
         return
-    par = get(strategy, "init_args.parallelism", {}) or {}
+    par = get(strategy, "init_args.parallelism") or {}
     model_parallel = 1
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        model_parallel *= _size(par.get(name, 1))
+        model_parallel *= _size(par.get(name))
     dp = _world_size(c.cfg) // model_parallel
     if dp <= 1:
         log.info("screl check: %s is true at data-parallel size %s: each rank keeps all of the optimizer state, "

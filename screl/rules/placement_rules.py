@@ -10,5 +10,7 @@ from screl.rules.context import RuleContext
 
 
 def placement_rules(c: RuleContext) -> None:
+    if any(key.startswith(c.gen_key) for key in c.unreadable):
+        return  # the map reads the generation block, reported as unreadable already
     for key, value, message, fix in device_map(c.cfg).problems:
         c.bad(key, value, message, fix)

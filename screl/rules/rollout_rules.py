@@ -13,10 +13,10 @@ GEN = "data.init_args.generation"
 
 def refit_rules(c: RuleContext) -> None:
     """``async_rl.in_flight_weight_updates: false`` (the drain gate) against the knobs it contradicts."""
-    if get(c.async_rl, "in_flight_weight_updates", True) is not False:
+    if c.async_cfg.in_flight_weight_updates is not False:
         return
     key = "async_rl.in_flight_weight_updates"
-    if get(c.async_rl, "recompute_kv_cache_after_weight_updates", False):
+    if c.async_cfg.recompute_kv_cache_after_weight_updates:
         c.bad(key, False, "the drain gate lets in-flight requests finish under the old weights, so there is no "
               "KV cache to recompute (recompute_kv_cache_after_weight_updates: true)",
               "drop one of the two: keep in_flight_weight_updates: true to recompute, or set "
@@ -31,7 +31,7 @@ def deadline_rules(c: RuleContext) -> None:
     """``generation_timeout_s`` and ``rollout_timeout_s``: positive, consistent, below the stall watchdog's."""
     set_ = {}
     for knob in ("generation_timeout_s", "rollout_timeout_s"):
-        v = c.gen.get(knob)
+        v = getattr(c.gen_cfg, knob)
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -43,7 +43,7 @@ def deadline_rules(c: RuleContext) -> None:
     if gen_s is not None and roll_s is not None and gen_s > roll_s:
         c.bad(f"{GEN}.generation_timeout_s", gen_s, f"is above rollout_timeout_s ({roll_s:g}), which covers every "
               "generate call of a rollout: it would never fire", "set generation_timeout_s <= rollout_timeout_s")
-    stall = get(c.async_rl, "watchdog.stall_timeout_s", None)
+    stall = c.async_cfg.watchdog.stall_timeout_s
     if isinstance(stall, (int, float)) and not isinstance(stall, bool) and set_ and stall <= max(set_.values()):
         knob, longest = max(set_.items(), key=lambda kv: kv[1])
         c.bad("async_rl.watchdog.stall_timeout_s", stall, f"must exceed every request deadline ({GEN}.{knob} = "
@@ -53,11 +53,11 @@ def deadline_rules(c: RuleContext) -> None:
 
 def worker_health_rules(c: RuleContext) -> None:
     """``generation.max_worker_restarts`` and ``async_rl.watchdog.health_check_interval_s``."""
-    restarts = c.gen.get("max_worker_restarts", -1)
+    restarts = c.gen_cfg.max_worker_restarts
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < -1:
         c.bad(f"{GEN}.max_worker_restarts", restarts, "must be an integer >= 0, or -1 (without limit)",
               "set max_worker_restarts: -1")
-    interval = get(c.async_rl, "watchdog.health_check_interval_s", 5.0)
+    interval = c.async_cfg.watchdog.health_check_interval_s
     if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0):
         c.bad("async_rl.watchdog.health_check_interval_s", interval, "must be a number of seconds > 0, or null (off)",
               "set health_check_interval_s: 5")
@@ -65,7 +65,7 @@ def worker_health_rules(c: RuleContext) -> None:
 
 def torch_backend_rules(c: RuleContext) -> None:
     """``backend: torch`` takes one ``backend_args`` key, ``decode``."""
-    args = c.gen.get("backend_args") or {}
+    args = c.gen_cfg.backend_args or {}
     for key in sorted(set(args) - {"decode"}):
         c.bad(f"{GEN}.backend_args.{key}", args[key], "the torch backend takes only backend_args.decode",
               f"remove {key}")
@@ -76,12 +76,12 @@ def torch_backend_rules(c: RuleContext) -> None:
 
 def vllm_rules(c: RuleContext) -> None:
     """``backend: vllm``: vLLM's own limits, and vLLM importable where the workers start (before any work)."""
-    transfer = (c.gen.get("backend_args") or {}).get("weight_transfer")
+    transfer = (c.gen_cfg.backend_args or {}).get("weight_transfer")
     key = f"{GEN}.backend_args.weight_transfer"
     if transfer not in (None, "nccl"):
         c.bad(key, transfer, "must be nccl (vLLM's NCCL transfer, GPU) or null (the object store)",
               "set weight_transfer: nccl or remove it")
-    elif transfer == "nccl" and not str(c.gen.get("device", "cpu")).startswith("cuda"):
+    elif transfer == "nccl" and not str(c.gen_cfg.device).startswith("cuda"):
         c.bad(key, transfer, "NCCL moves weights between GPUs, and the engines run on the CPU",
               "set device: cuda on a GPU machine, or remove weight_transfer (the object store path)")
     strategy = get(c.cfg, "trainer.strategy")
@@ -89,7 +89,7 @@ def vllm_rules(c: RuleContext) -> None:
     if transfer == "nccl" and "MegatronStrategy" in strategy_path:
         c.bad(key, transfer, "the NCCL sender broadcasts a Hugging Face module's parameters; under MegatronStrategy "
               "the policy is a Megatron model whose names vLLM does not know", "remove weight_transfer")
-    t = c.gen.get("temperature", 1.0)
+    t = c.gen_cfg.temperature
     if isinstance(t, (int, float)) and t > 2:
         c.bad(f"{GEN}.temperature", t, "vLLM samples at temperatures in [0, 2] only", "set temperature <= 2")
     if importlib.util.find_spec("vllm") is not None:

@@ -34,21 +34,21 @@ def algorithm_rules(c: RuleContext) -> None:
     if model is not None and present == [c.algo_key] and model.config_key != c.algo_key:
         c.bad(c.algo_key, "<set>", f"model is a {model.title} module but the step settings are in `{c.algo_key}`",
               f"rename the block `{model.config_key}`, or use model.class_path: {_module_for_block(c.algo_key)}")
-    key, algo = c.algo_key, c.algo
-    for name, default in (("num_prompts_per_step", 8), ("num_generations_per_prompt", 4)):
-        value = algo.get(name, default)
+    key, algo = c.algo_key, c.algo_cfg
+    for name in ("num_prompts_per_step", "num_generations_per_prompt"):
+        value = getattr(algo, name)
         if not isinstance(value, int) or value < 1:
             c.bad(f"{key}.{name}", value, "must be an integer >= 1", f"set {key}.{name} >= 1")
     least = (model or c.algorithm).min_generations_per_prompt
-    if algo.get("num_generations_per_prompt", 4) == 1 and least > 1:
+    if algo.num_generations_per_prompt == 1 and least > 1:
         c.bad(f"{key}.num_generations_per_prompt", 1, f"{(model or c.algorithm).title}'s group baseline needs at "
               f"least {least} rollouts per prompt", f"set {key}.num_generations_per_prompt >= {least}")
-    epochs = algo.get("max_num_epochs", 1)
+    epochs = algo.max_num_epochs
     if not isinstance(epochs, int) or epochs <= 0:
         c.bad(f"{key}.max_num_epochs", epochs, "must be positive (there is no -1 = unbounded convention; "
               "<= 0 would train zero steps)", f"set a positive {key}.max_num_epochs and bound the run with "
               f"{key}.max_num_steps")
-    steps = algo.get("max_num_steps")
+    steps = algo.max_num_steps
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         c.bad(f"{key}.max_num_steps", steps, "must be >= 1 or null", f"set {key}.max_num_steps >= 1")
     _unsupported_algorithm_knobs(c)
@@ -60,10 +60,10 @@ def _module_for_block(key: str) -> str:
 
 
 def _unsupported_algorithm_knobs(c: RuleContext) -> None:
-    key, algo = c.algo_key, c.algo
+    key, algo = c.algo_key, c.algo_cfg
     for legacy in ("async_grpo", "async_ppo"):
-        if algo.get(legacy) is not None:
-            c.bad(f"{key}.{legacy}", algo.get(legacy), "legacy async block: the single controller reads "
+        if getattr(algo, legacy, None) is not None:
+            c.bad(f"{key}.{legacy}", getattr(algo, legacy), "legacy async block: the single controller reads "
                   "`async_rl`", LEGACY_MIGRATION)
     _validation_rules(c)
     _dynamic_sampling_rules(c)
@@ -71,12 +71,12 @@ def _unsupported_algorithm_knobs(c: RuleContext) -> None:
 
 
 def _validation_rules(c: RuleContext) -> None:
-    key, algo = c.algo_key, c.algo
-    period = algo.get("val_period", 0)
+    key, algo = c.algo_key, c.algo_cfg
+    period = algo.val_period
     if not isinstance(period, int) or isinstance(period, bool) or period < 0:
         c.bad(f"{key}.val_period", period, "must be an integer >= 0 (0: off)", f"set {key}.val_period: 0 or N >= 1")
-    v, vkey = algo.get("validation") or {}, f"{key}.validation"
-    n, temp = v.get("num_samples", 1), v.get("temperature", 0.0)
+    v, vkey = algo.validation, f"{key}.validation"
+    n, temp = v.num_samples, v.temperature
     if not isinstance(n, int) or n < 1:
         c.bad(f"{vkey}.num_samples", n, "must be an integer >= 1", "set num_samples >= 1")
     if not isinstance(temp, (int, float)) or temp < 0:
@@ -84,14 +84,14 @@ def _validation_rules(c: RuleContext) -> None:
     elif isinstance(n, int) and n > 1 and temp == 0:
         c.bad(f"{vkey}.num_samples", n, "greedy validation (temperature 0) gives every sample the same completion",
               "set validation.temperature > 0 for pass@k, or num_samples: 1")
-    top_p = v.get("top_p", 1.0)
+    top_p = v.top_p
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         c.bad(f"{vkey}.top_p", top_p, "must be in (0, 1]", "set top_p in (0, 1]")
     for knob in ("max_new_tokens", "max_prompts"):
-        value = v.get(knob)
+        value = getattr(v, knob)
         if value is not None and (not isinstance(value, int) or value < 1):
             c.bad(f"{vkey}.{knob}", value, "must be an integer >= 1 or null", f"set {knob} >= 1 or null")
-    if (period or algo.get("val_at_start") or algo.get("val_at_end")) and _held_out_count(c) == 0:
+    if (period or algo.val_at_start or algo.val_at_end) and _held_out_count(c) == 0:
         c.bad("data.init_args.val_task", None, f"validation is on ({key}.val_period / val_at_start / val_at_end) "
               "but the task holds out no prompts (Task.val_prompts() is empty)",
               "give data.init_args.val_task, or hold prompts out of the task (e.g. CountLetter holdout: 20)")
@@ -115,33 +115,34 @@ def _held_out_count(c: RuleContext) -> int | None:
 
 def _dynamic_sampling_rules(c: RuleContext) -> None:
     key = c.algo_key
-    if not c.algo.get("use_dynamic_sampling"):
+    if not c.algo_cfg.use_dynamic_sampling:
         return
     if c.G < 2:
         c.bad(f"{key}.num_generations_per_prompt", c.G, "dynamic sampling drops groups whose rewards all agree, "
               "and a group of one always agrees", f"set {key}.num_generations_per_prompt >= 2")
-    replace = c.rf.get("on_dropped_prompt", "shrink") == "replace"
+    dropped = c.rf_cfg.on_dropped_prompt
+    replace = dropped == "replace"
     if not c.algorithm.step_may_shrink and not replace:
-        c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
+        c.bad("async_rl.rollout_failure.on_dropped_prompt", dropped,
               f"{c.algorithm.title} trains full steps only, so a filtered group's slot must be refilled",
               "set async_rl.rollout_failure.on_dropped_prompt: replace")
     if c.rules is not None and not c.rules.supports_drop_budgets and not replace:
-        c.bad("async_rl.rollout_failure.on_dropped_prompt", c.rf.get("on_dropped_prompt", "shrink"),
+        c.bad("async_rl.rollout_failure.on_dropped_prompt", dropped,
               f"the {c.rules.name} sampler does not stamp target steps: a filtered group would leave its gate "
               "waiting forever for a group that never comes", "set async_rl.rollout_failure.on_dropped_prompt: "
               "replace (filtered slots are refilled from the reserve), or use sampler in_order")
 
 
 def _reward_transform_rules(c: RuleContext) -> None:
-    key, sh, sc = c.algo_key, c.algo.get("reward_shaping") or {}, c.algo.get("reward_scaling") or {}
-    if sh.get("enabled"):
-        buf, fn = sh.get("overlong_buffer_length", 0), sh.get("class_path")
+    key, sh, sc = c.algo_key, c.algo_cfg.reward_shaping, c.algo_cfg.reward_scaling
+    if sh.enabled:
+        buf, fn = sh.overlong_buffer_length, sh.class_path
         if not (isinstance(buf, int) and buf >= 0):
             c.bad(f"{key}.reward_shaping.overlong_buffer_length", buf, "must be an integer >= 0", "set it >= 0")
         if not buf and not fn:
             c.bad(f"{key}.reward_shaping.enabled", True, "shaping is on but shapes nothing",
                   "set overlong_buffer_length > 0 and/or class_path, or enabled: false")
-        length = sh.get("max_response_length") or get(c.gen, "max_new_tokens", 16)
+        length = sh.max_response_length or c.gen_cfg.max_new_tokens
         if isinstance(buf, int) and buf > length:
             c.bad(f"{key}.reward_shaping.overlong_buffer_length", buf, f"exceeds the penalty's max_response_length "
                   f"({length})", f"set it <= {length}")
@@ -151,9 +152,9 @@ def _reward_transform_rules(c: RuleContext) -> None:
             except ValueError as err:
                 c.bad(f"{key}.reward_shaping.class_path", fn, str(err).split(": ", 1)[-1],
                       "name an importable fn(reward, response_length, finish_reason)")
-    if sc.get("enabled") and not sc.get("source_max", 1.0) > sc.get("source_min", 0.0):
-        c.bad(f"{key}.reward_scaling.source_max", sc.get("source_max"), f"must exceed source_min "
-              f"({sc.get('source_min', 0.0)})", "give a non-empty source range")
+    if sc.enabled and not sc.source_max > sc.source_min:
+        c.bad(f"{key}.reward_scaling.source_max", sc.source_max, f"must exceed source_min ({sc.source_min})",
+              "give a non-empty source range")
 
 
 def sampler_block_rules(c: RuleContext) -> None:
@@ -167,13 +168,13 @@ def sampler_block_rules(c: RuleContext) -> None:
         c.bad("async_rl.min_groups_for_streaming_train", m,
               f"exceeds {c.algo_key}.num_prompts_per_step ({P}): a step could never be assembled", f"set it <= {P}")
     for knob in ("max_inflight_prompts", "max_buffered_rollouts"):
-        v = c.async_rl.get(knob)
+        v = getattr(c.async_cfg, knob)
         if v is not None and (not isinstance(v, int) or v < 1):
             c.bad(f"async_rl.{knob}", v, "must be an integer >= 1 or null (derived)", f"set async_rl.{knob} >= 1")
     if c.sampler is None or c.rules is None:
         return
     need = required_buffer_capacity(c.sampler, P, c.min_groups)
-    have = c.async_rl.get("max_buffered_rollouts")
+    have = c.async_cfg.max_buffered_rollouts
     if isinstance(have, int) and 1 <= have < need:
         c.bad("async_rl.max_buffered_rollouts", have,
               f"below the {c.rules.name} sampler's required capacity {need} ({c.rules.capacity_rule()}): "
@@ -184,20 +185,20 @@ def sampler_block_rules(c: RuleContext) -> None:
 def _sampler_needs_rules(c: RuleContext) -> None:
     """What the configured sampler needs from the rest of the config (its own rule hooks say)."""
     assert c.sampler is not None and c.rules is not None
-    loss_is = get(c.cfg, "model.init_args.loss_fn.init_args.use_importance_sampling_correction", None)
-    if loss_is is None:
-        loss_is = get(c.cfg, "model.init_args.loss_fn.use_importance_sampling_correction", False)
-    proximal = get(c.cfg, "model.init_args.loss_fn.init_args.proximal_policy", None)
+    loss_is = get(c.cfg, "model.init_args.loss_fn.init_args.use_importance_sampling_correction")
+    if loss_is is None:  # unset: off (the loss's default)
+        loss_is = bool(get(c.cfg, "model.init_args.loss_fn.use_importance_sampling_correction"))
+    proximal = get(c.cfg, "model.init_args.loss_fn.init_args.proximal_policy")
     needed = c.rules.correction_needed()  # naive PPO (clipping against the behaviour policy) is a correction too
     if needed is not None and not loss_is and proximal != "behaviour":
         c.bad("model.init_args.loss_fn.init_args.use_importance_sampling_correction", loss_is, *needed)
-    budget = c.rf.get("max_skipped_prompts", 0) + c.rf.get("max_consecutive_dropped_prompts", 0)
-    if budget > 0 and not c.rules.supports_drop_budgets and c.rf.get("on_dropped_prompt") != "replace":
+    budget = c.rf_cfg.max_skipped_prompts + c.rf_cfg.max_consecutive_dropped_prompts
+    if budget > 0 and not c.rules.supports_drop_budgets and c.rf_cfg.on_dropped_prompt != "replace":
         c.bad("async_rl.rollout_failure.max_skipped_prompts", budget,
               f"drop budgets need a sampler that stamps target steps; {c.rules.name} would wait forever for a "
               "dropped group", "use sampler in_order, set on_dropped_prompt: replace, or set both drop budgets to 0")
     warm = c.sampler.warmup_lookahead_versions if isinstance(c.sampler, InOrderSamplerConfig) else None
-    if warm is not None and not (c.algo.get("policy_training_start_step", 0) or 0):
+    if warm is not None and not getattr(c.algo_cfg, "policy_training_start_step", None):
         if c.algorithm.needs_critic:
             c.bad("async_rl.sampler.warmup_lookahead_versions", warm,
                   f"requires {c.algo_key}.policy_training_start_step > 0 (it is the lookahead during critic warmup)",
@@ -218,39 +219,39 @@ def loss_rules(c: RuleContext) -> None:
 
 
 def failure_rules(c: RuleContext) -> None:
-    rf = c.rf
-    stall = get(c.async_rl, "watchdog.stall_timeout_s", None)
+    rf = c.rf_cfg
+    stall = c.async_cfg.watchdog.stall_timeout_s
     if stall is not None and not (isinstance(stall, (int, float)) and stall > 0):
         c.bad("async_rl.watchdog.stall_timeout_s", stall, "must be a number of seconds > 0, or null (off)",
               "set e.g. stall_timeout_s: 600")
-    if rf.get("max_backoff_s", 30.0) < rf.get("backoff_base_s", 1.0):
-        c.bad("async_rl.rollout_failure.max_backoff_s", rf.get("max_backoff_s"), "is below backoff_base_s "
-              f"({rf.get('backoff_base_s')})", "set max_backoff_s >= backoff_base_s")
-    frac = rf.get("min_step_batch_fraction", 0.9)
+    if rf.max_backoff_s < rf.backoff_base_s:
+        c.bad("async_rl.rollout_failure.max_backoff_s", rf.max_backoff_s, "is below backoff_base_s "
+              f"({rf.backoff_base_s})", "set max_backoff_s >= backoff_base_s")
+    frac = rf.min_step_batch_fraction
     if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
         c.bad("async_rl.rollout_failure.min_step_batch_fraction", frac, "must be in (0, 1]", "set e.g. 0.9")
     for knob in ("max_infra_attempts", "max_data_attempts"):
-        if rf.get(knob, 1) < 1:
-            c.bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 1", f"set {knob} >= 1")
+        if getattr(rf, knob) < 1:
+            c.bad(f"async_rl.rollout_failure.{knob}", getattr(rf, knob), "must be >= 1", f"set {knob} >= 1")
     for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-        if rf.get(knob, 0) < 0:
-            c.bad(f"async_rl.rollout_failure.{knob}", rf.get(knob), "must be >= 0", f"set {knob} >= 0")
-    if rf.get("on_dropped_prompt") == "replace":
+        if getattr(rf, knob) < 0:
+            c.bad(f"async_rl.rollout_failure.{knob}", getattr(rf, knob), "must be >= 0", f"set {knob} >= 0")
+    if rf.on_dropped_prompt == "replace":
         for knob in ("max_replacement_attempts", "replacement_reserve_prompts"):
-            v = rf.get(knob, 1)
+            v = getattr(rf, knob)
             if not isinstance(v, int) or v < 1:
                 c.bad(f"async_rl.rollout_failure.{knob}", v, "on_dropped_prompt: replace needs an integer >= 1",
                       f"set {knob} >= 1, or on_dropped_prompt: shrink")
 
 
 def batch_rules(c: RuleContext) -> None:
-    if not get(c.cfg, "data_plane.enabled", True):
+    if not c.dp_cfg.enabled:
         c.bad("data_plane.enabled", False, "the single controller moves every rollout through TransferQueue",
               "set data_plane.enabled: true")
     if c.dp_backend != "simple":
         c.bad("data_plane.backend", c.dp_backend, "TransferQueue's Mooncake storage is not wired into screl (its "
               "transfer engine is not installed here); the run would use SimpleStorage", "set data_plane.backend: simple")
-    node_res = get(c.cfg, "data_plane.storage_node_resource", None)
+    node_res = c.dp_cfg.storage_node_resource
     if node_res is not None and (not isinstance(node_res, str) or not node_res or node_res in ("CPU", "GPU")):
         c.bad("data_plane.storage_node_resource", node_res, "must be a Ray resource name that the storage nodes "
               "offer (a custom one, e.g. head_node)", "set it to a resource given to ray start --resources, or null")
@@ -266,15 +267,15 @@ def batch_rules(c: RuleContext) -> None:
 
 
 def generation_rules(c: RuleContext) -> None:
-    gen, key = c.gen, "data.init_args.generation"
-    backend = gen.get("backend", "torch")
-    workflow = gen.get("workflow")
+    gen, key = c.gen_cfg, "data.init_args.generation"
+    backend = gen.backend
+    workflow = gen.workflow
     resolvable = workflow is not None and moved_to(str(workflow)) is None  # moved_path_rules names a moved one's home
     workflow_error = workflow_problem(str(workflow)) if resolvable else None
     if workflow_error is not None:
         c.bad(f"{key}.workflow", workflow, workflow_error, "name an importable class with a run(items, generate) "
               "method, e.g. screl.rollout.workflows.workflow.SingleTurnWorkflow")
-    if not gen.get("async_engine", True):
+    if not gen.async_engine:
         c.bad(f"{key}.async_engine", False, "screl has no synchronous engine: every backend runs an async engine "
               "(vLLM's AsyncLLM, the torch engine's request loop), colocated or not", "set async_engine: true")
     try:
@@ -290,22 +291,22 @@ def generation_rules(c: RuleContext) -> None:
 
 
 def _resource_rules(c: RuleContext) -> None:
-    gen, key = c.gen, "data.init_args.generation"
-    v = gen.get("refit_bucket_mb", 64.0)
+    gen, key = c.gen_cfg, "data.init_args.generation"
+    v = gen.refit_bucket_mb
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         c.bad(f"{key}.refit_bucket_mb", v, "must be a number > 0", "set refit_bucket_mb > 0")
-    cpus = gen.get("num_cpus_per_worker", 1.0)
+    cpus = gen.num_cpus_per_worker
     if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
         c.bad(f"{key}.num_cpus_per_worker", cpus, "must be a number >= 0", "set num_cpus_per_worker > 0")
-    elif cpus == 0 and not (gen.get("resources") or gen.get("num_gpus_per_worker")):
+    elif cpus == 0 and not (gen.resources or gen.num_gpus_per_worker):
         c.bad(f"{key}.num_cpus_per_worker", 0, "a worker that reserves nothing can land on any node, any number "
               "of them on one", "set num_cpus_per_worker > 0, or place the workers with resources or "
               "num_gpus_per_worker")
-    g = gen.get("num_gpus_per_worker")
+    g = gen.num_gpus_per_worker
     if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g < 0):
         c.bad(f"{key}.num_gpus_per_worker", g, "must be a number >= 0 or null (derived)",
               "set num_gpus_per_worker >= 0 or null")
-    custom = gen.get("resources") or {}
+    custom = gen.resources or {}
     if not isinstance(custom, dict):
         c.bad(f"{key}.resources", custom, "must be a mapping of Ray resource name to amount",
               "write resources: {rollout_node: 1}")
@@ -317,28 +318,28 @@ def _resource_rules(c: RuleContext) -> None:
                   else "drop it: Ray sizes memory itself")
         elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
             c.bad(f"{key}.resources.{name}", amount, "must be a number > 0", f"set resources.{name} > 0")
-    gpus = (gen.get("num_gpus_per_worker") or 0) + get(gen, "colocated.resources.gpus_per_node", 0)
+    gpus = (gen.num_gpus_per_worker or 0) + gen.colocated.resources.gpus_per_node
     on_device = c.engine is not None and c.engine.on_generation_device
-    if on_device and gen.get("device", "cpu") == "cpu" and gpus > 0:
+    if on_device and gen.device == "cpu" and gpus > 0:
         c.bad(f"{key}.device", "cpu", "GPUs are set aside for generation (num_gpus_per_worker or "
               f"colocated.resources.gpus_per_node) but the {c.engine_name} engine runs on the CPU: they would sit idle",
               "set device: cuda, or set the GPU counts to 0")
 
 
 def _sampling_rules(c: RuleContext) -> None:
-    gen, key = c.gen, "data.init_args.generation"
-    if gen.get("temperature", 1.0) <= 0:
-        c.bad(f"{key}.temperature", gen.get("temperature"), "must be > 0 (logprobs of a greedy policy are "
+    gen, key = c.gen_cfg, "data.init_args.generation"
+    if gen.temperature <= 0:
+        c.bad(f"{key}.temperature", gen.temperature, "must be > 0 (logprobs of a greedy policy are "
               "undefined for importance sampling)", "set temperature > 0")
-    top_p = gen.get("top_p", 1.0)
+    top_p = gen.top_p
     if not 0 < top_p <= 1:
         c.bad(f"{key}.top_p", top_p, "must be in (0, 1]", "set top_p: 1.0")
-    if gen.get("min_new_tokens", 0) > gen.get("max_new_tokens", 16):
-        c.bad(f"{key}.min_new_tokens", gen.get("min_new_tokens"), f"exceeds max_new_tokens "
-              f"({gen.get('max_new_tokens')})", "set min_new_tokens <= max_new_tokens")
-    if gen.get("num_workers", 1) < 1:
-        c.bad(f"{key}.num_workers", gen.get("num_workers"), "must be >= 1", "set num_workers >= 1")
-    for k, value in ((f"{key}.num_threads", gen.get("num_threads")),
+    if gen.min_new_tokens > gen.max_new_tokens:
+        c.bad(f"{key}.min_new_tokens", gen.min_new_tokens, f"exceeds max_new_tokens ({gen.max_new_tokens})",
+              "set min_new_tokens <= max_new_tokens")
+    if gen.num_workers < 1:
+        c.bad(f"{key}.num_workers", gen.num_workers, "must be >= 1", "set num_workers >= 1")
+    for k, value in ((f"{key}.num_threads", gen.num_threads),
                      ("data.init_args.train_num_threads", get(c.cfg, "data.init_args.train_num_threads"))):
         if value is not None and value < 1:
             c.bad(k, value, "must be >= 1 or null", f"set {k.rsplit('.', 1)[-1]}: null (automatic) or >= 1")
@@ -350,7 +351,7 @@ def algorithm_pairing_rules(c: RuleContext) -> None:
     algo, key = c.algorithm, c.algo_key
     for knob, ok, fix in (("std_floor", lambda v: v >= 0, "set it to 0 (none) or e.g. 0.1"),
                           ("warn_abs_advantage", lambda v: v > 0, "set it to e.g. 10")):
-        value = get(c.algo, f"adv_estimator.{knob}", None)
+        value = getattr(c.algo_cfg.adv_estimator, knob)
         if isinstance(value, (int, float)) and not ok(value):
             c.bad(f"{key}.adv_estimator.{knob}", value, "must be >= 0" if knob == "std_floor" else "must be > 0", fix)
     _adv_estimator_rule(c)
@@ -369,7 +370,8 @@ def algorithm_pairing_rules(c: RuleContext) -> None:
               f"{' or '.join(algo.samplers)} sampler", f"set async_rl.sampler.name: {algo.samplers[0]}")
     if not algo.step_may_shrink:
         _full_step_rules(c)
-    if not get(c.cfg, "model.init_args.offload_optimizer_for_logprob", True):
+    offload = get(c.cfg, "model.init_args.offload_optimizer_for_logprob")
+    if offload is not None and not offload:
         c.bad("model.init_args.offload_optimizer_for_logprob", False, f"{algo.title} keeps the policy optimizer off "
               "the device while the critic runs", "set it to true")
     _critic_epoch_rules(c)
@@ -379,7 +381,7 @@ def _adv_estimator_rule(c: RuleContext) -> None:
     """``adv_estimator.name`` is registered, and of the kind the algorithm computes (from values with a critic,
     from the group's rewards without one)."""
     algo, key = c.algorithm, c.algo_key
-    field, name = f"{key}.adv_estimator.name", get(c.algo, "adv_estimator.name", algo.default_adv_estimator)
+    field, name = f"{key}.adv_estimator.name", c.algo_cfg.adv_estimator.name
     fitting = adv_estimator_names(needs_values=algo.needs_critic)
     unknown = f"is not a registered advantage estimator (registered: {adv_estimator_names()})"
     fix = f"set {field} to one of {fitting}, or your function as 'package.module:fn'"
@@ -404,17 +406,18 @@ def _full_step_rules(c: RuleContext) -> None:
         c.bad("async_rl.min_groups_for_streaming_train", c.min_groups, f"{title} trains one full step per chunk "
               "(the critic has no split train API)", f"set it to {c.algo_key}.num_prompts_per_step ({c.P})")
     for knob in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-        if c.rf.get(knob, 0) != 0:
-            c.bad(f"async_rl.rollout_failure.{knob}", c.rf.get(knob), f"a drop would shorten a {title} step that "
+        if getattr(c.rf_cfg, knob) != 0:
+            c.bad(f"async_rl.rollout_failure.{knob}", getattr(c.rf_cfg, knob), f"a drop would shorten a {title} step that "
                   "the critic shards against its configured batch size", "set it to 0")
 
 
 def _critic_epoch_rules(c: RuleContext) -> None:
     key = c.algo_key
+    knobs = {k: getattr(c.algo_cfg, k) for k in ("ppo_epochs", "critic_ppo_epochs", "num_minibatches")}
     for knob in ("ppo_epochs", "critic_ppo_epochs"):
-        if c.algo.get(knob, 1) < 1:
-            c.bad(f"{key}.{knob}", c.algo.get(knob), "must be >= 1", f"set {key}.{knob} >= 1")
-    minibatches, rows = c.algo.get("num_minibatches", 1), c.P * c.G
+        if knobs[knob] < 1:
+            c.bad(f"{key}.{knob}", knobs[knob], "must be >= 1", f"set {key}.{knob} >= 1")
+    minibatches, rows = knobs["num_minibatches"], c.P * c.G
     if not isinstance(minibatches, int) or minibatches < 1 or rows % minibatches:
         divisors = [d for d in range(1, rows + 1) if rows % d == 0]
         c.bad(f"{key}.num_minibatches", minibatches, f"must be >= 1 and divide the step's num_prompts_per_step x "

@@ -9,36 +9,21 @@ Found by ``tests/test_config_fuzz.py``.
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from screl.rules.blocks import block_type, not_a_block
 from screl.rules.context import Problem
 
 __all__ = ["shape_problems"]
-
-
-def _block_type(annotation: Any) -> tuple[type | None, bool]:
-    """(the dataclass an annotation names, directly or in ``X | None``; whether None is allowed)."""
-    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
-        return annotation, False
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = typing.get_args(annotation)
-        blocks = [a for a in args if dataclasses.is_dataclass(a) and isinstance(a, type)]
-        if len(blocks) == 1 and all(a is type(None) or a is blocks[0] for a in args):
-            return blocks[0], type(None) in args
-    return None, False
 
 
 def _walk(value: Any, cls: type | None, key: str, nullable: bool, out: list[Problem]) -> None:
     if value is None and nullable:
         return
     if not isinstance(value, Mapping):
-        what = f" ({cls.__name__})" if cls is not None else ""
-        out.append(Problem(key, value, f"must be a block of settings{what}, not a {type(value).__name__}",
-                           f"write its settings as `name: value` lines under `{key.rsplit('.', 1)[-1]}:`, or "
-                           "leave it out for the defaults"))
+        out.append(Problem(key, value, *not_a_block(cls, key, value)))
         return
     if cls is None:  # a block whose inside the parser checks (Lightning's trainer, model, data)
         return
@@ -48,7 +33,7 @@ def _walk(value: Any, cls: type | None, key: str, nullable: bool, out: list[Prob
         return
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         if field.name in value:
-            sub, sub_nullable = _block_type(hints.get(field.name))
+            sub, sub_nullable = block_type(hints.get(field.name))
             if sub is not None:
                 _walk(value[field.name], sub, f"{key}.{field.name}", sub_nullable, out)
 

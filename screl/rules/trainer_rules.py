@@ -41,10 +41,10 @@ def _processes(devices: Any) -> int:
 
 def strategy_rules(c: RuleContext) -> None:
     name, init_args = _name(get(c.cfg, KEY))
-    procs = _processes(get(c.cfg, "trainer.devices", 1)) * int(get(c.cfg, "trainer.num_nodes", 1) or 1)
+    procs = _processes(get(c.cfg, "trainer.devices")) * int(get(c.cfg, "trainer.num_nodes") or 1)
     short = name.rsplit(".", 1)[-1]
     if name.startswith(_SPAWNING) or (short in ("DDPStrategy", "MegatronStrategy")
-                                      and init_args.get("start_method", "popen") != "popen"):
+                                      and init_args.get("start_method") not in (None, "popen")):
         c.bad(KEY, name, "a spawned or forked rank gets the LightningModule and the datamodule by pickling, and "
               "their Ray and TransferQueue handles do not survive it", f"set trainer.strategy: {{class_path: "
               f"{SCREL_DDP}}} (every rank starts as its own `screl fit`)")
@@ -73,7 +73,7 @@ def _needs_named_strategies(c: RuleContext) -> Algorithm | None:
 
 def _megatron_context_parallel_rule(c: RuleContext, short: str, init_args: dict[str, Any]) -> None:
     """GRPO's policy under MegatronStrategy computes logprobs over whole sequences: no context parallelism."""
-    cp = get(init_args, "parallelism.context_parallel_size", 1)
+    cp = get(init_args, "parallelism.context_parallel_size")
     algo = model_algorithm(c.cfg)
     if algo is not None and not algo.megatron_context_parallel and short == "MegatronStrategy" \
             and isinstance(cp, int) and cp > 1:

@@ -49,7 +49,7 @@ def _task_has_images(cls: type | None, init_args: Any) -> bool:
 def vlm_rules(c: RuleContext) -> None:
     policy = _class(get(c.cfg, f"{POLICY}.class_path"))
     task_path = get(c.cfg, f"{TASK}.class_path")
-    vlm = bool(policy is not None and getattr(policy, "is_vlm", False))
+    vlm = bool(policy is not None and getattr(policy, "is_vlm", None))
     if not vlm:
         if policy is not None and _task_has_images(_class(task_path), get(c.cfg, f"{TASK}.init_args")):
             c.bad(POLICY, policy.__name__, f"the task's prompts carry images ({task_path} draws them) and "
@@ -67,19 +67,19 @@ def vlm_rules(c: RuleContext) -> None:
               "train a vision-language policy under the default strategy (auto) or screl.strategies.DDPStrategy")
     if c.engine is not None and not c.engine.vision_inputs:
         why = c.engine.reason("vision_inputs", c.engine_name)
-        c.bad(f"{GEN}.backend", c.gen.get("backend", "torch"), f"{why}; {name}'s prompts carry images",
+        c.bad(f"{GEN}.backend", c.gen_cfg.backend, f"{why}; {name}'s prompts carry images",
               "use backend: torch")
-    if (c.gen.get("backend_args") or {}).get("decode", "auto") == "static":
+    if (c.gen_cfg.backend_args or {}).get("decode") == "static":
         c.bad(f"{GEN}.backend_args.decode", "static", "a vision-language policy decodes through Hugging Face's "
               "forward (the vision tower and multimodal positions)", "set decode: hf or auto")
-    if get(c.gen, "colocated.enabled", False):
+    if c.gen_cfg.colocated.enabled:
         c.bad(f"{GEN}.colocated.enabled", True, "colocated generation builds text prompts only; the images are "
               "drawn on a generation worker", "colocated.enabled: false")
-    workflow = str(c.gen.get("workflow") or DEFAULT_WORKFLOW)
+    workflow = str(c.gen_cfg.workflow or DEFAULT_WORKFLOW)
     if workflow.rsplit(".", 1)[-1] != "SingleTurnWorkflow":
         c.bad(f"{GEN}.workflow", workflow, "multimodal rows are built by the single-turn workflow only (a multi-turn "
               "row would need each turn's images)", "use the single-turn workflow with a vision-language policy")
-    if get(c.cfg, "model.init_args.routing_replay", False):
+    if get(c.cfg, "model.init_args.routing_replay"):
         c.bad("model.init_args.routing_replay", True, f"{name} is not a mixture-of-experts policy",
               "routing_replay: false")
     if get(c.cfg, "data.init_args.val_task") is not None:
