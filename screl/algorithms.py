@@ -1,9 +1,11 @@
 """The algorithm registry: what the CLI, the rules, the data module and the controller ask of an algorithm.
 
-Each algorithm registers once: its name, the run-config block that holds its step settings, its LightningModule
-and its step rules. Code outside an algorithm's own files asks the registry (``algorithm_of_run``,
-``algorithm_of_model``) instead of testing which algorithm it is. Plain values only: the controller (a Ray actor
-that never imports Lightning) reads the same specs.
+Each algorithm registers once (``register_algorithm``), beside its run block: its name, the block that holds its
+step settings (and that block's dataclass, from which the CLI makes ``--grpo`` / ``--ppo``), its LightningModule's
+class path (resolved only when needed) and its step rules. Code outside an algorithm's own files asks the registry
+(``algorithm_of_run``, ``algorithm_of_model``, ``run_blocks``) instead of testing which algorithm it is. Plain values
+only: the controller (a Ray actor that never imports Lightning) reads the same specs, so the built-in entries are
+registered by light files (``BUILTIN_ENTRIES``: the run blocks' own), never by the LightningModules' files.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Algorithm", "algorithm", "algorithm_of_model", "algorithm_of_run", "algorithms", "register_algorithm"]
+__all__ = [
+    "Algorithm", "algorithm", "algorithm_of_model", "algorithm_of_run", "algorithms", "register_algorithm", "run_blocks",
+]
+
+BUILTIN_ENTRIES = ("screl.config_algo", "screl.config_distill")
+"""The files whose import registers the built-in algorithms (GRPO and PPO beside their blocks, Distill beside its
+``distillation`` block), loaded by the first lookup."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class Algorithm:
     """Whether it supports ``context_parallel_size > 1`` under MegatronStrategy."""
     vision_refusal: str | None = None
     """Why it cannot train a vision-language policy (None: it can)."""
+    block: type[Any] | None = None
+    """The dataclass of its run block (``GRPOConfig``): the type of the CLI's ``--<config_key>``; of the entries
+    sharing a block, the first registered gives it."""
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -60,20 +71,36 @@ def register_algorithm(spec: Algorithm) -> Algorithm:
     return spec
 
 
+def _registry() -> dict[str, Algorithm]:
+    """Every registered algorithm, the built-in ones loaded first (a dynamic import: their files import this one)."""
+    for entries in BUILTIN_ENTRIES:
+        importlib.import_module(entries)
+    return _REGISTRY
+
+
 def algorithm(name: str) -> Algorithm:
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
 def algorithms() -> list[Algorithm]:
-    return list(_REGISTRY.values())
+    return list(_registry().values())
 
 
 def block_keys() -> list[str]:
     """The run-config blocks an algorithm may hold its step settings in (``grpo``, ``ppo``)."""
-    return sorted({a.config_key for a in _REGISTRY.values()})
+    return sorted({a.config_key for a in _registry().values()})
+
+
+def run_blocks() -> dict[str, tuple[type[Any], str]]:
+    """Each run block's key -> its dataclass and its help line (``GRPO step settings.``), in registration order."""
+    blocks: dict[str, tuple[type[Any], str]] = {}
+    for a in _registry().values():
+        if a.block is not None and a.config_key not in blocks:
+            blocks[a.config_key] = (a.block, f"{a.title} step settings.")
+    return blocks
 
 
 def algorithm_of_run(run: Any) -> Algorithm:
@@ -82,7 +109,7 @@ def algorithm_of_run(run: Any) -> Algorithm:
     get = run.get if isinstance(run, Mapping) else lambda key: getattr(run, key, None)
     present = [key for key in block_keys() if get(key) is not None]
     key = present[0] if len(present) == 1 else "grpo"
-    return next(a for a in _REGISTRY.values() if a.name == key)
+    return next(a for a in _registry().values() if a.name == key)
 
 
 def algorithm_of_model(class_path: Any) -> Algorithm | None:
@@ -91,8 +118,8 @@ def algorithm_of_model(class_path: Any) -> Algorithm | None:
     be imported (the parser reports that)."""
     if not isinstance(class_path, str) or not class_path:
         return None
-    by_path = {a.module: a for a in _REGISTRY.values()}
-    short = {f"screl.{a.module.rsplit('.', 1)[-1]}": a for a in _REGISTRY.values()}
+    by_path = {a.module: a for a in _registry().values()}
+    short = {f"screl.{a.module.rsplit('.', 1)[-1]}": a for a in by_path.values()}
     if class_path in by_path or class_path in short:
         return by_path.get(class_path) or short[class_path]
     module, _, name = class_path.rpartition(".")
@@ -106,23 +133,3 @@ def algorithm_of_model(class_path: Any) -> Algorithm | None:
             return found
     return None
 
-
-register_algorithm(Algorithm(
-    name="grpo", title="GRPO", config_key="grpo", module="screl.modules.grpo.GRPO",
-    step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo", min_generations_per_prompt=2,
-    megatron_context_parallel=False,
-))
-register_algorithm(Algorithm(
-    name="ppo", title="PPO", config_key="ppo", module="screl.modules.ppo.PPO",
-    step_may_shrink=False, needs_critic=True, default_adv_estimator="gae", samplers=("in_order",),
-    multi_process_strategies=("DDPStrategy", "MegatronStrategy"),
-    vision_refusal="PPO's critic (screl.models.ValueModel) reads token ids only: it cannot take {policy}'s images, "
-                   "so its values would ignore what the policy sees",
-))
-register_algorithm(Algorithm(
-    name="distill", title="Distill", config_key="grpo", module="screl.modules.distill.Distill",
-    step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo", min_generations_per_prompt=2,
-    megatron_context_parallel=False,
-    vision_refusal="distillation rows carry the teachers' logprobs, not {policy}'s images (the teachers would "
-                   "score the completions without them)",
-))

@@ -1,12 +1,15 @@
 """The algorithm blocks of a run (``grpo`` or ``ppo``): step sizes, advantages, reward shaping and scaling,
 validation during training. Plain dataclasses whose attribute docstrings become ``screl fit --help`` text;
 ``screl.config.RunConfig`` holds whichever block the run sets, and ``screl.algorithms`` says which algorithm
-owns it."""
+owns it: GRPO and PPO register there beside their blocks (their LightningModules by class path, imported only
+when a model is built)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from screl.algorithms import Algorithm, register_algorithm
 
 __all__ = [
     "AdvantageEstimatorConfig",
@@ -154,3 +157,17 @@ class PPOConfig(GRPOConfig):
     """NeMo-RL's async-PPO block, refused with its migration to ``async_rl`` (the spec's table): must be null."""
     async_grpo: dict[str, Any] | None = None
     """Not used by PPO; must be null."""
+
+
+register_algorithm(Algorithm(
+    name="grpo", title="GRPO", config_key="grpo", module="screl.modules.grpo.GRPO", block=GRPOConfig,
+    step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo", min_generations_per_prompt=2,
+    megatron_context_parallel=False,
+))
+register_algorithm(Algorithm(
+    name="ppo", title="PPO", config_key="ppo", module="screl.modules.ppo.PPO", block=PPOConfig,
+    step_may_shrink=False, needs_critic=True, default_adv_estimator="gae", samplers=("in_order",),
+    multi_process_strategies=("DDPStrategy", "MegatronStrategy"),
+    vision_refusal="PPO's critic (screl.models.ValueModel) reads token ids only: it cannot take {policy}'s images, "
+                   "so its values would ignore what the policy sees",
+))

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from screl.algorithms import Algorithm, register_algorithm
+from screl.config_algo import GRPOConfig
 from screl.models.spec import PolicySpec
 
 KEY = "model.init_args.distillation"
@@ -141,3 +143,13 @@ def distill_plan_name(raw: Mapping[str, Any]) -> str:
              if raw.get("estimator") == "top_k" else "")
     return (f"Distill (GRPO steps; teachers {names}, map {raw.get('teacher_map') or {}}, default "
             f"{raw.get('default_teacher')!r}, reward_weight {raw.get('reward_weight', 0.0)}{top_k})")
+
+
+# Distill trains GRPO's steps on the `grpo` block; its teachers are `model.init_args.distillation` (above)
+register_algorithm(Algorithm(
+    name="distill", title="Distill", config_key="grpo", module="screl.modules.distill.Distill", block=GRPOConfig,
+    step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo", min_generations_per_prompt=2,
+    megatron_context_parallel=False,
+    vision_refusal="distillation rows carry the teachers' logprobs, not {policy}'s images (the teachers would "
+                   "score the completions without them)",
+))

@@ -7,9 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from screl.algorithms import Algorithm, algorithm, algorithm_of_model, algorithm_of_run, register_algorithm
+from screl.algorithms import (
+    Algorithm,
+    algorithm,
+    algorithm_of_model,
+    algorithm_of_run,
+    register_algorithm,
+    run_blocks,
+)
 from screl.config import GRPOConfig, PPOConfig, RunConfig
-from screl.modules.ppo import PPO
+from screl.modules import GRPO, PPO, Distill, PolicyGradientModule
+from screl.modules.ppo import PPO as PPO_BY_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,12 +30,28 @@ def test_each_module_class_path_maps_to_its_algorithm() -> None:
     assert algorithm_of_model("screl.GRPO") is algorithm("grpo")
     assert algorithm_of_model("screl.modules.ppo.PPO") is algorithm("ppo")
     assert algorithm_of_model("screl.Distill") is algorithm("distill")
-    # a subclass is its most derived registered base (Distill derives from GRPO)
     assert algorithm_of_model("screl.modules.distill.Distill").name == "distill"
     assert algorithm_of_model("test_algorithms.MyPPO") is algorithm("ppo")
     assert algorithm_of_model("screl.models.TinyCausalLM") is None
     assert algorithm_of_model("no.such.Module") is None
     assert algorithm_of_model(None) is None
+
+
+def test_the_algorithms_are_siblings_over_one_base_each_registered_with_its_block() -> None:
+    for cls in (GRPO, PPO, Distill):
+        assert issubclass(cls, PolicyGradientModule)
+        assert not any(issubclass(cls, other) for other in (GRPO, PPO, Distill) if other is not cls), cls
+        assert algorithm_of_model(f"{cls.__module__}.{cls.__qualname__}").name == cls.__name__.lower()
+    assert PPO is PPO_BY_PATH  # screl.modules.PPO is the class the registry names
+    assert run_blocks() == {"grpo": (GRPOConfig, "GRPO step settings."), "ppo": (PPOConfig, "PPO step settings.")}
+    assert algorithm("distill").block is GRPOConfig  # Distill trains on the grpo block
+
+
+def test_the_cli_declares_no_algorithm_block_of_its_own() -> None:
+    cli = (ROOT / "screl" / "cli.py").read_text()
+    declared = r'^\s+(GRPOConfig|PPOConfig),$|(type=|": )(GRPOConfig|PPOConfig)|"--(grpo|ppo)"|\("grpo", "ppo"'
+    assert not re.search(declared, cli, re.M), "derive them from screl.algorithms.run_blocks()"
+    assert re.search(declared, '        parser.add_argument("--grpo", type=GRPOConfig | None, default=None)', re.M)
 
 
 def test_a_run_is_the_algorithm_of_its_block() -> None:

@@ -19,7 +19,8 @@ from screl.modules.ppo import PPO
 from tests.test_grpo_module import _Batches, _rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("screl/modules/grpo.py", "screl/modules/ppo.py", "screl/modules/distill.py")
+ALGORITHMS = ("screl/modules/grpo.py", "screl/modules/ppo.py", "screl/modules/distill.py", "screl/modules/chunked.py",
+              "screl/modules/policy_gradient.py")
 # what a test of the compute path looks like: the strategy's attribute, its type, Megatron's process groups
 _PATH_TESTS = re.compile(r"_megatron_strategy|_megatron\(\)|isinstance\([^)]*Megatron|parallel_state")
 

@@ -318,13 +318,13 @@ def test_an_advantage_blow_up_is_logged_and_warned_and_the_std_floor_bounds_it(
     # the last row's siblings [0.1, 0.1, 0.11]: baseline 0.31/3, Bessel std sqrt((2 (0.01/3)^2 + (0.02/3)^2) / 2)
     gap = 0.5 - 0.31 / 3
     std = math.sqrt((2 * (0.01 / 3) ** 2 + (0.02 / 3) ** 2) / 2)
-    with caplog.at_level(logging.WARNING, logger="screl.modules.grpo"):
+    with caplog.at_level(logging.WARNING, logger="screl.modules.chunked"):
         cap = _fit(_group_of_four(0.0), [_near_tie_batch()])
     assert cap.metrics[0]["train/advantage_abs_max"] == pytest.approx(gap / (std + 1e-6), rel=1e-5)  # ~68.7
     warned = [r.getMessage() for r in caplog.records if "advantage of magnitude" in r.getMessage()]
     assert len(warned) == 1 and "grpo.adv_estimator.std_floor" in warned[0], warned
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="screl.modules.grpo"):
+    with caplog.at_level(logging.WARNING, logger="screl.modules.chunked"):
         cap = _fit(_group_of_four(0.1), [_near_tie_batch()])
     assert cap.metrics[0]["train/advantage_abs_max"] == pytest.approx(gap / (0.1 + 1e-6), rel=1e-5)  # ~3.97
     assert not [r for r in caplog.records if "advantage of magnitude" in r.getMessage()]

@@ -1,4 +1,5 @@
-"""Pure torch RL math: advantages (registered estimators: GRPO, RLOO, GAE) and policy/value losses with IS correction."""
+"""Pure torch RL math: advantages (registered estimators: GRPO, RLOO, GAE) and policy/value losses with IS correction
+(registered policy losses: ``clipped``)."""
 
 from screl.algos.advantages import (
     AdvantageEstimator,
@@ -12,7 +13,14 @@ from screl.algos.advantages import (
     terminal_token_rewards,
 )
 from screl.algos.distill import ReverseKLDistillLoss, distill_advantages, top_k_forward_kl, top_k_reverse_kl
-from screl.algos.losses import ClippedPGLoss, ClippedValueLoss, KLEstimator, PolicyLoss, kl_estimate
+from screl.algos.losses import ClippedPGLoss, ClippedValueLoss, KLEstimator, kl_estimate
+from screl.algos.policy_loss import (
+    PolicyLoss,
+    get_policy_loss,
+    policy_loss,
+    policy_loss_names,
+    register_policy_loss,
+)
 
 __all__ = [
     "AdvantageEstimator",
@@ -25,10 +33,14 @@ __all__ = [
     "distill_advantages",
     "gae_advantages",
     "get_adv_estimator",
+    "get_policy_loss",
     "grpo_advantages",
     "kl_estimate",
     "masked_whiten",
+    "policy_loss",
+    "policy_loss_names",
     "register_adv_estimator",
+    "register_policy_loss",
     "rloo_advantages",
     "terminal_token_rewards",
     "top_k_forward_kl",

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from screl.algos.losses import ClippedPGLoss
+from screl.algos.policy_loss import PolicyLoss
 from screl.algos.stats import masked_mean, valid_mask
 
 __all__ = ["ReverseKLDistillLoss", "distill_advantages", "top_k_forward_kl", "top_k_reverse_kl"]
@@ -107,14 +108,14 @@ class ReverseKLDistillLoss(nn.Module):
         kl_coef: weight of the reverse-KL advantage.
     """
 
-    def __init__(self, pg: ClippedPGLoss | None = None, reward_weight: float = 0.0, kl_coef: float = 1.0) -> None:
+    def __init__(self, pg: PolicyLoss | None = None, reward_weight: float = 0.0, kl_coef: float = 1.0) -> None:
         super().__init__()
         if not kl_coef > 0.0:
             raise ValueError(f"ReverseKLDistillLoss(kl_coef={kl_coef!r}) must be > 0: use GRPO for reward-only "
                              "training")
         if not reward_weight >= 0.0:
             raise ValueError(f"distillation.reward_weight={reward_weight!r} must be >= 0 (0: pure distillation)")
-        self.pg = pg if pg is not None else ClippedPGLoss()
+        self.pg: PolicyLoss = pg if pg is not None else ClippedPGLoss()
         self.reward_weight = reward_weight
         self.kl_coef = kl_coef
 

@@ -1,6 +1,7 @@
 """Policy and value losses for GRPO/PPO, with importance-sampling correction for async rollouts.
 
-Each loss is an ``nn.Module`` that owns its hyperparameters and is chosen by ``class_path``. ``forward``
+Each loss is an ``nn.Module`` that owns its hyperparameters and is chosen by ``class_path`` (a policy loss also by
+its registered name, :mod:`screl.algos.policy_loss`). ``forward``
 takes tensors only and returns ``(loss, metrics)``; metrics are detached scalars with plain names (the
 LightningModule adds the ``train/`` prefix).
 
@@ -12,11 +13,12 @@ of row ``b``, and ``token_mask[b, t]`` says whether that token is trained on. Sh
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
+from screl.algos.policy_loss import PolicyLoss, register_policy_loss
 from screl.algos.stats import masked_mean, valid_mask, weight_stats
 from screl.algos.value_loss import ClippedValueLoss
 
@@ -29,25 +31,6 @@ _PROXIMAL = ("trainer", "behaviour")
 _IS_MODES = ("truncate", "mask")
 #: One hyperparameter check: ``(failed, argument, why, fix)``.
 _Check = tuple[bool, str, str, str]
-
-
-class PolicyLoss(Protocol):
-    """What a GRPO/PPO LightningModule calls; :class:`ClippedPGLoss` is the built-in one."""
-
-    @property
-    def requires_reference_logprobs(self) -> bool: ...
-
-    def __call__(
-        self,
-        curr_logprobs: Tensor,
-        prev_logprobs: Tensor,
-        generation_logprobs: Tensor,
-        advantages: Tensor,
-        token_mask: Tensor,
-        sample_mask: Tensor | None = None,
-        reference_logprobs: Tensor | None = None,
-        global_normalizer: float | Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 def kl_estimate(
@@ -83,6 +66,7 @@ def kl_estimate(
     return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
+@register_policy_loss("clipped")
 class ClippedPGLoss(nn.Module):
     """Clipped policy-gradient surrogate (PPO, Schulman et al. 2017, eq. 7) with DAPO's decoupled clip
     (Yu et al. 2025), dual clip (Ye et al. 2020), GSPO sequence ratios (Zheng et al. 2025), a KL penalty

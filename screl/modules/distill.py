@@ -10,7 +10,7 @@ Why a module of its own rather than a GRPO option: the teachers change what a ro
 the objective is (per-token advantages), and they must be started with the rollout side; a ``Distill`` config says
 so in its ``class_path``, a GRPO config stays exactly what it was, and ``screl check`` validates the teachers where
 they are written (``model.init_args.distillation``). Everything else (optimizer, micro-batching, IS, refits,
-Megatron) is GRPO's, inherited.
+Megatron) is shared with GRPO: both are chunked policy-gradient modules (:mod:`screl.modules.chunked`).
 
 With ``distillation.estimator: top_k`` the rows also carry the teacher's top-k tokens and logprobs at each completion
 position, and the loss adds the exact reverse KL over them (:func:`screl.algos.top_k_reverse_kl`; with
@@ -27,37 +27,40 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from screl.algos import ClippedPGLoss, ReverseKLDistillLoss
+from screl.algos import PolicyLoss, ReverseKLDistillLoss
 from screl.algos.distill import TOP_K_KL
 from screl.algos.stats import masked_mean, valid_mask
+from screl.config import GRPOConfig, from_dict
 from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
 from screl.modules.chunk import Chunk
-from screl.modules.grpo import GRPO
+from screl.modules.chunked import ChunkedPolicyGradient
 from screl.modules.logprobs import chunked_logprobs_of_hidden, output_head
+from screl.modules.optim import OptimSettings
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout.rows import RowSchema
 
 
-class Distill(GRPO):
+class Distill(ChunkedPolicyGradient):
     """On-policy distillation of ``policy`` toward one or several teachers (routed by the prompt's ``task_source``).
 
     Args:
         policy: The student's policy spec.
         distillation: The teachers, their routing and the reward mix (:class:`screl.config_distill.DistillationConfig`).
         loss_fn: The clipped surrogate the distillation advantages go through (``ClippedPGLoss``: its clip, IS
-            correction and aggregation); None uses its defaults.
+            correction and aggregation), or a registered policy loss's name; None: ``clipped`` with its defaults.
 
-    The other arguments are :class:`screl.GRPO`'s.
+    The other arguments are :class:`screl.GRPO`'s; the step is GRPO's chunked step (:mod:`screl.modules.chunked`),
+    the objective the teachers'.
     """
 
     def __init__(
         self,
         policy: PolicySpec,
         distillation: DistillationConfig,
-        loss_fn: ClippedPGLoss | None = None,
-        learning_rate: float = 3e-3,
+        loss_fn: PolicyLoss | str | None = None,
+        learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int | None = None,
@@ -68,13 +71,18 @@ class Distill(GRPO):
         micro_batch_tokens: int | None = None,
         logprob_chunk_tokens: int | None = None,
         activation_checkpointing: bool | Literal["full", "selective"] = False,
+        optimizer: str = "torch.optim.AdamW",
+        lr_scheduler: Literal["constant", "linear", "cosine"] = "constant",
+        warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
     ) -> None:
         super().__init__(
-            policy, loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay,
-            max_grad_norm=max_grad_norm, micro_batch_size=micro_batch_size,
-            train_global_batch_size=train_global_batch_size, temperature=temperature,
-            behaviour_logprobs=behaviour_logprobs, algo=algo, micro_batch_tokens=micro_batch_tokens,
-            logprob_chunk_tokens=logprob_chunk_tokens, activation_checkpointing=activation_checkpointing,
+            policy, from_dict(GRPOConfig, algo) if not isinstance(algo, GRPOConfig) else algo,
+            OptimSettings(optimizer, lr_scheduler, warmup_steps, warmup_ratio), loss_fn=loss_fn,
+            learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+            micro_batch_size=micro_batch_size, train_global_batch_size=train_global_batch_size,
+            temperature=temperature, behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
+            activation_checkpointing=activation_checkpointing, micro_batch_tokens=micro_batch_tokens,
         )
         self.distillation = DistillationConfig.coerce(distillation)
         problems = self.distillation.problems()
@@ -130,11 +138,12 @@ class Distill(GRPO):
         if "teacher_logprobs" not in batch:
             raise RuntimeError("screl.Distill got a chunk without teacher_logprobs: its rows were written by workers "
                                "started without the teachers (model.init_args.distillation); restart the run")
-        return self.distill_loss(  # type: ignore[no-any-return]
+        loss, metrics = self.distill_loss(
             curr, prev, gen, batch["teacher_logprobs"][sl].to(curr.dtype), chunk.token_mask[sl],
             chunk.sample_mask[sl], reward_advantages=chunk.advantages[sl], reference_logprobs=ref,
             global_normalizer=chunk.valid_tokens if self.loss_fn.token_level_loss else None,
         )
+        return loss, metrics
 
     def _top_k_objective(self, batch: dict[str, Any], chunk: Chunk, sl: slice, curr: Tensor, prev: Tensor,
                          gen: Tensor, ref: Tensor | None, student_top: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

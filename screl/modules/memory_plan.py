@@ -137,7 +137,7 @@ def config_estimate(cfg: Mapping[str, Any]) -> tuple[MemoryEstimate | None, str]
     the Megatron layout. Returns the estimate and a note (why there is none, or what the budget is)."""
     import importlib
 
-    from screl.modules.grpo import ACCELERATOR_MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS
+    from screl.modules.chunk import ACCELERATOR_MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS
 
     args = _get(cfg, "model.init_args", {}) or {}
     policy = args.get("policy") or {}

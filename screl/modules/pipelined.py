@@ -1,4 +1,4 @@
-"""GRPO's chunk under pipeline parallelism: its micro-batches through ``MegatronStrategy.forward_backward``.
+"""A chunked step (GRPO, Distill) under pipeline parallelism: its micro-batches through ``MegatronStrategy.forward_backward``.
 
 With ``pipeline_model_parallel_size > 1`` each rank holds a few layers: the first stage embeds the tokens, the
 last one computes the logits, and activations travel between them. So the loss cannot be a plain call of the
@@ -17,7 +17,7 @@ from torch import Tensor
 
 
 def pipelined_chunk(module: Any, batch: dict[str, Any], chunk: Any) -> tuple[Tensor, dict[str, list[Tensor]]]:
-    """``GRPO._backward_chunk`` under PP > 1: the chunk's loss (summed over data-parallel shards) and the
+    """``ChunkedPolicyGradient._backward_chunk`` (GRPO, Distill) under PP > 1: the chunk's loss (summed over data-parallel shards) and the
     metrics of each micro-batch, on every rank."""
     from megatron.core import parallel_state
 

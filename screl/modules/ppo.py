@@ -5,7 +5,9 @@ One RL step is one chunk of ``num_prompts_per_step x num_generations_per_prompt`
 values, the policy's logprobs before any update (the ``prev`` of every epoch's ratio) and, with ``ppo.reward_kl_coef``,
 the reference policy's; (2) **GAE** over token rewards (the sequence reward on the last completion token, minus the KL
 penalty); (3) ``critic_ppo_epochs`` critic epochs, then ``ppo_epochs`` policy epochs over that same batch, each
-``ppo.num_minibatches`` optimizer updates (:mod:`screl.modules.ppo_step`). Importance-sampling correction is GRPO's.
+``ppo.num_minibatches`` optimizer updates (:mod:`screl.modules.ppo_step`). Importance-sampling correction is
+GRPO's (the shared :class:`~screl.modules.policy_gradient.PolicyGradientModule` holds the policy, its loss, the
+optimizers' settings and the logging).
 
 **Critic warmup** (``ppo.policy_training_start_step: N``): steps ``0 .. N-1`` train the critic only; the policy is
 neither updated nor refit (``refit_due`` is False), and the sampler's lookahead follows ``warmup_lookahead_versions``.
@@ -30,13 +32,15 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from typing_extensions import override
 
-from screl.algos import ClippedPGLoss, ClippedValueLoss, get_adv_estimator, terminal_token_rewards
+from screl.algos import ClippedValueLoss, PolicyLoss, get_adv_estimator, terminal_token_rewards
 from screl.config import PPOConfig
 from screl.models import PolicySpec, ValueModel
 from screl.modules.compute import CRITIC, POLICY, enable_activation_checkpointing
-from screl.modules.grpo import GRPO, master_copy, token_logprobs
+from screl.modules.logprobs import token_logprobs
 from screl.modules.masks import AllFilteredStepError, behaviour, loss_sample_mask
 from screl.modules.megatron_compute import check_actor_critic_layout, compute_for, right_padded_positions
+from screl.modules.optim import OptimSettings
+from screl.modules.policy_gradient import PolicyGradientModule, master_copy
 from screl.modules.ppo_step import StepData, checked_ppo_config, epoch_minibatches, whiten_over_shards
 from screl.modules.warm_start import load_critic_weights
 
@@ -46,7 +50,7 @@ log = logging.getLogger(__name__)
 _check_megatron_layout, _right_padded_positions = check_actor_critic_layout, right_padded_positions
 
 
-class PPO(GRPO):
+class PPO(PolicyGradientModule):
     """PPO on the single controller.
 
     Args:
@@ -55,10 +59,10 @@ class PPO(GRPO):
             (``screl.models.ValueModel``); it may differ from the policy.
         value_loss_fn: The critic loss (``screl.algos.ClippedValueLoss``).
         loss_fn: The policy loss.
-        learning_rate: Policy AdamW learning rate.
-        value_learning_rate: Critic AdamW learning rate.
+        learning_rate: The policy optimizer's peak learning rate (1e-6 by default).
+        value_learning_rate: The critic optimizer's learning rate.
         value_lr_warmup_steps: The critic's learning rate ramps linearly over this many critic updates.
-        weight_decay: AdamW weight decay (both optimizers).
+        weight_decay: Weight decay (both optimizers).
         max_grad_norm: Clip the policy's gradient norm (None: no clipping).
         value_max_grad_norm: Clip the critic's gradient norm (None: no clipping).
         micro_batch_size: Rows per forward/backward (None: the whole step).
@@ -73,6 +77,10 @@ class PPO(GRPO):
         algo: The ``ppo`` block (linked by the CLI).
         logprob_chunk_tokens: Chunked logprobs, as GRPO's (:class:`~screl.modules.GRPO`).
         activation_checkpointing: As GRPO's; a Hugging Face critic's trunk is checkpointed the same way.
+        optimizer: Both optimizers' class path (AdamW by default).
+        lr_scheduler, warmup_steps, warmup_ratio: The policy's schedule, as GRPO's, stepped once per RL step that
+            trains the policy (over the steps after ``ppo.policy_training_start_step``); the critic's is
+            ``value_lr_warmup_steps``.
 
     Precision as GRPO's: the policy and the critic train fp32 master weights whatever their specs' dtype.
     """
@@ -82,8 +90,8 @@ class PPO(GRPO):
         policy: PolicySpec,
         value: PolicySpec | None = None,
         value_loss_fn: ClippedValueLoss | None = None,
-        loss_fn: ClippedPGLoss | None = None,
-        learning_rate: float = 1e-3,
+        loss_fn: PolicyLoss | str | None = None,
+        learning_rate: float = 1e-6,
         value_learning_rate: float = 1e-3,
         value_lr_warmup_steps: int = 0,
         weight_decay: float = 0.0,
@@ -98,20 +106,22 @@ class PPO(GRPO):
         algo: dict[str, Any] | None = None,
         logprob_chunk_tokens: int | None = None,
         activation_checkpointing: bool | Literal["full", "selective"] = False,
+        optimizer: str = "torch.optim.AdamW",
+        lr_scheduler: Literal["constant", "linear", "cosine"] = "constant",
+        warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
     ) -> None:
-        super().__init__(policy, loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, micro_batch_size=micro_batch_size,
-                         train_global_batch_size=train_global_batch_size, temperature=temperature,
-                         behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
-                         activation_checkpointing=activation_checkpointing)
         if value is None:
             raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
-        self.ppo: PPOConfig = checked_ppo_config(algo)
-        self.algo = self.ppo
-        self.critic: Any = master_copy(ValueModel(value))  # fp32 masters, as the policy's
-        """``ValueModel``; under MegatronStrategy a ``MegatronValueModel`` (see ``configure_model``)."""
-        enable_activation_checkpointing(self.critic.trunk, self.activation_checkpointing)
-        self.value_loss_fn = value_loss_fn if value_loss_fn is not None else ClippedValueLoss()
+        self.ppo: PPOConfig = checked_ppo_config(algo)  # also self.algo, GRPO's step settings included
+        super().__init__(
+            policy, self.ppo, OptimSettings(optimizer, lr_scheduler, warmup_steps, warmup_ratio),
+            loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+            micro_batch_size=micro_batch_size, train_global_batch_size=train_global_batch_size,
+            temperature=temperature, behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
+            activation_checkpointing=activation_checkpointing,
+        )
+        self._build_critic(value, value_loss_fn)
         self.value_learning_rate = value_learning_rate
         self.value_lr_warmup_steps = value_lr_warmup_steps
         self.value_max_grad_norm = value_max_grad_norm
@@ -124,6 +134,13 @@ class PPO(GRPO):
         self.update_counts = {"policy": 0, "critic": 0}
         """Policy and critic optimizer updates so far (kept in checkpoints)."""
         self._said_nothing_to_offload = False
+
+    def _build_critic(self, value: PolicySpec, value_loss_fn: ClippedValueLoss | None) -> None:
+        """The critic's fp32 master copy (as the policy's), seeded from ``ppo.warm_start_value_checkpoint`` if set."""
+        self.critic: Any = master_copy(ValueModel(value))
+        """``ValueModel``; under MegatronStrategy a ``MegatronValueModel`` (see ``configure_model``)."""
+        enable_activation_checkpointing(self.critic.trunk, self.activation_checkpointing)
+        self.value_loss_fn = value_loss_fn if value_loss_fn is not None else ClippedValueLoss()
         if self.ppo.warm_start_value_checkpoint:
             load_critic_weights(self.critic, self.ppo.warm_start_value_checkpoint, self.ppo.warm_start_storage_options)
 
@@ -140,7 +157,7 @@ class PPO(GRPO):
 
     @override
     def iter_export_weights(self, bucket_bytes: int = 64 * 2**20, naming: str = "hf") -> Iterator[dict[str, Tensor]]:
-        """The policy's weights for the refit (never the critic's); see ``GRPO.iter_export_weights``."""
+        """The policy's weights for the refit (never the critic's); see ``WeightExport.iter_export_weights``."""
         yield from self._export_module(POLICY, bucket_bytes, naming)
 
     def export_critic_weights(self) -> dict[str, Tensor]:
@@ -149,12 +166,17 @@ class PPO(GRPO):
 
     @override
     def configure_optimizers(self) -> Any:
-        policy_opt = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
-        critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=self.value_learning_rate,
-                                       weight_decay=self.weight_decay)
+        """The policy's and the critic's optimizers (``optimizer``); the critic's schedule (listed first, as in
+        checkpoints written before the policy had one) warms up over ``value_lr_warmup_steps`` critic updates, the
+        policy's follows ``lr_scheduler`` and its warmup once per RL step that trains the policy (the run's steps
+        after the critic warmup, ``ppo.policy_training_start_step``)."""
+        policy_opt = self._optimizer(self.model, self.learning_rate)
+        critic_opt = self._optimizer(self.critic, self.value_learning_rate)
         warmup = max(0, self.value_lr_warmup_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(critic_opt, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
-        return [policy_opt, critic_opt], [{"scheduler": schedule, "interval": "step"}]
+        critic = torch.optim.lr_scheduler.LambdaLR(critic_opt, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0)
+        steps = self.run_steps()
+        policy = self.optim.schedule(policy_opt, max(1, steps - self.ppo.policy_training_start_step) if steps else None)
+        return [policy_opt, critic_opt], [{"scheduler": critic, "interval": "step"}, policy]
 
     # -- the step ------------------------------------------------------------------------------------
     @override
@@ -179,6 +201,8 @@ class PPO(GRPO):
         if train_policy:
             policy_loss, policy_metrics = self._policy_epochs(batch, data, policy_opt)
         self.refit_due = train_policy
+        if train_policy:
+            self._step_policy_schedule(policy_opt)
         step_updates = {k: self.update_counts[k] - updates_before[k] for k in self.update_counts}
         self._log_step(batch, data, policy_loss, policy_metrics, critic_metrics, train_policy, step_updates, t0)
         return policy_loss
@@ -211,6 +235,7 @@ class PPO(GRPO):
         adv, ret = get_adv_estimator(est.name).fn(rewards, values, mask, est)
         if est.whiten_advantages:
             adv = whiten_over_shards(adv, mask.bool(), batch, self.compute)
+        self.last_advantages = adv.detach()  # per token: screl.callbacks.Completions logs their mean per row
         rows = int(ids.shape[0])
         return StepData(input_ids=ids, attention_mask=attention, token_mask=token_mask, sample_mask=sample_mask,
                         valid_tokens=self.compute.sum_over_shards(mask.sum(), batch).clamp_min(1.0), old_values=values,
@@ -255,9 +280,10 @@ class PPO(GRPO):
                 if epoch == 0 and norm is not None:
                     first.setdefault("grad_norm", []).append(norm.detach())
                 self._update(opt, "critic", counted=last_update and epoch == epochs - 1 and j == k - 1)
-                scheduler = self.lr_schedulers()
-                assert scheduler is not None and not isinstance(scheduler, list)
-                scheduler.step()
+                schedules = self.lr_schedulers()
+                assert isinstance(schedules, list), "PPO configures the critic's and the policy's schedules"
+                critic_schedule: Any = schedules[0]
+                critic_schedule.step()
         out = {key: torch.stack(v).mean() for key, v in first.items() if key != "value_loss"}
         losses = first.get("value_loss", [])
         value_loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)

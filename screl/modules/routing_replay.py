@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from screl.models.moe import moe_routers, replay_rows
+from screl.models.moe import moe_routers, replay_problem, replay_rows
 
 KEY = "model.init_args.routing_replay"
 
@@ -26,6 +26,10 @@ def check_routing_replay(on: bool, model: torch.nn.Module, activation_checkpoint
     if not moe_routers(model):
         raise ValueError(f"{KEY}: true needs a mixture-of-experts policy (a top-k router per layer, e.g. Qwen3-MoE: "
                          f"screl.models.TinyMoECausalLM); {type(model).__name__} has none. Fix: routing_replay: false")
+    problem = replay_problem(model)
+    if problem is not None:
+        raise ValueError(f"{KEY}: true on {type(model).__name__}: {problem}. Fix: routing_replay: false, or add the "
+                         "router to screl.models.moe.REPLAYS with its test")
     if activation_checkpointing is not None:
         raise ValueError(f"{KEY}: true with activation_checkpointing={activation_checkpointing!r}: the recomputed "
                          "forward of the backward pass would route by itself. Fix: one of the two")

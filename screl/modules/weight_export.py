@@ -1,4 +1,4 @@
-"""The policy's weights as the generation engines load them (what a refit sends), for ``GRPO`` and its subclasses."""
+"""The policy's weights as the generation engines load them (what a refit sends), for every :class:`~screl.modules.policy_gradient.PolicyGradientModule`."""
 
 from __future__ import annotations
 
