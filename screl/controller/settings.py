@@ -17,7 +17,8 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
     algo, f = run.algo, run.async_rl.rollout_failure
     warmup = getattr(algo, "policy_training_start_step", 0) if run.algorithm.needs_critic else None
     prompts = tuple(
-        CorePrompt(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent")) for p in task.prompts()
+        CorePrompt(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent"), p.metadata.get("dataset_id"))
+        for p in task.prompts()
     )
     return CoreSettings(
         prompts=prompts, groups_per_step=algo.num_prompts_per_step,

@@ -9,13 +9,16 @@ of the core's, so this module does not import it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from screl.data.core_types import CorePrompt, CoreSettings, Effects, seed_for
-from screl.data.events import AdmitEvent
+from screl.data.events import AdmitEvent, Event
 from screl.data.reserve import ReplacementReserve
 from screl.data.samplers import PromptGroupSampler, call_admit
+
+E = TypeVar("E", bound=Event)
 
 
 class AdmissionState(Protocol):
@@ -64,7 +67,8 @@ def hold_spares(state: AdmissionState, eff: Effects, drained: bool = False) -> N
         return state.reserve.policy.enabled and not len(state.reserve) if drained else state.reserve.wants_batch()
 
     while short() and _loader_open(state):
-        eff.events.append(state.reserve.hold(_loader_batch(state), state.epoch, state.trainer_version))
+        batch = _loader_batch(state)
+        eff.events.append(_with_keys(state, state.reserve.hold(batch, state.epoch, state.trainer_version), batch))
 
 
 def admit(state: AdmissionState, eff: Effects) -> bool:
@@ -82,9 +86,17 @@ def admit(state: AdmissionState, eff: Effects) -> bool:
     batch = [(pid, state.epoch) for pid in _loader_batch(state)] if spares is None else spares
     state.reserve.started = True
     state.admitted.extend((pid, adm.target_step, epoch, 0) for pid, epoch in batch)
-    eff.events.append(AdmitEvent(
+    ids = [pid for pid, _ in batch]
+    eff.events.append(_with_keys(state, AdmitEvent(
         trainer_version=state.trainer_version, step=state.sampler.dispatch_index, target_step=adm.target_step,
-        prompt_ids=tuple(pid for pid, _ in batch),
-        extra={"epoch": state.epoch} if spares is None else {"from_reserve": True},
-    ))
+        prompt_ids=tuple(ids), extra={"epoch": state.epoch} if spares is None else {"from_reserve": True},
+    ), ids))
     return True
+
+
+def _with_keys(state: AdmissionState, event: E, prompt_ids: list[int]) -> E:
+    """The event with the dataset's string ids of its prompts (``prompt_keys``, in order) when they have them."""
+    keys = [state.prompts[pid].key for pid in prompt_ids]
+    if all(k is None for k in keys):
+        return event
+    return dataclasses.replace(event, extra={**(event.extra or {}), "prompt_keys": keys})

@@ -46,6 +46,9 @@ class CorePrompt:
     prompt_id: int
     task_source: str | None = None
     agent: str | None = None
+    key: str | None = None
+    """The dataset's own id of a prompt whose id is a string (``DatasetTask``'s ``metadata["dataset_id"]``): written
+    beside its prompt id where the event log admits or holds it (``prompt_keys``)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,8 @@ class SiblingReport:
     response_len: int = 0
     finish_reason: str = ""
     detail: str = ""
+    reward_parts: dict[str, float] | None = None
+    """A sealed sibling's value from each reward function (``screl.rewards``): ``train/rewards/<name>/*``."""
 
 
 @dataclass

@@ -7,6 +7,9 @@ Write a reward in one of two ways:
   ``fn(prompt: PromptRecord, completion: str) -> float``, through :class:`CustomReward`
   (or :class:`JsonlTask` for prompts read from a JSONL file).
 
+* or give TRL-style reward functions with weights (``fn(prompts, completions, completion_ids, **columns)``, a
+  reward model, verl's ``compute_score``) through :mod:`screl.rewards` (``WithRewardFuncs``; docs/rewards.md).
+
 ``completion`` is the decoded completion text (:func:`decode_completion`: special tokens skipped,
 as TRL decodes). Rewards must be deterministic plain floats and cheap; they run on the controller.
 """
@@ -39,6 +42,21 @@ RewardFn = Callable[[PromptRecord, str], float]
 """``fn(prompt, completion_text) -> float``."""
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One completion's reward as :meth:`Task.scored` gives it: the total, and for a task scored by several reward
+    functions (:mod:`screl.rewards`) each function's own value (logged as ``train/rewards/<name>/mean`` and ``/std``)."""
+
+    reward: float
+    """The reward (the weighted sum of the functions' values)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Each reward function's value by name; a function that returned ``None`` (does not apply) is absent."""
+    unscorable: bool = False
+    """Every reward function returned ``None``: the sample is masked out of the loss (TRL zeroes its advantage)."""
+    error: BaseException | None = None
+    """The sample could not be scored (a non-finite value): a data failure, resampled like a verifier error."""
+
+
 class _Decoder(Protocol):
     def decode(self, token_ids: Any, skip_special_tokens: bool = ..., **kwargs: Any) -> Any: ...
 
@@ -65,8 +83,9 @@ class Task(ABC):
     """A prompt dataset and a reward function. Subclass to plug in a task."""
 
     @abstractmethod
-    def prompts(self) -> list[PromptRecord]:
-        """All prompts, in a fixed order, with unique stable ``prompt_id``s."""
+    def prompts(self) -> Sequence[PromptRecord]:
+        """All prompts, in a fixed order, with unique stable ``prompt_id``s (a list, or a sequence that builds each
+        record as it is read: :class:`screl.envs.DatasetTask`)."""
 
     @abstractmethod
     def reward(self, prompt: PromptRecord, completion: str) -> float:
@@ -78,13 +97,19 @@ class Task(ABC):
             raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
         return [float(self.reward(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
+    def scored(self, prompts: Sequence[PromptRecord], completions: Sequence[str],
+               completion_ids: Sequence[Sequence[int]]) -> list[Scored]:
+        """Score many completions with their token ids, and say what each reward function gave: what the rollout
+        workflow calls (a task scored by :class:`screl.rewards.RewardFuncs` overrides it). Default: ``rewards``."""
+        return [Scored(float(r)) for r in self.rewards(prompts, completions)]
+
     def images(self, prompt: PromptRecord) -> list[Any]:
         """The prompt's images (PIL images), drawn or loaded where they are used: on the rollout worker, never on the
         controller (a record carries ids and metadata only). A vision-language policy's prompts carry them
         (:mod:`screl.models.vision`). Default: none (a text task)."""
         return []
 
-    def val_prompts(self) -> list[PromptRecord]:
+    def val_prompts(self) -> Sequence[PromptRecord]:
         """Held-out prompts for validation during training (``grpo.val_period``, ``val_at_start``,
         ``val_at_end``), never trained on. Default: none (give ``data.init_args.val_task`` instead)."""
         return []
@@ -121,10 +146,15 @@ class HeldOut(Task):
 
     def __init__(self, task: Task) -> None:
         self.task = task
-        self._records = list(task.val_prompts())
+        self._records = task.val_prompts()
 
-    def prompts(self) -> list[PromptRecord]:
-        return list(self._records)
+    def prompts(self) -> Sequence[PromptRecord]:
+        return self._records
+
+    def prompt(self, prompt_id: int) -> PromptRecord:
+        """The wrapped task's own lookup of a held-out prompt (``val_prompt``) where it has one."""
+        lookup = getattr(self.task, "val_prompt", None)
+        return lookup(prompt_id) if lookup is not None else super().prompt(prompt_id)
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         return float(self.task.reward(prompt, completion))
@@ -138,7 +168,7 @@ class HeldOut(Task):
     def prepare(self, policy: PolicySpec, run_dir: str) -> None:
         """Prepare the wrapped task, then take its held-out prompts again (preparing may filter them)."""
         self.task.prepare(policy, run_dir)
-        self._records = list(self.task.val_prompts())
+        self._records = self.task.val_prompts()
         self.__dict__.pop("_by_id", None)
 
 
@@ -172,7 +202,7 @@ class CustomReward(Task):
         self.reward_fn = reward_fn
         self._fn = load_reward_fn(reward_fn)
 
-    def prompts(self) -> list[PromptRecord]:
+    def prompts(self) -> Sequence[PromptRecord]:
         """The wrapped task's prompts."""
         return self.task.prompts()
 
@@ -198,7 +228,7 @@ class SlowReward(Task):
         self.task = task
         self.delay_s = delay_s
 
-    def prompts(self) -> list[PromptRecord]:
+    def prompts(self) -> Sequence[PromptRecord]:
         """The wrapped task's prompts."""
         return self.task.prompts()
 

@@ -1,11 +1,15 @@
 """Prompts from a dataset read through Hugging Face ``datasets``: a local file or folder, or a hub dataset.
 
-:class:`DatasetTask` reads one split (and optionally a second one for validation), builds one
-:class:`~screl.envs.PromptRecord` per row, and scores completions with a :class:`~screl.envs.Verifier`
-(:class:`~screl.envs.MathVerify`) or a user function. Its configuration is its identity: ``path``, ``split``,
-``data_files``, ``revision`` and the filters are init arguments, so they are part of the run configuration and
-of the bootstrap fingerprint; a restart over a different dataset refuses the bootstrap restore and names the
-changed key (``data.init_args.task.init_args.path: "old" -> "new"``).
+:class:`DatasetTask` reads one split (and optionally a second one for validation) and scores completions with a
+:class:`~screl.envs.Verifier` (:class:`~screl.envs.MathVerify`) or a user function. Its configuration is its identity:
+``path``, ``split``, ``data_files``, ``revision`` and the filters are init arguments, so they are part of the run
+configuration and of the bootstrap fingerprint; a restart over a different dataset refuses the bootstrap restore and
+names the changed key (``data.init_args.task.init_args.path: "old" -> "new"``).
+
+At scale: the split stays the Arrow table ``datasets`` memory-maps; a prompt record is built from its row when it is
+read (:class:`~screl.envs.dataset_records.Records`), each prompt is tokenized once when the run starts, and the
+task travels to the controller and the workers without its rows (each process opens the dataset again, from the
+``datasets`` cache).
 
 ``datasets`` comes with the ``tasks`` extra (``pip install 'screl[tasks]'``).
 """
@@ -13,101 +17,46 @@ changed key (``data.init_args.task.init_args.path: "old" -> "new"``).
 from __future__ import annotations
 
 import json
-import logging
 import os
-import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from screl.envs.base import PromptRecord, Task, Verifier, load_reward_fn
-from screl.envs.dataset_images import ROW_REF, check_images, decode_images, image_base_dir, undecoded
-from screl.envs.tasks import json_object, split_holdout, text_lines
+from screl.envs.dataset_columns import KEY, column
+from screl.envs.dataset_images import ROW_REF, check_images, decode_images, image_base_dir
+from screl.envs.dataset_load import load_table
+from screl.envs.dataset_prepare import check_context, context_positions, token_counts, within_limit
+from screl.envs.dataset_records import (
+    BATCH,
+    Columns,
+    Records,
+    Render,
+    Split,
+    build_record,
+    iter_rows,
+    open_split,
+    prompt_text,
+    text_columns,
+)
 
 if TYPE_CHECKING:
     from screl.models.spec import PolicySpec
 
-log = logging.getLogger(__name__)
+__all__ = ["FILTER_REPORT", "KEY", "DatasetTask"]
 
-KEY = "data.init_args.task.init_args"
-"""Where a DatasetTask's arguments sit in a run config (error messages name ``KEY.<argument>``)."""
 FILTER_REPORT = "dataset_filter.json"
 """The file ``max_prompt_tokens`` writes under the run directory (kept and dropped counts per split)."""
-_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-_MAX_LISTED_IDS = 100
+_TRAIN, _VAL = "train", "val"
 
 
-def _load(path: str, split: str, data_files: Any, revision: str | None, name: str | None) -> Any:
-    """One split as a ``datasets.Dataset``: a local file (format by suffix), a local folder (``datasets``
-    infers the format) or a hub dataset."""
-    try:
-        import datasets
-    except ImportError as err:  # pragma: no cover - the dev extra installs it
-        raise ImportError("DatasetTask needs Hugging Face `datasets`: pip install 'screl[tasks]'") from err
-    kwargs: dict[str, Any] = {"split": split, "revision": revision}
-    if os.path.isfile(path):
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in _FORMATS:
-            raise ValueError(f"{KEY}.path={path!r}: unknown file format {suffix!r}; use one of {sorted(_FORMATS)}"
-                             " (or a folder, or data_files with the builder name as path)")
-        if split != "train" and data_files is None:
-            raise ValueError(f"{KEY}.split={split!r}: a single file has only the 'train' split; set split: train,"
-                             " or give data_files: {split: file, ...}")
-        if data_files is None:
-            _check_text_file(path, _FORMATS[suffix])
-        try:
-            return datasets.load_dataset(_FORMATS[suffix], data_files=data_files or {"train": path}, **kwargs)
-        except datasets.exceptions.DatasetGenerationError as err:  # its message is only "An error occurred..."
-            cause = err.__cause__ or err.__context__ or err
-            raise ValueError(f"{KEY}.path={path!r} cannot be read as {_FORMATS[suffix]}: {type(cause).__name__}:"
-                             f" {cause}") from err
-    if not os.path.exists(path) and (path.startswith((".", "/")) or os.path.splitext(path)[1] in _FORMATS):
-        raise FileNotFoundError(f"{KEY}.path={path!r} does not exist (a local file or folder, or a hub name)")
-    try:
-        return datasets.load_dataset(path, name, data_files=data_files, **kwargs)
-    except ValueError as err:  # an unknown split: name the key
-        raise ValueError(f"{KEY}.split={split!r} cannot be read from {path!r}: {err}") from err
-
-
-def _check_text_file(path: str, fmt: str) -> None:
-    """A local JSON Lines or CSV file, line by line, before ``datasets`` parses it (its errors name neither the file
-    nor the row): empty, bytes that are not UTF-8, a JSON line that does not parse. ValueError names the line."""
-    if fmt not in ("json", "csv") or path.lower().endswith(".json"):
-        if os.path.getsize(path) == 0:
-            raise ValueError(f"{KEY}.path={path!r} is empty (0 bytes): no prompts to train on")
-        return
-    rows = 0
-    for number, line in text_lines(path, lambda n: f"{KEY}.path={path!r}: line {n}"):
-        rows += 1
-        if fmt == "json":
-            json_object(line, f"{KEY}.path={path!r}: line {number} (row {rows - 1})")
-    if rows == 0 or (fmt == "csv" and rows == 1):
-        raise ValueError(f"{KEY}.path={path!r} has no rows" + (" (only a header)" if rows else " (it is empty)")
-                         + ": no prompts to train on")
-
-
-def _context_positions(policy: PolicySpec) -> int | None:
-    """The model's context (``max_position_embeddings``) when its spec tells it without loading the model."""
-    try:
-        config = policy.build_config()
-    except Exception:  # noqa: BLE001 - a spec that cannot tell: no check here (the engine's own limit applies)
-        return None
-    value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _prompt_sources(prompt_column: str | None, messages_column: str | None, prompt_template: str | None,
-                    system_prompt: str | None, chat_template: bool) -> list[str]:
-    """The prompt-source arguments given (at most one), checked against ``chat_template``."""
+def _prompt_sources(prompt_column: str | None, messages_column: str | None, prompt_template: str | None) -> list[str]:
+    """The prompt-source arguments given (at most one)."""
     given = [k for k, v in (("prompt_column", prompt_column), ("messages_column", messages_column),
                             ("prompt_template", prompt_template)) if v is not None]
     if len(given) > 1:
         raise ValueError(f"{KEY}: {' and '.join(given)} are both set; give exactly one prompt source")
-    if messages_column is not None and not chat_template:
-        raise ValueError(f"{KEY}.messages_column={messages_column!r} needs {KEY}.chat_template: true"
-                         " (a chat becomes text only through the tokenizer's chat template)")
-    if system_prompt is not None and not chat_template:
-        raise ValueError(f"{KEY}.system_prompt needs {KEY}.chat_template: true (or set the policy's own"
-                         " system_prompt with its chat_template)")
     return given
 
 
@@ -124,17 +73,35 @@ def _check_scoring(verifier: Verifier | None, reward_fn: str | None, max_prompt_
                          " prompts; set one of them")
 
 
+def _held_rows(ids: np.ndarray, holdout: int) -> np.ndarray:
+    """The rows of the ``holdout`` prompts kept back: the smallest by a fixed hash of their ids (as
+    :func:`screl.envs.tasks.split_holdout` chooses them)."""
+    import hashlib
+    import heapq
+
+    if not 0 <= holdout < len(ids):
+        raise ValueError(f"holdout={holdout} must be in [0, {len(ids) - 1}] (the task has {len(ids)} prompts)")
+    ranked = heapq.nsmallest(holdout, range(len(ids)),
+                             key=lambda k: hashlib.sha256(f"holdout:{int(ids[k])}".encode()).digest())
+    return np.asarray(sorted(ranked), dtype=np.int64)
+
+
 class DatasetTask(Task):
     """Prompts from a dataset, each row one prompt, scored by a verifier or a reward function.
 
-    The prompt is the ``prompt_column`` text, or the ``messages_column`` chat (a list of ``{"role", "content"}``),
-    or ``prompt_template`` filled from the row (``"{question}"``); exactly one of them (default: the ``prompt``
-    column). Every other column goes to the prompt's ``metadata``, the reference answer also as
-    ``metadata["answer"]`` (what :class:`~screl.envs.MathVerify` reads) and the task source as
-    ``metadata["task_source"]`` (what ``rollout_recovery.task_source_granularity_overrides`` keys on).
+    The prompt is the ``prompt_column`` (default ``prompt``), or the ``messages_column``, or ``prompt_template``
+    filled from the row (``"{question}"``); exactly one of them. A column is recognised by its type: text (TRL's
+    standard format) is the prompt as is; a list of ``{role, content}`` messages (TRL's conversational format,
+    verl's ``prompt``) is a chat, rendered with the policy tokenizer's chat template when the run starts (a last
+    assistant message is left out: it is the reference completion, not the prompt); any other type is refused.
+    Column names may be dotted into struct columns (``reward_model.ground_truth``). Every other column goes to the
+    prompt's ``metadata`` (verl's ``extra_info`` as a dict), the reference answer also as ``metadata["answer"]``
+    (what :class:`~screl.envs.MathVerify` reads) and the task source as ``metadata["task_source"]`` (what
+    ``rollout_recovery.task_source_granularity_overrides`` keys on).
 
-    Prompt ids are the ``id_column`` integers, else the row index within the split (stable as long as the split
-    is). With ``val_split`` the held-out prompts are that split's rows, numbered within it.
+    Prompt ids are the ``id_column``'s integers, or its strings (each mapped to a stable 63-bit integer, the string
+    kept as ``metadata["dataset_id"]``), else the row index within the split (stable as long as the split is).
+    With ``val_split`` the held-out prompts are that split's rows, numbered within it.
 
     Args:
         path: A local file (``.parquet``, ``.jsonl``, ``.json``, ``.csv``, ``.arrow``), a local folder, a
@@ -144,21 +111,23 @@ class DatasetTask(Task):
         data_files: Passed to ``datasets.load_dataset`` (a file, a list, or ``{split: files}``).
         revision: The hub revision (a commit hash pins the data; part of the run's identity).
         name: The hub dataset's configuration (``main`` for ``openai/gsm8k``).
-        prompt_column: Column holding the prompt text.
-        messages_column: Column holding a chat (needs ``chat_template``).
+        prompt_column: Column holding the prompt: text, or a chat.
+        messages_column: Column holding a chat (TRL's ``messages``).
         prompt_template: ``str.format`` template over the row's columns.
         answer_column: Column holding the reference answer (``metadata["answer"]``); None: no answer.
-        id_column: Column holding a unique integer id per row; None: the row index.
-        task_source_column: Column naming each row's task source (``metadata["task_source"]``).
+        id_column: Column holding a unique integer or string id per row; None: the row index.
+        task_source_column: Column naming each row's task source (``metadata["task_source"]``; verl's
+            ``data_source``).
         image_column: Column holding each row's image(s) for a vision-language policy (a path relative to the
             dataset file's folder, encoded bytes, a Hugging Face ``Image`` feature, or a list of them): checked when
             the dataset is read, decoded on the rollout worker (:meth:`images`); the prompt record holds only its
             row (``metadata["dataset_row"]``), never the image.
-        system_prompt: With ``chat_template``: a system turn before the prompt (unless its messages start with
-            one).
-        chat_template: Render each prompt with the policy tokenizer's chat template (user turn, then the
+        system_prompt: With a chat, or text and ``chat_template``: a system turn before the prompt (unless its
+            messages start with one).
+        chat_template: Render each text prompt with the policy tokenizer's chat template (user turn, then the
             assistant's turn opened) when the run starts; the policy then must not template again
-            (``HFCausalLM.chat_template: false``). False: the text as is (or templated by the policy).
+            (``HFCausalLM.chat_template: false``). False: the text as is (or templated by the policy). A chat is
+            always rendered (with the policy's ``chat_template_kwargs``).
         max_prompt_tokens: Drop prompts longer than this many tokens under the policy's tokenizer (counted as the
             model sees them) when the run starts; the counts are logged and written to
             ``<run_dir>/dataset_filter.json``.
@@ -190,172 +159,186 @@ class DatasetTask(Task):
         verifier: Verifier | None = None,
         reward_fn: str | None = None,
     ) -> None:
-        given = _prompt_sources(prompt_column, messages_column, prompt_template, system_prompt, chat_template)
+        given = _prompt_sources(prompt_column, messages_column, prompt_template)
         _check_scoring(verifier, reward_fn, max_prompt_tokens, holdout, val_split)
         self.path, self.split, self.data_files, self.revision, self.name = path, split, data_files, revision, name
         self.prompt_column = prompt_column if given else "prompt"
         self.messages_column, self.prompt_template = messages_column, prompt_template
         self.answer_column, self.id_column, self.task_source_column = answer_column, id_column, task_source_column
         self.image_column = image_column
-        self._splits: dict[str, Any] = {}  # split -> its dataset, read back for images on the worker (not pickled)
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.max_prompt_tokens, self.holdout, self.val_split = max_prompt_tokens, holdout, val_split
         self.verifier, self.reward_fn = verifier, reward_fn
         self._fn = load_reward_fn(reward_fn) if reward_fn is not None else None
-        self._chats: dict[tuple[str, int], list[dict[str, str]]] = {}  # (split, id) -> the messages_column chat
-        train = self._records(split, "split")
-        if val_split is not None:
-            self._train, self._held = train, self._records(val_split, "val_split")
-        else:
-            self._train, self._held = split_holdout(train, holdout) if holdout else (train, [])
+        self._cols = Columns(self.prompt_column if prompt_template is None and messages_column is None else None,
+                             messages_column, prompt_template, answer_column, id_column, task_source_column,
+                             image_column)
+        self._source = os.path.abspath(path) if os.path.exists(path) else path  # the workers open it from anywhere
+        self._splits: dict[str, Split] = {}  # not pickled: each process opens the dataset again
+        self._rows: dict[str, np.ndarray] = {}  # role -> the selected rows (a cache, not pickled)
+        self._num_rows: dict[str, int] = {}
+        self._policy: PolicySpec | None = None  # the policy whose chat template renders the prompts (prepare)
+        self._tokenizer: Any = None
         self._prepared_for: Any = None
+        self._roles = self._choose(self._open(split, "split"))
 
     # -- reading ---------------------------------------------------------------------------------------
-    def _records(self, split: str, key: str) -> list[PromptRecord]:
-        ds = _load(self.path, split, self.data_files, self.revision, self.name)
-        columns = set(ds.column_names)
-        needed = {"prompt_column": self.prompt_column if not (self.messages_column or self.prompt_template)
-                  else None, "messages_column": self.messages_column, "answer_column": self.answer_column,
-                  "id_column": self.id_column, "task_source_column": self.task_source_column,
-                  "image_column": self.image_column}
-        for knob, column in needed.items():
-            if column is not None and column not in columns:
-                raise KeyError(f"{KEY}.{knob}={column!r} is not a column of {self.path!r} ({key}={split!r});"
-                               f" its columns: {sorted(columns)}")
-        if self.image_column is not None:
-            ds = undecoded(ds, self.image_column)  # reading the rows decodes no image
-        records: list[Any] = []
-        seen: dict[Any, int] = {}
-        for index, row in enumerate(ds):
-            pid = self._id(row, index, split)
-            if pid in seen:
-                raise ValueError(f"{KEY}.id_column={self.id_column!r}: id {pid} appears twice in {self.path!r}"
-                                 f" ({key}={split!r}): rows {seen[pid]} and {index}; ids must be unique")
-            seen[pid] = index
-            records.append(self._record(pid, row, split, index))
-        if not records:
-            raise ValueError(f"{KEY}.{key}={split!r} of {self.path!r} has no rows")
-        return records
+    def _choose(self, train: Split) -> dict[str, tuple[str, np.ndarray]]:
+        """The training and validation prompts: (split, which of its rows) each."""
+        self._check_system_prompt(train)
+        if self.val_split is not None:
+            val = self._open(self.val_split, "val_split")
+            return {_TRAIN: (self.split, np.ones(len(train), dtype=bool)), _VAL: (val.name, np.ones(len(val), bool))}
+        held = np.zeros(len(train), dtype=bool)
+        if self.holdout:
+            held[_held_rows(train.ids_of(np.arange(len(train))), self.holdout)] = True
+        return {_TRAIN: (self.split, ~held), _VAL: (self.split, held)}
 
-    def _id(self, row: Mapping[str, Any], index: int, split: str) -> int:
-        if self.id_column is None:
-            return index
-        value = row[self.id_column]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{KEY}.id_column={self.id_column!r} holds {value!r} (row {index} of split {split!r}):"
-                            " ids must be integers; use a column of ints, or null for the row index")
-        return value
-
-    def _record(self, pid: int, row: Mapping[str, Any], split: str, index: int = 0) -> PromptRecord:
-        meta = dict(row)
-        where = f"row {index} of {self.path!r} (split {split!r})"
-        used = ([self.messages_column] if self.messages_column is not None else
-                [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f]
-                if self.prompt_template is not None else [str(self.prompt_column)])
-        for column in used:
-            name = column.split(".")[0].split("[")[0]
-            value = row.get(name)
-            if name not in row:
-                continue  # a column the dataset lacks: named below (prompt_template) or above (the others)
-            if value is None or (isinstance(value, str) and not value.strip() and column == self.prompt_column):
-                knob = ("messages_column" if self.messages_column is not None else
-                        "prompt_template" if self.prompt_template is not None else "prompt_column")
-                raise ValueError(f"{where} has {'no' if value is None else 'an empty'} {column!r} (the prompt,"
-                                 f" {KEY}.{knob}): every row needs one; fix or remove that row")
-        if self.messages_column is not None:
-            chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in meta.pop(self.messages_column)]
-            self._chats[(split, pid)] = chat
-            text = next((m["content"] for m in reversed(chat) if m["role"] == "user"), chat[-1]["content"])
-        elif self.prompt_template is not None:
-            try:
-                text = self.prompt_template.format(**row)
-            except KeyError as err:
-                raise KeyError(f"{KEY}.prompt_template names the column {err.args[0]!r}, which {self.path!r}"
-                               f" does not have; its columns: {sorted(row)}") from err
-        else:
-            text = str(meta.pop(str(self.prompt_column)))
-        if self.answer_column is not None:
-            meta["answer"] = row[self.answer_column]
-        if self.task_source_column is not None:
-            meta["task_source"] = str(row[self.task_source_column])
+    def _open(self, split: str, key: str) -> Split:
+        """Read a split and check it (every row has its prompt and a unique id; the images exist)."""
+        table = load_table(self._source, split, self.data_files, self.revision, self.name)
+        opened = open_split(split, self.path, table, self._cols, key, check=True)
         if self.image_column is not None:
-            check_images(meta.pop(self.image_column, None), where, self.image_column, image_base_dir(self.path))
-            meta[ROW_REF] = {"split": split, "index": index}
-        return PromptRecord(prompt_id=pid, text=text, metadata=meta)
+            base = image_base_dir(self._source)
+            for index, row in iter_rows(table, np.arange(len(opened)), [self.image_column]):
+                check_images(row[self.image_column], opened.where(index), self.image_column, base)
+        self._splits[split], self._num_rows[split] = opened, len(opened)
+        return opened
+
+    def _check_system_prompt(self, train: Split) -> None:
+        if self.system_prompt is not None and not self.chat_template and train.kind != "chat":
+            raise ValueError(f"{KEY}.system_prompt needs {KEY}.chat_template: true or a chat prompt column (or set"
+                             " the policy's own system_prompt with its chat_template)")
+
+    def _split(self, name: str) -> Split:
+        """The split, opened again in a process the task was sent to (from the ``datasets`` cache)."""
+        opened = self._splits.get(name)
+        if opened is None:
+            table = load_table(self._source, name, self.data_files, self.revision, self.name)
+            opened = open_split(name, self.path, table, self._cols, "split", check=False)
+            if len(opened) != self._num_rows[name]:
+                raise RuntimeError(f"{KEY}.path={self.path!r} (split {name!r}) has {len(opened)} rows here but had"
+                                   f" {self._num_rows[name]} when the run started: the dataset changed under the"
+                                   " run; give a changed dataset a new path (or pin its revision)")
+            self._splits[name] = opened
+        return opened
+
+    def selected(self, role: str) -> np.ndarray:
+        """The rows of the ``train`` or ``val`` prompts, in the split's order."""
+        rows = self._rows.get(role)
+        if rows is None:
+            rows = self._rows[role] = np.flatnonzero(self._roles[role][1])
+        return rows
+
+    def _renderer(self) -> Render | None:
+        """The chat template's rendering, once the run's policy is known (``prepare``)."""
+        policy = self._policy
+        if policy is None:
+            return None
+        from screl.models.spec import chat_prompt_text
+
+        if self._tokenizer is None:
+            self._tokenizer = policy.build_tokenizer()
+        tokenizer, system, kwargs = self._tokenizer, self.system_prompt, policy.chat_template_kwargs
+
+        def render(chat: list[dict[str, str]]) -> str:
+            if system is not None and chat[0]["role"] != "system":
+                chat = [{"role": "system", "content": system}, *chat]
+            return chat_prompt_text(tokenizer, chat, kwargs)
+
+        return render
+
+    def records(self, role: str, rows: np.ndarray) -> Iterator[PromptRecord]:
+        """The prompt records of these rows of the role's split, built as they are read."""
+        split, render = self._split(self._roles[role][0]), self._renderer()
+        for index, row in iter_rows(split.table, rows):
+            yield build_record(split, self._cols, row, index,
+                               prompt_text(split, self._cols, row, index, render, self.chat_template))
+
+    def _texts(self, role: str) -> Iterator[list[str]]:
+        """The prompt texts of the role's rows, ``BATCH`` at a time (reading only the columns they are made of)."""
+        split, render = self._split(self._roles[role][0]), self._renderer()
+        batch: list[str] = []
+        for index, row in iter_rows(split.table, self.selected(role), text_columns(split, self._cols)):
+            batch.append(prompt_text(split, self._cols, row, index, render, self.chat_template))
+            if len(batch) == BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
 
     # -- preparing for the run's policy -----------------------------------------------------------------
     def prepare(self, policy: PolicySpec, run_dir: str) -> None:
-        """With ``chat_template``: render every prompt with the policy tokenizer's chat template. With
-        ``max_prompt_tokens``: drop the prompts longer than that (as the policy tokenizes them), log the counts
-        and write them to ``<run_dir>/dataset_filter.json``. Idempotent for one policy."""
+        """Once the policy is known: chats (and text, with ``chat_template``) are rendered with its tokenizer's
+        chat template; each prompt is tokenized once, to drop the ones over ``max_prompt_tokens`` (the counts
+        logged and written to ``<run_dir>/dataset_filter.json``) and to refuse one that fills the model's context.
+        Idempotent for one policy."""
         if self._prepared_for == policy:
             return
-        limit = _context_positions(policy)
-        if not (self.chat_template or self.max_prompt_tokens is not None or limit is not None):
+        limit = context_positions(policy)
+        chats = any(self._split(name).kind == "chat" for name, _ in self._roles.values())
+        renders = self.chat_template or chats
+        if not (renders or self.max_prompt_tokens is not None or limit is not None):
             return
-        if self.chat_template and getattr(policy, "chat_template", False):
-            raise ValueError(f"{KEY}.chat_template and model.init_args.policy.init_args.chat_template are both"
-                             " true: the prompt would be templated twice; set one of them to false")
-        tokenizer = policy.build_tokenizer()
-        val_split = self.val_split or self.split
-        if self.chat_template:
-            self._train = [self._render(tokenizer, r, self.split) for r in self._train]
-            self._held = [self._render(tokenizer, r, val_split) for r in self._held]
+        if renders and getattr(policy, "chat_template", False):
+            what = f"{KEY}.chat_template and" if self.chat_template else f"the chats of {self.path!r} (rendered by" \
+                " DatasetTask with the tokenizer's chat template) and"
+            raise ValueError(f"{what} model.init_args.policy.init_args.chat_template are both true: the prompt would be"
+                             f" templated twice; set the policy's chat_template to false (its system_prompt: {KEY}"
+                             ".system_prompt)")
+        self._tokenizer = policy.build_tokenizer()
+        self._policy = policy if renders else None
+        if self.max_prompt_tokens is not None or limit is not None:
+            self._filter(policy, run_dir, limit)
+        self._prepared_for = policy
+
+    def _filter(self, policy: PolicySpec, run_dir: str, limit: int | None) -> None:
+        report: dict[str, Any] = {"path": self.path, "max_prompt_tokens": self.max_prompt_tokens}
+        for role in (_TRAIN, _VAL):
+            name, mask = self._roles[role]
+            rows, split = self.selected(role), self._split(name)
+            where = f"{self.path!r} (split {name!r}"
+            counts = token_counts(policy, self._tokenizer, self._texts(role), len(rows))
+            ids = split.ids_of(rows)
+            if self.max_prompt_tokens is not None:
+                keep, report[role] = within_limit(counts, ids, self.max_prompt_tokens, where, role == _VAL)
+                report[role] = {"split": name, **report[role]}
+                counts, ids = counts[keep], ids[keep]
+                mask = mask.copy()
+                mask[rows[~keep]] = False
+                self._roles[role] = (name, mask)
+                self._rows.pop(role, None)
+            if limit is not None:
+                check_context(counts, ids, limit, where)
         if self.max_prompt_tokens is not None:
-            report: dict[str, Any] = {"path": self.path, "max_prompt_tokens": self.max_prompt_tokens}
-            self._train, report["train"] = self._filter(policy, tokenizer, self._train, self.split)
-            self._held, report["val"] = self._filter(policy, tokenizer, self._held, val_split)
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, FILTER_REPORT), "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)
-        if limit is not None:
-            for records, split in ((self._train, self.split), (self._held, val_split)):
-                self._check_context(policy, tokenizer, records, split, limit)
-        self.__dict__.pop("_by_id", None)
-        self._prepared_for = policy
-
-    def _render(self, tokenizer: Any, record: PromptRecord, split: str) -> PromptRecord:
-        chat = self._chats.get((split, record.prompt_id)) or [{"role": "user", "content": record.text}]
-        if self.system_prompt is not None and chat[0]["role"] != "system":
-            chat = [{"role": "system", "content": self.system_prompt}, *chat]
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return PromptRecord(record.prompt_id, str(text), record.metadata)
-
-    def _check_context(self, policy: PolicySpec, tokenizer: Any, records: list[PromptRecord], split: str,
-                       limit: int) -> None:
-        """A prompt that fills the model's whole context leaves no room to generate: refused before the run
-        starts, naming it (the id is the row index without ``id_column``)."""
-        for r in records:
-            n = len(policy.prompt_token_ids(tokenizer, r.text))
-            if n >= limit:
-                raise ValueError(f"{KEY}: prompt id {r.prompt_id} of {self.path!r} (split {split!r}) is {n} tokens"
-                                 f" under the policy's tokenizer, and the model's context is {limit} positions"
-                                 " (max_position_embeddings): nothing could be generated. Set"
-                                 f" {KEY}.max_prompt_tokens to drop such prompts, or shorten it")
-
-    def _filter(self, policy: PolicySpec, tokenizer: Any, records: list[PromptRecord],
-                split: str) -> tuple[list[PromptRecord], dict[str, Any]]:
-        limit = int(self.max_prompt_tokens or 0)
-        kept = [r for r in records if len(policy.prompt_token_ids(tokenizer, r.text)) <= limit]
-        dropped = sorted({r.prompt_id for r in records} - {r.prompt_id for r in kept})
-        if records and not kept:
-            which = "held-out prompt" if records is self._held else "prompt"
-            raise ValueError(f"{KEY}.max_prompt_tokens={limit} drops every {which} of {self.path!r} (split"
-                             f" {split!r}, {len(records)} prompts) under the policy's tokenizer; raise it")
-        if dropped:
-            log.warning("DatasetTask: max_prompt_tokens=%d dropped %d of %d prompts of %s (split %s)", limit,
-                        len(dropped), len(records), self.path, split)
-        return kept, {"split": split, "kept": len(kept), "dropped": len(dropped),
-                      "dropped_ids": dropped[:_MAX_LISTED_IDS]}
 
     # -- the task ---------------------------------------------------------------------------------------
-    def prompts(self) -> list[PromptRecord]:
-        """The training prompts (less the held-out ones, and after ``prepare``, the ones too long)."""
-        return list(self._train)
+    def prompts(self) -> Records:
+        """The training prompts (less the held-out ones, and after ``prepare``, the ones too long), each built
+        from its row as it is read."""
+        return Records(self, _TRAIN)
 
-    def val_prompts(self) -> list[PromptRecord]:
+    def val_prompts(self) -> Records:
         """The ``val_split`` rows, or the ``holdout`` prompts kept back from the training split."""
-        return list(self._held)
+        return Records(self, _VAL)
+
+    def prompt(self, prompt_id: int) -> PromptRecord:
+        """A training prompt by id (its row found by the id, not by a scan)."""
+        return self._by_id(_TRAIN, prompt_id)
+
+    def val_prompt(self, prompt_id: int) -> PromptRecord:
+        """A held-out prompt by id."""
+        return self._by_id(_VAL, prompt_id)
+
+    def _by_id(self, role: str, prompt_id: int) -> PromptRecord:
+        name, mask = self._roles[role]
+        row = self._split(name).row_of(int(prompt_id))
+        if row is None or not mask[row]:
+            raise KeyError(f"DatasetTask has no {'held-out ' if role == _VAL else ''}prompt_id {prompt_id}.")
+        return next(self.records(role, np.asarray([row], dtype=np.int64)))
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """The verifier's or the reward function's score of one completion."""
@@ -377,19 +360,22 @@ class DatasetTask(Task):
         ref = prompt.metadata.get(ROW_REF)
         if not isinstance(ref, Mapping):
             raise KeyError(f"prompt {prompt.prompt_id} carries no {ROW_REF!r}: it was not read by this DatasetTask")
-        split = str(ref["split"])
-        if split not in self._splits:
-            self._splits[split] = undecoded(_load(self.path, split, self.data_files, self.revision, self.name),
-                                            self.image_column)
-        value = self._splits[split][int(ref["index"])][self.image_column]
-        return decode_images(value, image_base_dir(self.path))
+        table = self._split(str(ref["split"])).table
+        value = column(table.slice(int(ref["index"]), 1), (self.image_column,)).to_pylist()[0]
+        return decode_images(value, image_base_dir(self._source))
 
     def masked(self, prompt: PromptRecord, completion: str) -> bool:
         """The verifier's mask (e.g. ``MathVerify(mask_unparsable=true)``); never with a reward function."""
         return self.verifier.masked(prompt, completion) if self.verifier is not None else False
 
     def __getstate__(self) -> dict[str, Any]:
+        """Without the rows: the selection travels as bits, the dataset is opened again where it is read."""
         state = dict(self.__dict__)
-        state.pop("_by_id", None)
-        state["_splits"] = {}  # the worker reads its own
+        state.update(_splits={}, _rows={}, _tokenizer=None)
+        state["_roles"] = {role: (name, np.packbits(mask), len(mask)) for role, (name, mask) in self._roles.items()}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        roles = state.pop("_roles")
+        self.__dict__.update(state)
+        self._roles = {role: (name, np.unpackbits(bits, count=n).astype(bool)) for role, (name, bits, n) in roles.items()}

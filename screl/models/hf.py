@@ -30,6 +30,9 @@ class HFCausalLM(HubFiles, PolicySpec):
         system_prompt: With ``chat_template``: a system turn first (None: the template's default, if any).
         revision: The hub revision (branch, tag or commit) of a hub id; pin a commit for a reproducible run.
         trust_remote_code: Run the model repository's own Python code (``transformers``' flag); off by default.
+        chat_template_kwargs: Extra arguments of the tokenizer's chat template wherever a prompt is rendered with
+            it (this spec's ``chat_template``, a ``DatasetTask``'s chats), e.g. ``{enable_thinking: false}`` for
+            Qwen3.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class HFCausalLM(HubFiles, PolicySpec):
         system_prompt: str | None = None,
         revision: str | None = None,
         trust_remote_code: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         resolve_dtype(dtype)
         self.revision, self.trust_remote_code = revision, trust_remote_code
@@ -53,12 +57,13 @@ class HFCausalLM(HubFiles, PolicySpec):
         self.gguf_file = gguf_file
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
         self._resolve_sources("path", "tokenizer_path", gguf_file=gguf_file)
 
     def prompt_token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         if not self.chat_template:
             return super().prompt_token_ids(tokenizer, text)
-        return chat_prompt_token_ids(tokenizer, text, self.system_prompt)
+        return chat_prompt_token_ids(tokenizer, text, self.system_prompt, self.chat_template_kwargs)
 
     def model_dir(self) -> str | None:
         folder = str(self.__dict__.get("_local_path", self.path))

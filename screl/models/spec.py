@@ -30,6 +30,9 @@ class PolicySpec(ABC):
 
     is_vlm = False
     """A vision-language policy (:class:`screl.models.vision.VisionPolicy`): its prompts carry images."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the tokenizer's chat template wherever a prompt is rendered with it (``HFCausalLM``'s
+    ``chat_template_kwargs``, e.g. ``{enable_thinking: false}`` for Qwen3)."""
 
     @abstractmethod
     def build_model(self) -> PreTrainedModel:
@@ -70,13 +73,24 @@ class PolicySpec(ABC):
         return hash((type(self).__name__, tuple(sorted((k, repr(v)) for k, v in self._fields().items()))))
 
 
-def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, system_prompt: str | None = None) -> list[int]:
+def chat_prompt_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+                     chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """A chat as the prompt text an instruct model reads: the tokenizer's chat template over ``messages``, with the
+    generation prompt that opens the assistant's turn (``chat_template_kwargs``: the template's extra arguments)."""
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {})))
+
+
+def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, system_prompt: str | None = None,
+                          chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """A prompt as an instruct model reads it: a user turn (after ``system_prompt``, if any) in the tokenizer's chat
-    template, with the generation prompt that opens the assistant's turn."""
+    template, with the generation prompt that opens the assistant's turn (``chat_template_kwargs``: the template's
+    extra arguments, e.g. ``{"enable_thinking": False}``)."""
     messages = [{"role": "user", "content": text}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             **(chat_template_kwargs or {}))
     if hasattr(ids, "keys"):  # a BatchEncoding (transformers >= 5)
         ids = ids["input_ids"]
     return [int(t) for t in ids]
