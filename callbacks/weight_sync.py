@@ -35,7 +35,8 @@ class WeightSync(Callback):
         # a step that left the policy unchanged (PPO critic warmup) refits nothing
         refit = bool(getattr(pl_module, "refit_due", True))
         info = dm.complete_step(_exported_weights(pl_module, dm) if refit else None)
-        aborted = {"rollout/aborted_stale": float(info.get("aborted", 0))}
+        aborted = {"rollout/aborted_stale": float(info.get("aborted", 0)),
+                   **{f"train/{k}": float(v) for k, v in info.get("rewards", {}).items()}}  # per reward function
         stage = getattr(pl_module, "stage_metrics", None)  # screl's modules write a batch's metrics at once
         if stage is not None:
             stage(aborted)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 

@@ -38,6 +38,7 @@ from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent, 
 from screl.data.watchdog import StallWatchdog
 from screl.dataplane.snapshot import RemoteTree
 from screl.envs import Task
+from screl.rewards.stats import RewardStats
 from screl.rollout.colocated import Mailbox, with_mailboxes
 from screl.rollout.rows import ROW_FIELDS
 
@@ -75,6 +76,7 @@ class RolloutController(Refits):
                                 recovery_policy(run))
         self.latest_weights: list[Any] | None = None
         self.external_refit = False
+        self.reward_stats = RewardStats()  # each reward function's figures until the next step (refits)
         self.pump_error: BaseException | None = None  # the first failure that stops the run (set by fail())
         self.pump_error_by = PUMP
         self.shutting_down = False
@@ -219,6 +221,7 @@ class RolloutController(Refits):
             return
         assert not isinstance(reports, str), "a refreshed worker answered STALE"
         for rep in reports:
+            self.reward_stats.add(rep.reward_parts)
             await self._execute(self.core.report(rep, time.perf_counter()))
 
     # ------------------------------------------------------------------ lifecycle

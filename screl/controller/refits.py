@@ -14,6 +14,7 @@ from typing import Any
 
 from screl.data.core import RolloutCore
 from screl.data.core_types import Effects
+from screl.rewards.stats import RewardStats
 
 log = logging.getLogger("screl.controller.controller")  # the controller's own log: its warnings read as one
 
@@ -28,6 +29,7 @@ class Refits:
     validation: Any
     latest_weights: list[Any] | None
     external_refit: bool
+    reward_stats: RewardStats
 
     async def _execute(self, eff: Effects) -> None:
         raise NotImplementedError  # the controller runs a transition's effects
@@ -105,7 +107,8 @@ class Refits:
         if runner is not None and runner.due(version, final=self.core.train_steps >= self.core.max_steps):
             runner.start(version)
         return {"trainer_version": version, "aborted": self.core.last_aborted,
-                "validation": runner.take() if runner is not None else []}
+                "validation": runner.take() if runner is not None else [],
+                "rewards": self.reward_stats.take()}  # train/rewards/<name>/mean and /std (screl.rewards)
 
     async def validation_idle(self, timeout_s: float = 600.0) -> None:
         """Wait for the running validation, if any (a colocated engine validates before it stands down: the

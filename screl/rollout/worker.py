@@ -195,7 +195,8 @@ class GenerationWorker:
         if sealed:
             await self.rows.put([o.attempt for o in sealed], [o.row for o in sealed if o.row is not None])
         return [SiblingReport(o.attempt, o.status, o.reward, o.end_version, o.response_len,  # type: ignore[arg-type]
-                              o.finish_reason, o.detail) for o in outcomes]
+                              o.finish_reason, o.detail, o.reward_parts if o.status == "sealed" else None)
+                for o in outcomes]
 
     async def _run_workflow(self, items: list[RolloutItem], call: CallDeadlines | None) -> list[RolloutOutcome]:
         """The workflow on ``items``; with deadlines, what runs past them is aborted (and a workflow still running

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from screl.envs import PromptRecord, Task, decode_completion
+from screl.envs import PromptRecord, Scored, Task, decode_completion
 from screl.models.vision_inputs import VisionInputs
 from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.moved import refuse_moved
@@ -52,6 +53,7 @@ class RolloutOutcome:
     response_len: int = 0
     finish_reason: str = ""
     detail: str = ""
+    reward_parts: dict[str, float] | None = None  # each reward function's value (screl.rewards), for the metrics
 
 
 class RolloutWorkflow(Protocol):
@@ -92,7 +94,8 @@ class SingleTurnWorkflow:
         completions = [decode_completion(self.tokenizer, r.token_ids) for _, r in done]
         loop = asyncio.get_running_loop()
         prompts = [i.prompt for i, _ in done]
-        scores, masked = await loop.run_in_executor(None, self.judge, prompts, completions)
+        ids = [list(r.token_ids) for _, r in done]
+        scores, masked = await loop.run_in_executor(None, self.judge, prompts, completions, ids)
         by_attempt = {i.attempt: (r, s, m) for (i, r), s, m in zip(done, scores, masked, strict=True)}
         out = []
         for item, res in zip(items, results, strict=True):
@@ -105,15 +108,16 @@ class SingleTurnWorkflow:
             if isinstance(score, BaseException):
                 outcome.status, outcome.detail = "data_error", repr(score)[:200]
             else:
-                outcome.row = self.schema.build(res, score, extra={"sample_mask": [0.0 if is_masked else 1.0]})
-                outcome.reward = score
+                keep = not (is_masked or score.unscorable)  # unscorable: every reward function returned None
+                outcome.row = self.schema.build(res, score.reward, extra={"sample_mask": [1.0 if keep else 0.0]})
+                outcome.reward, outcome.reward_parts = score.reward, dict(score.parts)
             out.append(outcome)
         return out
 
-    def judge(self, prompts: list[PromptRecord], completions: list[str]) -> tuple[list[float | BaseException],
-                                                                               list[bool]]:
+    def judge(self, prompts: list[PromptRecord], completions: list[str],
+              completion_ids: list[list[int]]) -> tuple[list[Scored | BaseException], list[bool]]:
         """Rewards and masks in one trip to the executor."""
-        return self.score(prompts, completions), self.masks(prompts, completions)
+        return self.score(prompts, completions, completion_ids), self.masks(prompts, completions)
 
     def masks(self, prompts: list[PromptRecord], completions: list[str]) -> list[bool]:
         """``Task.masked`` for each sample (a mask that raises counts as masked: the sample cannot be trusted)."""
@@ -125,19 +129,29 @@ class SingleTurnWorkflow:
                 out.append(True)
         return out
 
-    def score(self, prompts: list[PromptRecord], completions: list[str]) -> list[float | BaseException]:
-        """Rewards in one ``Task.rewards`` call; if it raises, each completion alone, so a failure is pinned on the
-        sibling that caused it (a data failure: that sibling is resampled)."""
+    def score(self, prompts: list[PromptRecord], completions: list[str],
+              completion_ids: list[list[int]]) -> list[Scored | BaseException]:
+        """Rewards in one ``Task.scored`` call; if it raises, each completion alone, so a failure is pinned on the
+        sibling that caused it (a data failure: that sibling is resampled, as is one whose reward is not finite)."""
         if not prompts:
             return []
         try:
-            return [float(r) for r in self.task.rewards(prompts, completions)]
+            return [_checked(s) for s in self.task.scored(prompts, completions, completion_ids)]
         except Exception:  # noqa: BLE001 - find the culprit below
             pass
-        out: list[float | BaseException] = []
-        for p, c in zip(prompts, completions, strict=True):
+        out: list[Scored | BaseException] = []
+        for p, c, ids in zip(prompts, completions, completion_ids, strict=True):
             try:
-                out.append(float(self.task.rewards([p], [c])[0]))
+                out.append(_checked(self.task.scored([p], [c], [ids])[0]))
             except Exception as err:  # noqa: BLE001 - a reward function failed: a data failure
                 out.append(err)
         return out
+
+
+def _checked(scored: Scored) -> Scored | BaseException:
+    """A scored sample, its error if it has one, or a ValueError if its reward is not finite."""
+    if scored.error is not None:
+        return scored.error
+    if not math.isfinite(scored.reward):
+        return ValueError(f"the task's reward {scored.reward} is not finite")
+    return scored

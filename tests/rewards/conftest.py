@@ -1,0 +1,14 @@
+"""A real loopback Ray cluster for the reward-model tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _ray_session import session_ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    with session_ray(num_cpus=8, namespace="screl-tests"):  # as tests/e2e's: whichever starts, both fit
+        yield
