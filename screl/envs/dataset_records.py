@@ -135,6 +135,10 @@ def _check_prompts(split: Split, cols: Columns, key: str) -> None:
                              f"{cols.prompt_knob}): every row needs one; fix or remove that row")
 
 
+PROMPT_MESSAGES = "prompt_messages"
+"""Metadata key of a chat prompt's messages (:mod:`screl.rewards` passes them as TRL's conversational ``prompts``)."""
+
+
 def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
     """The rows (ascending, often a contiguous run: a zero-copy slice then)."""
     if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
@@ -171,6 +175,8 @@ def build_record(split: Split, cols: Columns, row: dict[str, Any], index: int, t
     meta = dict(row)
     if split.prompt is not None and len(split.prompt) == 1:
         meta.pop(split.prompt[0], None)
+    if split.kind == "chat":  # what a TRL reward function receives as the prompt of conversational data
+        meta[PROMPT_MESSAGES] = _chat(split, cols, row, index)
     if split.answer is not None:
         meta["answer"] = value_at(row, split.answer)
     if split.source is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from screl.envs.base import PromptRecord, Task, Verifier, load_reward_fn
+from screl.envs.base import PromptRecord, Scored, Task, Verifier, load_reward_fn
 from screl.envs.dataset_columns import KEY, column
 from screl.envs.dataset_images import ROW_REF, check_images, decode_images, image_base_dir
 from screl.envs.dataset_load import load_table
@@ -60,17 +60,31 @@ def _prompt_sources(prompt_column: str | None, messages_column: str | None, prom
     return given
 
 
-def _check_scoring(verifier: Verifier | None, reward_fn: str | None, max_prompt_tokens: int | None, holdout: int,
-                   val_split: str | None) -> None:
+def _check_scoring(verifier: Verifier | None, reward_fn: str | None, reward_funcs: Sequence[Any] | None,
+                   max_prompt_tokens: int | None, holdout: int, val_split: str | None) -> None:
     """Exactly one scorer, a positive token limit, and one way of choosing the validation prompts."""
-    if (verifier is None) == (reward_fn is None):
-        raise ValueError(f"{KEY}: give exactly one of verifier (e.g. screl.envs.MathVerify) and reward_fn"
-                         f" ('package.module:function'); got {'both' if verifier else 'neither'}")
+    given = [k for k, v in (("verifier", verifier), ("reward_fn", reward_fn), ("reward_funcs", reward_funcs)) if v]
+    if len(given) != 1:
+        raise ValueError(f"{KEY}: give exactly one of verifier (e.g. screl.envs.MathVerify), reward_fn"
+                         f" ('package.module:function') and reward_funcs (TRL-style functions); got "
+                         f"{', '.join(given) if given else 'none'}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"{KEY}.max_prompt_tokens={max_prompt_tokens} must be >= 1, or null for no limit")
     if holdout and val_split is not None:
         raise ValueError(f"{KEY}: holdout={holdout} and val_split={val_split!r} both choose the validation"
                          " prompts; set one of them")
+
+
+def _reward_funcs(funcs: Sequence[Any] | None, weights: Sequence[float] | None) -> Any:
+    """The TRL-style scorer (:class:`screl.rewards.RewardFuncs`) with the policy's tokenizer for completion ids."""
+    if not funcs:
+        if weights:
+            raise ValueError(f"{KEY}.reward_weights={list(weights)} weigh reward_funcs, which is not set")
+        return None
+    from screl.rewards.funcs import RewardFuncs
+    from screl.rewards.task import CompletionTokens
+
+    return RewardFuncs(list(funcs), list(weights) if weights is not None else None), CompletionTokens()
 
 
 def _held_rows(ids: np.ndarray, holdout: int) -> np.ndarray:
@@ -135,6 +149,9 @@ class DatasetTask(Task):
         val_split: A split whose rows are the validation prompts (instead of ``holdout``).
         verifier: Scores completions (:class:`~screl.envs.MathVerify`).
         reward_fn: Or a function ``"package.module:function"``, called as ``fn(prompt, completion) -> float``.
+        reward_funcs: Or TRL-style reward functions (callables or ``"pkg.mod:fn"``, TRL's signature: the dataset's
+            columns as keywords; a chat's messages as the prompts): :class:`screl.rewards.RewardFuncs`.
+        reward_weights: One weight per reward function (default 1.0 each).
     """
 
     def __init__(
@@ -158,9 +175,11 @@ class DatasetTask(Task):
         val_split: str | None = None,
         verifier: Verifier | None = None,
         reward_fn: str | None = None,
+        reward_funcs: Sequence[Any] | None = None,
+        reward_weights: Sequence[float] | None = None,
     ) -> None:
         given = _prompt_sources(prompt_column, messages_column, prompt_template)
-        _check_scoring(verifier, reward_fn, max_prompt_tokens, holdout, val_split)
+        _check_scoring(verifier, reward_fn, reward_funcs, max_prompt_tokens, holdout, val_split)
         self.path, self.split, self.data_files, self.revision, self.name = path, split, data_files, revision, name
         self.prompt_column = prompt_column if given else "prompt"
         self.messages_column, self.prompt_template = messages_column, prompt_template
@@ -169,7 +188,9 @@ class DatasetTask(Task):
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.max_prompt_tokens, self.holdout, self.val_split = max_prompt_tokens, holdout, val_split
         self.verifier, self.reward_fn = verifier, reward_fn
+        self.reward_funcs, self.reward_weights = reward_funcs, reward_weights
         self._fn = load_reward_fn(reward_fn) if reward_fn is not None else None
+        self._funcs = _reward_funcs(reward_funcs, reward_weights)
         self._cols = Columns(self.prompt_column if prompt_template is None and messages_column is None else None,
                              messages_column, prompt_template, answer_column, id_column, task_source_column,
                              image_column)
@@ -275,6 +296,8 @@ class DatasetTask(Task):
         Idempotent for one policy."""
         if self._prepared_for == policy:
             return
+        if self._funcs is not None:  # completions known only as text get their ids from the policy's tokenizer
+            self._funcs[1].prepare(policy)
         limit = context_positions(policy)
         chats = any(self._split(name).kind == "chat" for name, _ in self._roles.values())
         renders = self.chat_template or chats
@@ -350,8 +373,18 @@ class DatasetTask(Task):
             raise ValueError(f"rewards: {len(prompts)} prompts but {len(completions)} completions.")
         if self.verifier is not None:
             return [float(r) for r in self.verifier.rewards(prompts, completions)]
+        if self._funcs is not None:
+            funcs, ids = self._funcs
+            return [float(t) for t in funcs.score(prompts, completions, ids(completions)).totals]
         assert self._fn is not None
         return [float(self._fn(p, c)) for p, c in zip(prompts, completions, strict=True)]
+
+    def scored(self, prompts: Sequence[PromptRecord], completions: Sequence[str],
+               completion_ids: Sequence[Sequence[int]]) -> list[Scored]:
+        """With ``reward_funcs``: each function's value beside the weighted total (``train/rewards/<name>``)."""
+        if self._funcs is None:
+            return super().scored(prompts, completions, completion_ids)
+        return list(self._funcs[0].scored(prompts, completions, completion_ids))
 
     def images(self, prompt: PromptRecord) -> list[Any]:
         """With ``image_column``: the prompt's row's images (PIL ``RGB``), read from the dataset where they are used."""

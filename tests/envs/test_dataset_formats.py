@@ -177,3 +177,34 @@ def test_chat_template_kwargs_reach_the_rendered_prompt(tmp_path: Path) -> None:
     task = DatasetTask(write(tmp_path, [{"prompt": chat(1), "answer": "2"}]), reward_fn=FN)
     task.prepare(HFCausalLM(str(folder), chat_template_kwargs=off), str(tmp_path / "run"))
     assert task.prompts()[0].text == "user 1+1= assistant nothink "  # the task's chats get them too
+
+
+def sum_is_right(prompts: list[Any], completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """A TRL reward function over conversational data: messages in, messages out."""
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts)
+    return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def short(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[Any]:
+    """Applies to completions of at most 3 tokens only (None elsewhere: skipped, as TRL skips it)."""
+    return [1.0 if len(ids) <= 2 else None if len(ids) > 3 else 0.0 for ids in completion_ids]
+
+
+def test_reward_funcs_score_conversational_rows_as_trl_does(tmp_path: Path) -> None:
+    rows = [{"prompt": chat(i), "answer": str(i + 1)} for i in range(3)]
+    funcs = [f"{__name__}:sum_is_right", f"{__name__}:short"]
+    task = DatasetTask(write(tmp_path, rows), reward_funcs=funcs, reward_weights=[1.0, 0.5])
+    task.prepare(TinyCausalLM(), str(tmp_path / "run"))
+    prompts = list(task.prompts())
+    assert prompts[1].metadata["prompt_messages"] == chat(1)
+    completions = ["1", "5 ", "3"]  # right; wrong; right (1, 2 and 1 tokens under the policy's tokenizer)
+    assert task.rewards(prompts, completions) == [1.5, 0.5, 1.5]
+    ids = [[4], [8, 3], [6] * 5]  # the last as a 5-token completion: "short" does not apply (None)
+    scored = task.scored(prompts, completions, ids)
+    assert [s.reward for s in scored] == [1.5, 0.5, 1.0]
+    assert [s.parts for s in scored] == [{"sum_is_right": 1.0, "short": 1.0}, {"sum_is_right": 0.0, "short": 1.0},
+                                         {"sum_is_right": 1.0}]  # a None is left out of the parts
+    with pytest.raises(ValueError, match=r"give exactly one of verifier .* got reward_fn, reward_funcs"):
+        DatasetTask(write(tmp_path, rows), reward_funcs=funcs, reward_fn=FN)
+    with pytest.raises(ValueError, match=r"reward_weights=\[1.0\] weigh reward_funcs, which is not set"):
+        DatasetTask(write(tmp_path, rows), reward_fn=FN, reward_weights=[1.0])

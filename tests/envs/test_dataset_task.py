@@ -175,7 +175,7 @@ def test_config_errors_name_the_key(tmp_path: Path, kwargs: dict[str, Any], erro
 
 def test_reward_source_and_paths_are_checked(tmp_path: Path) -> None:
     path = write(tmp_path, ROWS, "parquet")
-    with pytest.raises(ValueError, match=r"exactly one of verifier .* and reward_fn .*got neither"):
+    with pytest.raises(ValueError, match=r"exactly one of verifier .*, reward_fn .* and reward_funcs .*got none"):
         DatasetTask(path, prompt_column="question")
     with pytest.raises(FileNotFoundError, match=rf"{KEY}\.path='./missing.parquet' does not exist"):
         DatasetTask("./missing.parquet", reward_fn=FN)
