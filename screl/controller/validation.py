@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from screl.config import GRPOConfig
 from screl.data.core_types import seed_for
 from screl.data.events import Event, ValidateEvent
@@ -30,23 +33,70 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+class ValidationMetrics:
+    """The ``val/*`` figures of one validation as torchmetrics states, in float64: a ``MeanMetric`` per mean (reward,
+    response length, truncated fraction, pass@k over prompts) and a ``SumMetric`` of prompts. Each share of the
+    samples (a worker's, a rank's) updates its own; :meth:`merge` joins shares (``Metric.merge_state``: states from
+    another process, e.g. :meth:`states` over Ray); with ``sync_on_compute=True`` (and ``process_group``) ranks
+    that each hold a share sync in :meth:`compute` (each metric all-gathers its states). pass@k is a mean over
+    prompts of each prompt's pass@k: a share must hold whole prompts (:class:`ValidationRunner` splits so)."""
+
+    def __init__(self, num_samples: int, pass_threshold: float, **metric_kwargs: Any) -> None:
+        from torchmetrics.aggregation import MeanMetric, SumMetric
+
+        # the controller has no process group of its own; NaN rewards propagate into the figures as they always did;
+        # no cached compute: a merge after a compute counts (merge_state does not clear torchmetrics' cache)
+        kwargs = {"sync_on_compute": False, "nan_strategy": "disable", "compute_with_cache": False, **metric_kwargs}
+        self.ks, self.pass_threshold = sorted({1, num_samples}), pass_threshold
+        names = ["val/reward_mean", "val/response_length", "val/truncated_fraction"]
+        self.metrics: dict[str, Any] = {n: MeanMetric(**kwargs).set_dtype(torch.float64) for n in names}
+        self.metrics["val/prompts"] = SumMetric(**kwargs).set_dtype(torch.float64)
+        self.metrics.update({f"val/pass@{k}": MeanMetric(**kwargs).set_dtype(torch.float64) for k in self.ks})
+
+    def update(self, samples: Sequence[dict[str, Any]]) -> ValidationMetrics:
+        """Add a share's samples (every sample of each of its prompts; none: the metrics count as updated)."""
+        by_prompt: dict[int, list[float]] = {}
+        for s in samples:
+            by_prompt.setdefault(int(s["prompt_id"]), []).append(float(s["reward"]))
+        f64 = torch.float64
+        m = self.metrics
+        m["val/reward_mean"].update(torch.tensor([float(s["reward"]) for s in samples], dtype=f64))
+        m["val/response_length"].update(torch.tensor([int(s["response_len"]) for s in samples], dtype=f64))
+        m["val/truncated_fraction"].update(torch.tensor([s["finish_reason"] == "length" for s in samples], dtype=f64))
+        m["val/prompts"].update(torch.tensor(float(len(by_prompt)), dtype=f64))
+        for k in self.ks:
+            m[f"val/pass@{k}"].update(torch.tensor(
+                [pass_at_k(len(r), sum(x >= self.pass_threshold for x in r), k) for r in by_prompt.values()], dtype=f64))
+        return self
+
+    def states(self) -> dict[str, dict[str, Tensor]]:
+        """Every metric's state (plain tensors: what another process sends to :meth:`merge`)."""
+        return {name: {k: v.clone() for k, v in metric.metric_state.items()} for name, metric in self.metrics.items()}
+
+    def merge(self, other: ValidationMetrics | dict[str, dict[str, Tensor]]) -> ValidationMetrics:
+        """Join another share's states into this one's."""
+        incoming = other.metrics if isinstance(other, ValidationMetrics) else other
+        for name, metric in self.metrics.items():
+            metric.merge_state(incoming[name])
+        return self
+
+    def compute(self) -> dict[str, float]:
+        return {name: float(metric.compute()) for name, metric in self.metrics.items()}
+
+
 def aggregate(samples: Sequence[dict[str, Any]], num_samples: int, pass_threshold: float) -> dict[str, float]:
     """``val/*`` metrics of one validation: reward mean, pass@1 and pass@n over prompts, response length,
-    truncated fraction."""
-    by_prompt: dict[int, list[float]] = {}
-    for s in samples:
-        by_prompt.setdefault(int(s["prompt_id"]), []).append(float(s["reward"]))
-    out = {
-        "val/reward_mean": sum(float(s["reward"]) for s in samples) / len(samples),
-        "val/response_length": sum(int(s["response_len"]) for s in samples) / len(samples),
-        "val/truncated_fraction": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
-        "val/prompts": float(len(by_prompt)),
-    }
-    for k in sorted({1, num_samples}):
-        out[f"val/pass@{k}"] = sum(
-            pass_at_k(len(r), sum(x >= pass_threshold for x in r), k) for r in by_prompt.values()
-        ) / len(by_prompt)
-    return out
+    truncated fraction (:class:`ValidationMetrics` over all the samples at once)."""
+    return ValidationMetrics(num_samples, pass_threshold).update(samples).compute()
+
+
+def aggregate_shares(shares: Sequence[Sequence[dict[str, Any]]], num_samples: int,
+                     pass_threshold: float) -> dict[str, float]:
+    """:func:`aggregate` of the shares' samples together, each share's metrics updated on its own and merged."""
+    first, *rest = [ValidationMetrics(num_samples, pass_threshold).update(share) for share in shares or [[]]]
+    for other in rest:
+        first.merge(other)
+    return first.compute()
 
 
 @dataclass
@@ -121,7 +171,7 @@ class ValidationRunner:
         if seen and seen != [version]:
             raise RuntimeError(f"validation of version {version} generated tokens with weight versions {seen}: "
                                "the refit did not wait for it")
-        metrics = aggregate(samples, self.num_samples, self.pass_threshold)
+        metrics = aggregate_shares(results, self.num_samples, self.pass_threshold)  # each worker's, merged
         metrics.update({"val/version": float(version), "val/time_s": time.perf_counter() - t0})
         self.done.append(ValidationResult(version, metrics))
         self.emit(ValidateEvent(trainer_version=version, extra={

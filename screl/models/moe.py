@@ -7,14 +7,15 @@ token to its top-k of ``num_experts`` experts.
 Routing replay: a tiny numeric difference between the engine's forward and the trainer's (bf16 against fp32, another
 kernel) can flip a token's top-k choice, and a flipped expert changes that token's logprob far more than rounding
 does. :func:`record_routing` captures the experts each router chose, per forward call; :func:`replay_routing` makes
-the routers choose given experts instead, their own gate still weighting them (softmax over the router's logits,
-taken at the forced experts and renormalized as the model does).
+the routers choose given experts instead, their own gate still weighting them (the router class's own gate, taken at
+the forced experts). Replay is exact or refused: only router classes in :data:`REPLAYS`, each with the function that
+reproduces its forward op for op (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral); :func:`replay_problem` names any other.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,39 +93,125 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
             if hasattr(m, "top_k") and hasattr(m, "num_experts") and isinstance(getattr(m, "weight", None), Tensor)]
 
 
-def _routed(router: Any, hidden: Tensor, forced: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """A router's (logits, weights of its chosen experts, chosen experts); ``forced``: the experts to choose."""
-    hidden = hidden.reshape(-1, router.weight.shape[1])
+ReplayFn = Callable[[Any, Tensor, "Tensor | None"], tuple[Tensor, Tensor, Tensor]]
+"""A router class's forward with forced experts: ``(router, hidden, forced)`` to the class forward's ``(logits,
+weights of the chosen experts, chosen experts)``; ``forced`` None: the class forward itself, op for op."""
+
+
+def _choose(probs: Tensor, top_k: int, forced: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``torch.topk(probs, top_k)``, or the ``forced`` experts and their probabilities (a row of -1: top-k's)."""
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if forced is None:
+        return top, index
+    if tuple(forced.shape) != (probs.shape[0], top_k):
+        raise ValueError(f"routing replay: the forced experts have shape {tuple(forced.shape)}, the router sees "
+                         f"{probs.shape[0]} tokens x top_k {top_k}")
+    forced = forced.to(device=probs.device, dtype=torch.long)
+    own = (forced < 0).any(-1, keepdim=True)  # a token without recorded experts (-1) keeps the router's choice
+    index = torch.where(own, index, forced)
+    return probs.gather(-1, index), index  # forced == top-k's own: gathers the very values top-k returned
+
+
+def _softmax_topk(router: Any, hidden: Tensor, forced: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``OlmoeTopKRouter``: an fp32 softmax over the logits,
+    top-k, renormalized only when ``norm_topk_prob``, cast to the logits' dtype."""
+    hidden = hidden.reshape(-1, router.hidden_dim)
     logits = F.linear(hidden, router.weight)
-    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
-    top, index = torch.topk(probs, router.top_k, dim=-1)
-    if forced is not None:
-        if tuple(forced.shape) != (hidden.shape[0], router.top_k):
-            raise ValueError(f"routing replay: the forced experts have shape {tuple(forced.shape)}, the router sees "
-                             f"{hidden.shape[0]} tokens x top_k {router.top_k}")
-        forced = forced.to(device=logits.device, dtype=torch.long)
-        own = (forced < 0).any(-1, keepdim=True)  # a token without recorded experts (-1) keeps the router's choice
-        index = torch.where(own, index, forced)
-        top = probs.gather(-1, index)
-    if getattr(router, "norm_topk_prob", False):
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top, index = _choose(probs, router.top_k, forced)
+    if router.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return logits, top.to(logits.dtype), index
+
+
+def _mixtral(router: Any, hidden: Tensor, forced: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``MixtralTopKRouter``: softmax over the logits cast to fp32, top-k, always renormalized (the class has no
+    ``norm_topk_prob``), the weights left in fp32 (the experts cast their product back)."""
+    hidden = hidden.reshape(-1, router.hidden_dim)
+    logits = F.linear(hidden, router.weight)
+    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+    top, index = _choose(probs, router.top_k, forced)
+    return logits, top / top.sum(dim=-1, keepdim=True), index
+
+
+_HF = "transformers.models."
+REPLAYS: dict[str, ReplayFn] = {
+    _HF + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter": _softmax_topk,
+    _HF + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter": _softmax_topk,
+    _HF + "olmoe.modeling_olmoe.OlmoeTopKRouter": _softmax_topk,
+    _HF + "mixtral.modeling_mixtral.MixtralTopKRouter": _mixtral,
+}
+"""The routers routing replay supports: the router class (its module and name, exactly: a subclass may route
+otherwise) to the function that computes its forward with forced experts. Each entry is proven by
+``tests/models/test_moe_replay.py``: replaying a tiny model's own choices gives its own logits bit for bit (fp32).
+Any other router is refused (:func:`replay_problem`): a replay that computes another gate would make the engine
+and the trainer both run a model that is not the checkpoint's, and the mismatch metric could not see it."""
+
+
+def _class_path(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def replay_problem(model: torch.nn.Module) -> str | None:
+    """Why routing replay cannot reproduce ``model``'s routing exactly (naming the router and its MoE block
+    class), or None: every router's class is in :data:`REPLAYS` and no block perturbs its input at training."""
+    supported = ", ".join(sorted(k.rsplit(".", 1)[1] for k in REPLAYS))
+    routers = moe_routers(model)
+    if not routers:
+        blocks = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "experts")})
+        return (f"{type(model).__name__} has no top-k router routing replay knows (MoE blocks: {blocks or 'none'}; "
+                f"supported routers: {supported})")
+    parent = {id(child): m for m in model.modules() for child in m.children()}
+    for router in routers:
+        block = parent.get(id(router))
+        if _class_path(router) not in REPLAYS:
+            return (f"its router {type(router).__name__} (in {type(block).__name__}) computes a gate routing replay "
+                    f"does not reproduce exactly (supported routers: {supported})")
+        jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        if jitter > 0:
+            return (f"{type(block).__name__} multiplies its input by random jitter at training "
+                    f"(router_jitter_noise={jitter}): the trainer's forward would not be the engine's")
+    return None
+
+
+def config_replay_problem(config: Any) -> str | None:
+    """:func:`replay_problem` of the causal LM a Hugging Face config describes, built on the meta device (no
+    memory, no weights); None also when the auto class does not know the config (the trainer checks the model)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError):
+        return None
+    return replay_problem(model)
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """:func:`moe_routers`, refusing a router class not in :data:`REPLAYS` (the trainer's and ``screl check``'s
+    :func:`replay_problem` has said why already; this guards every other caller, at every forward)."""
+    routers = moe_routers(model)
+    unknown = sorted({type(r).__name__ for r in routers if _class_path(r) not in REPLAYS})
+    if unknown:
+        raise ValueError(f"routing replay: router {unknown} is not one routing replay reproduces exactly "
+                         f"(screl.models.moe.REPLAYS)")
+    return routers
 
 
 @contextlib.contextmanager
 def record_routing(model: torch.nn.Module) -> Iterator[list[list[Tensor]]]:
     """Within the block, every router appends the experts it chose at each call: ``calls[layer][i]`` is
     ``[tokens, top_k]`` (int64) of the layer's ``i``-th forward call."""
-    routers = moe_routers(model)
+    routers = _routers(model)
     calls: list[list[Tensor]] = [[] for _ in routers]
     with _patched(routers, lambda layer, router, hidden: _record(calls[layer], router, hidden)):
         yield calls
 
 
 def _record(into: list[Tensor], router: Any, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    out = _routed(router, hidden, None)
+    out = type(router).forward(router, hidden)  # the class's own forward: what is recorded is what it computes
     into.append(out[2].detach().clone())
-    return out
+    return out  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -132,10 +219,10 @@ def replay_routing(model: torch.nn.Module, forced: Sequence[Tensor]) -> Iterator
     """Within the block, router ``layer`` chooses the experts ``forced[layer]`` (``[tokens, top_k]``, the tokens of
     the one forward call the block holds, in the order the router sees them) instead of its own top-k; a token whose
     row holds -1 keeps the router's own choice."""
-    routers = moe_routers(model)
+    routers = _routers(model)
     if len(forced) != len(routers):
         raise ValueError(f"routing replay: experts for {len(forced)} layer(s), the model routes in {len(routers)}")
-    with _patched(routers, lambda layer, router, hidden: _routed(router, hidden, forced[layer])):
+    with _patched(routers, lambda layer, r, hidden: REPLAYS[_class_path(r)](r, hidden, forced[layer])):
         yield
 
 

@@ -23,7 +23,7 @@ def check_routing_replay(on: bool, model: torch.nn.Module, activation_checkpoint
     """``routing_replay`` after checking it can work on ``model``; ``ValueError`` naming the key and the fix."""
     if not on:
         return False
-    if not moe_routers(model):
+    if not moe_routers(model) and not any(hasattr(m, "experts") for m in model.modules()):
         raise ValueError(f"{KEY}: true needs a mixture-of-experts policy (a top-k router per layer, e.g. Qwen3-MoE: "
                          f"screl.models.TinyMoECausalLM); {type(model).__name__} has none. Fix: routing_replay: false")
     problem = replay_problem(model)
