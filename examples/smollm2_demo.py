@@ -101,7 +101,7 @@ def main() -> int:
     config = ROOT / "configs" / task["config"]
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "screl.cli", "fit", "--config", str(config), "--trainer.default_root_dir", str(out),
-           "--trainer.enable_progress_bar", "false"]
+           "--trainer.enable_progress_bar", "false", "--checkpointing.checkpoint_dir", str(out / "checkpoints")]
     if args.steps is not None:
         cmd += ["--trainer.max_steps", str(args.steps), "--grpo.max_num_steps", str(args.steps)]
     if args.max_new_tokens is not None:

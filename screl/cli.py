@@ -262,6 +262,23 @@ def _count_rl_steps(callbacks: list[Any], configured: Any) -> None:
             return
 
 
+def final_export_dir(cfg: dict[str, Any]) -> str | None:
+    """Where ``screl.callbacks.HFExport`` writes the final model (None: the config exports none at the end)."""
+    import inspect
+
+    from screl.callbacks import HFExport
+
+    trainer = cfg.get("trainer") or {}
+    defaults = {k: p.default for k, p in inspect.signature(HFExport).parameters.items()}
+    for cb in trainer.get("callbacks") or []:
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "HFExport":
+            args = {**defaults, **(cb.get("init_args") or {})}
+            if args["at_end"]:
+                root = args["out_dir"] or os.path.join(str(trainer.get("default_root_dir") or os.getcwd()), "export")
+                return os.path.join(root, "final")
+    return None
+
+
 def check(argv: Sequence[str]) -> int:
     """``screl check --config X.yaml``: validate everything, start nothing (no download), print the capacity plan."""
     from screl.models.hub import no_downloads
@@ -275,6 +292,9 @@ def check(argv: Sequence[str]) -> int:
             return 2
         print("screl check: the config is valid\n")
         print(capacity_plan(cli.config_dict()))
+        final = final_export_dir(cli.config_dict())
+        if final is not None:
+            print(f"final model          written to {final} (screl.callbacks.HFExport, a Hugging Face folder)")
         for line in config_advice(cli.config_dict()):
             print(f"advice: {line}")
     return 0
@@ -287,6 +307,7 @@ USAGE = """screl: asynchronous single-controller RL post-training (GRPO, PPO) on
   screl check --config X.yaml      validate the whole config, start nothing, print the capacity plan
   screl events check RUN_DIR       audit a run's events.jsonl (sampler rules, no group trained twice,
                                    every prompt accounted for)
+  screl export SOURCE --out DIR    a checkpoint bundle (or a run's checkpoint root) as a Hugging Face folder
   screl samples RUN_DIR [--last N]  the newest completions the run logged (prompt, completion, rewards)
   screl plot RUN_DIR [RUN_DIR ...]  PNG charts of runs (reward, staleness, IS weights, buffer, timeline)
   screl fit ... --verbose          also Ray's logs and the workers' output (quiet by default)
@@ -333,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from screl.plot import main as plot_main
 
         return plot_main(args[1:])
+    if args and args[0] == "export":
+        from screl.export import main as export_main
+
+        return export_main(args[1:])
     if args and args[0] == "samples":
         from screl.samples import main as samples_main
 

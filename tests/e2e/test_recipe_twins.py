@@ -96,6 +96,8 @@ def twin_config(recipe: str, tmp_path: Path, *, layout: str, template: str | Non
     cfg["trainer"] = {"accelerator": "cpu", "devices": tp or 1, "max_steps": STEPS, "log_every_n_steps": 1,
                       "default_root_dir": str(tmp_path / "root"), "enable_checkpointing": False,
                       "enable_progress_bar": False, "enable_model_summary": False}
+    if cfg.get("checkpointing", {}).get("enabled"):  # the recipe's bundles, kept in the test's folder
+        cfg["checkpointing"]["checkpoint_dir"] = str(tmp_path / "checkpoints")
     if strategy is not None:
         assert strategy["class_path"] == "screl.strategies.MegatronStrategy", strategy
         strategy["init_args"]["parallelism"]["tensor_model_parallel_size"] = tp or 1

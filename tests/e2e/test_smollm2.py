@@ -32,6 +32,7 @@ class _Weights(Callback):
 def test_two_grpo_steps_of_the_demo_config_change_the_weights(smollm2: SmolLM2, tmp_path: Path) -> None:
     cfg: dict[str, Any] = yaml.safe_load((ROOT / "configs" / "grpo_smollm2.yaml").read_text())
     cfg["trainer"].update(max_steps=2, default_root_dir=str(tmp_path / "run"), enable_progress_bar=False)
+    cfg["checkpointing"]["checkpoint_dir"] = str(tmp_path / "checkpoints")  # the config keeps bundles
     cfg["grpo"].update(max_num_steps=2, val_period=0, val_at_start=False, val_at_end=False)
     cfg["async_rl"]["recompute_kv_cache_after_weight_updates"] = True
     cfg["model"]["init_args"]["policy"]["init_args"]["cache_dir"] = smollm2.cache_dir

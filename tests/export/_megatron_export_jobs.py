@@ -1,0 +1,57 @@
+"""A ``MegatronStrategy`` checkpoint at TP=2 written by 2 spawned gloo ranks (file:// rendezvous, loopback only):
+the tiny policy with perturbed weights, saved as the strategy saves it (``dist_checkpointing``, the policy under
+``model.``, HFExport's record in the common part)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def perturbed_policy() -> Any:
+    from screl.models import TinyCausalLM
+
+    model = TinyCausalLM().build_model()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def save_job(rank: int, ckpt_dir: str) -> None:
+    from screl.strategies import GPTModelProvider, load_hf_weights
+    from screl.strategies import checkpoint as ckpt
+    from screl.strategies.parallel import ParallelismConfig, destroy_model_parallel, initialize_model_parallel
+
+    from screl.export.record import spec_to_dict
+    from screl.models import TinyCausalLM
+
+    hf = perturbed_policy()
+    initialize_model_parallel(ParallelismConfig(tensor_model_parallel_size=2), seed=0, cpu=True)
+    module = GPTModelProvider.from_hf_config(hf.config, params_dtype="float32")(pre_process=True, post_process=True)
+    load_hf_weights(module, hf.state_dict())
+    record = {"format": 1, "policy": spec_to_dict(TinyCausalLM()), "value": None, "generation": {"temperature": 1.0}}
+    ckpt.save_checkpoint({"state_dict": module.sharded_state_dict(prefix="model."), "callbacks": {"HFExport": record},
+                          "global_step": 3}, ckpt_dir)
+    destroy_model_parallel()
+
+
+def _entry(rank: int, world: int, init_file: str, ckpt_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        save_job(rank, ckpt_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def write_tp2_checkpoint(ckpt_dir: str) -> None:
+    os.makedirs(os.path.dirname(ckpt_dir), exist_ok=True)
+    init_file = tempfile.mktemp(dir=os.path.dirname(ckpt_dir), prefix="pg_")
+    mp.spawn(_entry, args=(2, init_file, ckpt_dir), nprocs=2, join=True)

@@ -1,0 +1,34 @@
+"""``screl export`` of a ``MegatronStrategy`` bundle written at TP=2: merged in one process (a one-process gloo
+group at TP=1 reads the shards) back to Hugging Face names; the folder gives the policy's logits (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from screl.checkpoint.store import CheckpointStore
+from screl.export import main
+
+from ._export_helpers import load_folder, logits_of, probe_ids
+from ._megatron_export_jobs import perturbed_policy, write_tp2_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_tp2_megatron_bundle_exports_to_the_policys_logits(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "staged" / "lightning.ckpt"
+    write_tp2_checkpoint(str(ckpt_dir))
+    assert {p.name.split("_")[2] for p in ckpt_dir.glob("*.distcp")} == {"0", "1"}  # files of both ranks
+    store = CheckpointStore(str(tmp_path / "bundles"))
+    with store.begin(3) as writer:
+        writer.write_dir("lightning.ckpt", str(ckpt_dir))
+        writer.commit({"trainer_version": 3})
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "bundles"), "--out", str(out), "--dtype", "fp32"]) == 0
+    assert '"layout": "megatron"' in (out / "screl_export.json").read_text()
+    model, tokenizer = load_folder(str(out))
+    ids = probe_ids(tokenizer)
+    want = logits_of(perturbed_policy(), ids)
+    assert float((logits_of(model, ids) - want).abs().max()) <= 1e-5
+    assert float(want.abs().max()) > 0.1
