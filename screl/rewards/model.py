@@ -72,7 +72,9 @@ class RewardModel:
     same model shares it; the object pickles without it (a rollout worker finds or starts it).
 
     Args:
-        path: A local directory with the model (``num_labels=1``) and its tokenizer.
+        path: A hub id (resolved into the Hugging Face cache where this object is built, the driver) or a local
+            directory with the model (``num_labels=1``) and its tokenizer.
+        revision: The hub revision of a hub id.
         batch_size: Samples per forward pass.
         device: ``"cpu"`` or ``"cuda"`` (the GPU Ray gives the actor).
         num_gpus: GPUs the actor asks Ray for (default: 1 with a CUDA device, else 0; a fraction shares one).
@@ -84,20 +86,22 @@ class RewardModel:
 
     def __init__(self, path: str, batch_size: int = 8, device: str = "cpu", num_gpus: float | None = None,
                  num_cpus: float = 1.0, name: str | None = None, dtype: str = "float32",
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = None, revision: str | None = None) -> None:
         from transformers import AutoConfig
+
+        from screl.models.hub import resolve_model_dir
 
         if batch_size < 1:
             raise ValueError(f"RewardModel.batch_size must be >= 1, got {batch_size}")
         self.num_gpus = (1.0 if device.startswith("cuda") else 0.0) if num_gpus is None else float(num_gpus)
         if device.startswith("cuda") and self.num_gpus <= 0:
             raise ValueError(f"RewardModel(device={device!r}) needs num_gpus > 0 (Ray places the actor on a GPU)")
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"reward model {path!r} is not a local directory")
-        check_num_labels(int(AutoConfig.from_pretrained(path).num_labels), path)
+        given = path
+        path = resolve_model_dir(path, owner="RewardModel", revision=revision)
+        check_num_labels(int(AutoConfig.from_pretrained(path).num_labels), given)
         self.path, self.batch_size, self.device, self.num_cpus = path, batch_size, device, float(num_cpus)
         self.dtype, self.max_length = dtype, max_length
-        self.__name__ = name or os.path.basename(os.path.normpath(path))
+        self.__name__ = name or os.path.basename(os.path.normpath(given))
         self._actor: Any = None
 
     @property

@@ -62,3 +62,12 @@ def test_a_reward_model_of_two_labels_is_refused(tmp_path: Path) -> None:
         RewardModel(path=str(tmp_path / "two"))
     with pytest.raises(ValueError, match=r"device='cuda'\) needs num_gpus > 0"):
         RewardModel(path=str(tmp_path / "two"), device="cuda", num_gpus=0)
+
+
+def test_a_reward_model_by_hub_id_resolves_from_the_cache_or_is_named() -> None:
+    """The suite runs offline (HF_HUB_OFFLINE=1): an id not in the cache is refused when the object is built."""
+    from screl.rewards import RewardModel
+
+    with pytest.raises(FileNotFoundError, match=r"RewardModel: path='org/absent-rm' is no local directory, and as a "
+                                                r"hub id it is not in the Hugging Face cache .* HF_HUB_OFFLINE=1"):
+        RewardModel("org/absent-rm")
