@@ -38,9 +38,11 @@ def completion_metrics(batch: dict[str, Any], group_size: int) -> dict[str, Tens
 
 
 def run_dir_of(trainer: Trainer) -> str:
-    """Where the run's files go: the data module's ``run_dir``, else the trainer's log dir (as ``events.jsonl``)."""
+    """Where the run's files go: the data module's ``run_dir``, else the first logger's folder (where ``events.jsonl``
+    goes). Not ``trainer.log_dir``: that is a broadcast every rank must join, and only rank 0 writes samples."""
     dm = getattr(trainer, "datamodule", None)
-    return str(getattr(dm, "run_dir", None) or trainer.log_dir or trainer.default_root_dir)
+    logged = getattr(trainer.loggers[0], "log_dir", None) if trainer.loggers else None
+    return str(getattr(dm, "run_dir", None) or logged or trainer.default_root_dir)
 
 
 class Completions(Callback):

@@ -29,8 +29,8 @@ from typing_extensions import override
 
 from screl.config import SHADOW_MODE_NOTE, GenerationConfig, RunConfig
 from screl.envs import Task
-from screl.rollout.engines.protocol import EngineCapabilities
-from screl.rollout.engines.registry import engine_capabilities
+from screl.rollout.engines.protocol import EngineCapabilities, RankLink
+from screl.rollout.engines.registry import engine_capabilities, resolve_backend
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
 from screl.threads import ThreadPlan, thread_plan
 
@@ -148,8 +148,7 @@ class RolloutDataModule(LightningDataModule):
         self._pad_id = 0
         self.events_path: str | None = None
         self._started = False  # the weights went out and (on rank 0) the rollout side started
-        self._decode_link: Any = None  # colocated Megatron under tensor parallelism: rank 0's engine leads
-        self._follower: tuple[Any, Any] | None = None  # the other ranks: (their GPTModel shard, autocast dtype)
+        self._ranks: RankLink | None = None  # a colocated engine across tensor-parallel ranks: rank 0's leads
         self._schema: RowSchema = ROW_SCHEMA  # the module's rows (screl.Distill's carry teacher_logprobs)
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -199,15 +198,10 @@ class RolloutDataModule(LightningDataModule):
         self._started = True
 
     def _link_ranks(self, module: Any) -> None:
-        """Every rank: the decode link of a colocated Megatron engine across the tensor-parallel ranks (a gloo group
-        of its own, so its broadcasts never meet the trainer's collectives); rank 0's engine leads it."""
-        import torch.distributed as dist
-
-        from screl.rollout.engines.megatron_decode import DecodeLink
-        from screl.rollout.engines.megatron_engine import inner_gpt_model
-
-        self._decode_link = DecodeLink(dist.new_group(list(range(self._world_size())), backend="gloo"), src=0)
-        self._follower = (inner_gpt_model(module.model), self._engine_autocast(module))
+        """Every rank: the engine class links the tensor-parallel ranks of its colocated engine (rank 0's engine
+        leads; the others follow its forward passes, :class:`~screl.rollout.engines.protocol.RankLink`)."""
+        engine_cls: Any = resolve_backend(self.generation.backend)  # the rules let only such an engine here
+        self._ranks = engine_cls.link_ranks(module.model, self._engine_autocast(module), self._world_size())
 
     @staticmethod
     def _engine_autocast(module: Any) -> torch.dtype | None:
@@ -217,7 +211,7 @@ class RolloutDataModule(LightningDataModule):
     def _with_engine(self, fn: Callable[[], _T]) -> _T:
         """:meth:`_on_rank_zero` while the colocated engine may generate: with a decode link the other ranks follow
         its forward passes until rank 0 is done (it releases them, error or not), then take its result."""
-        if self._decode_link is None:
+        if self._ranks is None:
             return self._on_rank_zero(fn)
         if self._global_rank() == 0:
             def lead() -> _T:
@@ -227,11 +221,7 @@ class RolloutDataModule(LightningDataModule):
                     if self.runtime is not None:
                         self.runtime.release_followers()
             return self._on_rank_zero(lead)
-        from screl.rollout.engines.megatron_decode import eval_no_grad, serve_decode
-
-        assert self._follower is not None
-        model, autocast = self._follower
-        serve_decode(self._decode_link, model, lambda: eval_no_grad(model, autocast))
+        self._ranks.follow()
         return self._on_rank_zero(lambda: None)  # type: ignore[return-value]  # rank 0's result
 
     def _world_size(self) -> int:
@@ -281,7 +271,8 @@ class RolloutDataModule(LightningDataModule):
         self.runtime = runtime
         colocated: dict[str, Any] = {}
         if self.colocated:
-            colocated = {"model": module.model, "autocast": self._engine_autocast(module), "link": self._decode_link}
+            link = self._ranks.link if self._ranks is not None else None
+            colocated = {"model": module.model, "autocast": self._engine_autocast(module), "link": link}
         runtime.start(self.task, policy, run_dir, initial_weights, self.seed, restore=restore,
                       config_dict=self.config_dict, val_task=self.val_task,
                       distillation=getattr(module, "distillation", None), **colocated)

@@ -140,8 +140,8 @@ class ColocatedHost:
     Args:
         controller: The ``RolloutController`` actor handle.
         index: The worker index the controller knows this engine by.
-        worker: The worker, built with ``engine=`` a :class:`~screl.rollout.engines.torch_engine.TorchGenerationEngine` on
-            the trainer's module.
+        worker: The worker, built with ``engine=`` the engine its class's ``on_trainer_module`` builds on the trainer's
+            module (an engine that declares ``colocated``).
         dataplane: The trainer's data-plane client; the worker's rows go through it.
         stand_down_timeout_s: Longest wait for a decode step to finish at a stand-down.
     """
@@ -218,8 +218,8 @@ class EngineTurns:
     """The colocated engine's turns with the trainer: it stands down for each train step and wakes after it.
 
     Args:
-        worker: The :class:`~screl.rollout.worker.GenerationWorker` whose engine (a torch engine on the trainer's
-            module) and deadline clock take turns with the trainer.
+        worker: The :class:`~screl.rollout.worker.GenerationWorker` whose engine (on the trainer's module) and
+            deadline clock take turns with the trainer.
         timeout_s: Longest wait for the engine to park at a stand-down.
     """
 

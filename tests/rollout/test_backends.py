@@ -65,6 +65,21 @@ def test_the_torch_backend_takes_only_decode_in_backend_args() -> None:
     assert TorchGenerationEngine.from_options(POLICY, EngineOptions(args={"decode": "hf"})).decode_path == "hf"
 
 
+def test_each_engine_declares_its_backend_args_and_their_defaults() -> None:
+    from screl.rollout.engines.registry import engine_capabilities
+
+    torch_args = engine_capabilities("torch").backend_args
+    assert dict(torch_args.defaults) == {"decode": "auto"} and torch_args.choices["decode"] == ("auto", "static", "hf")
+    assert torch_args.resolve(None, "torch") == {"decode": "auto"}
+    assert torch_args.resolve({"decode": "hf"}, "torch") == {"decode": "hf"}
+    assert torch_args.value({}, "decode") == "auto" and torch_args.value({"decode": "static"}, "decode") == "static"
+    megatron_args = engine_capabilities("megatron").backend_args
+    assert dict(megatron_args.defaults) == {} and megatron_args.resolve({}, "megatron") == {}
+    # an engine that declares nothing is passed its backend_args untouched
+    plain = engine_capabilities("tests.engine_plugins.PlainEngine").backend_args
+    assert plain.open and plain.resolve({"anything": 1}, "PlainEngine") == {"anything": 1}
+
+
 def _example_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text().split("## A new backend", 1)[1], re.S)
     assert blocks, "docs/extending.md lost its backend example"

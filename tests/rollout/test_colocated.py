@@ -101,7 +101,7 @@ def _rollout_across(w: GenerationWorker, hold: Any, hold_s: float) -> Any:
     is queued; returns its report."""
     async def scenario() -> Any:
         call = asyncio.ensure_future(w.rollout([Dispatch("att-0", "g0", 0, 0, 11, 0, 0)]))
-        while not w.engine._inflight:  # the request reached the engine
+        while not w.engine.loop.in_flight:  # the request reached the engine
             await asyncio.sleep(0.001)
         release = await asyncio.get_running_loop().run_in_executor(None, hold)
         await asyncio.sleep(hold_s)
@@ -160,7 +160,7 @@ def test_a_freed_kv_cache_is_refilled_at_the_wake_and_the_tokens_are_the_same() 
     thread = threading.Thread(target=lambda: out.update(results=engine.generate(requests)))
     thread.start()
     deadline = time.monotonic() + 30
-    while not engine._inflight and time.monotonic() < deadline:
+    while not engine.loop.in_flight and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(0.02)
     engine.stand_down(timeout=30)

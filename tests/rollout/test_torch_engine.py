@@ -260,7 +260,7 @@ def test_abort_from_another_thread_returns_partial_tokens() -> None:
     # the partial tokens are the prefix of the unaborted completion
     full = TorchGenerationEngine(SPEC).generate(requests(3, max_new_tokens=20, min_new_tokens=20, prefix="z"))
     assert full[1].token_ids[:3] == r1.token_ids
-    assert eng._aborted == set() and eng._inflight == set()
+    assert eng.loop._aborted == set() and eng.loop.in_flight == set()
 
 
 def test_duplicate_request_ids_are_rejected() -> None:
@@ -348,7 +348,7 @@ def test_pause_times_out_with_a_clear_error() -> None:
     with pytest.raises(TimeoutError, match="1 generate call"):
         eng.pause("keep", timeout=0.05)
     release.set()
-    wait_until(lambda: eng._active == 0)
+    wait_until(lambda: eng.loop._active == 0)
     eng.resume()
     th.join(10)
     assert not th.is_alive()

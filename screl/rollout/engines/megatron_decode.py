@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -196,6 +197,23 @@ def serve_decode(link: DecodeLink, model: Any, forwarding: Callable[[], contextl
             else:
                 raise RuntimeError(f"the decode link sent an unknown call {op}")
         forwards += 1
+
+
+@dataclass
+class TensorParallelRanks:
+    """A colocated engine's link across the trainer's tensor-parallel ranks
+    (:class:`~screl.rollout.engines.protocol.RankLink`): rank 0's engine leads ``link``; every other rank
+    :meth:`follow` s it with its own shard of the ``GPTModel``."""
+
+    link: DecodeLink
+    model: Any
+    """This rank's ``GPTModel`` shard (unwrapped)."""
+    autocast: torch.dtype | None = None
+    """The compute dtype of the engine's forward passes (as the leader's)."""
+
+    def follow(self) -> int:
+        """A follower: run the leader's forward passes until it ends them; the number run."""
+        return serve_decode(self.link, self.model, lambda: eval_no_grad(self.model, self.autocast))
 
 
 @contextlib.contextmanager

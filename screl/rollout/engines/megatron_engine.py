@@ -1,8 +1,9 @@
 """The Megatron generation engine (``generation.backend: megatron``): megatron-core's ``GPTModel`` decodes
 (docs/generation.md, "The Megatron backend").
 
-The engine is the torch engine's request loop (batching, per-request seeds, logprobs, per-token weight versions,
-stop rule, abort, pause, in-flight refits, stand-downs) over the policy's ``GPTModel``, built by the same
+The engine holds the torch engine's request loop (:class:`~screl.rollout.engines.request_loop.RequestLoop`:
+batching, per-request seeds, logprobs, per-token weight versions, stop rule, abort, pause, in-flight refits,
+stand-downs) and is its decode steps over the policy's ``GPTModel``, built by the same
 :class:`~screl.strategies.GPTModelProvider` mapping the trainer uses and decoding with megatron-core's static KV
 cache (:class:`~screl.rollout.engines.megatron_decode.MegatronDecoder`). Two topologies:
 
@@ -12,7 +13,8 @@ cache (:class:`~screl.rollout.engines.megatron_decode.MegatronDecoder`). Two top
   split.
 - **Colocated** (``colocated.enabled: true``): the trainer's own ``GPTModel`` in the trainer's process; under
   tensor parallelism the other ranks follow each forward through a
-  :class:`~screl.rollout.engines.megatron_decode.DecodeLink`. A refit is a version bump.
+  :class:`~screl.rollout.engines.megatron_decode.DecodeLink` (:meth:`MegatronGenerationEngine.link_ranks` builds it
+  on every rank). A refit is a version bump.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,16 +33,23 @@ from screl.rollout.engines.buckets import WeightBuckets
 from screl.rollout.engines.megatron_decode import (
     DecodeLink,
     MegatronDecoder,
+    TensorParallelRanks,
     eval_no_grad,
     unpadded_vocab_size,
 )
-from screl.rollout.engines.protocol import EngineCapabilities, EngineOptions
+from screl.rollout.engines.protocol import (
+    BackendArgs,
+    EngineCapabilities,
+    EngineOptions,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+)
+from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.stop_tokens import StopTokens, load_generation_config, stop_tokens
-from screl.rollout.engines.torch_engine import TorchGenerationEngine
+from screl.rollout.engines.torch_sampling import Batch, Row, refuse_images, sample_step
 
 log = logging.getLogger(__name__)
-
-ARGS_KEY = "data.init_args.generation.backend_args"
 
 
 def inner_gpt_model(model: Any) -> Any:
@@ -87,7 +96,7 @@ def build_engine_model(policy: PolicySpec, device: str, seed: int | None) -> tup
     return model, config, generation_config
 
 
-class MegatronGenerationEngine(TorchGenerationEngine):
+class MegatronGenerationEngine:
     """:class:`~screl.rollout.engines.protocol.GenerationEngine` on a Megatron ``GPTModel`` (see the module docstring).
 
     Args:
@@ -101,22 +110,17 @@ class MegatronGenerationEngine(TorchGenerationEngine):
 
     capabilities = EngineCapabilities(
         streams_weight_buckets=True, weight_naming="megatron", colocated=True, colocated_tensor_parallel=True,
+        backend_args=BackendArgs(open=False, note="its model is the policy's GPTModel at tensor parallel size 1"),
         config_rules=("screl.rules.megatron_generation_rules:megatron_backend_rules",),
         why_not=(("vision_inputs", "the megatron engine takes token ids only"),),
     )
-
-    @classmethod
-    def _colocated_args(cls, options: EngineOptions, link: Any) -> dict[str, Any]:
-        """Colocated on the trainer's ``GPTModel`` shard: the other tensor-parallel ranks follow it through
-        ``link``."""
-        return {"link": link}
+    vision = False
+    """Requests carry token ids only (``GenerationRequest.vision`` is refused)."""
 
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> MegatronGenerationEngine:
         """The engine a worker builds (``generation.backend: megatron``); it takes no ``backend_args``."""
-        if options.args:
-            raise ValueError(f"{ARGS_KEY}={dict(options.args)!r}: the megatron backend takes none (its model is "
-                             "the policy's GPTModel at tensor parallel size 1)")
+        cls.capabilities.backend_args.resolve(options.args, "megatron")
         if options.record_routing:
             raise ValueError("model.init_args.routing_replay: the megatron engine does not record MoE routing (it "
                              "decodes dense GPTModels); use backend: torch")
@@ -124,6 +128,24 @@ class MegatronGenerationEngine(TorchGenerationEngine):
                    max_batch_size=options.max_batch_size,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
                    seed=options.seed)
+
+    @classmethod
+    def on_trainer_module(cls, policy: PolicySpec, options: EngineOptions, *, model: Any,
+                          autocast: torch.dtype | None, link: Any = None) -> MegatronGenerationEngine:
+        """The colocated engine on the trainer's ``GPTModel`` shard: the other tensor-parallel ranks follow it
+        through ``link`` (:meth:`link_ranks`)."""
+        return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
+                   recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
+                   model=model, autocast=autocast, link=link)
+
+    @classmethod
+    def link_ranks(cls, module: Any, autocast: torch.dtype | None, world_size: int) -> TensorParallelRanks:
+        """Every rank: the link of a colocated engine across the trainer's tensor-parallel ranks (a gloo group of its
+        own, so its broadcasts never meet the trainer's collectives); rank 0's engine leads it."""
+        import torch.distributed as dist
+
+        link = DecodeLink(dist.new_group(list(range(world_size)), backend="gloo"), src=0)
+        return TensorParallelRanks(link, inner_gpt_model(module), autocast)
 
     def __init__(
         self,
@@ -138,8 +160,12 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         link: DecodeLink | None = None,
         autocast: torch.dtype | None = None,
     ) -> None:
-        self._init_settings(policy, num_threads, max_batch_size, recompute_kv_cache_after_weight_updates, model,
-                            autocast)
+        apply_threads(num_threads, max_batch_size, type(self).__name__)
+        self.policy, self.max_batch_size = policy, max_batch_size
+        self.recompute_kv_cache = recompute_kv_cache_after_weight_updates
+        self.tokenizer = policy.build_tokenizer()
+        self.shared = model is not None
+        self.autocast = autocast if model is not None else None
         self.link = link
         if model is not None:
             self.model = inner_gpt_model(model)
@@ -151,30 +177,63 @@ class MegatronGenerationEngine(TorchGenerationEngine):
         self.routing = None  # no MoE: GPTModelProvider maps dense models only
         log.info("screl: the megatron engine decodes a GPTModel with megatron-core's static KV cache (%s)",
                  "the trainer's module" if self.shared else "its own, tensor parallel size 1")
-        stops: StopTokens = stop_tokens(self.tokenizer, generation_config, config)
-        self._init_state(unpadded_vocab_size(self.model), stops, seed, version)
+        self.vocab_size = unpadded_vocab_size(self.model)
+        self.stop_tokens: StopTokens = stop_tokens(self.tokenizer, generation_config, config)
+        self.eos_token_ids = self.stop_tokens.ids
+        self.pad_token_id = pad_token(self.tokenizer, self.stop_tokens)
+        self.loop = RequestLoop(self, device=self.device, vocab_size=self.vocab_size, stops=self.stop_tokens,
+                                pad_token_id=self.pad_token_id, seed=seed, version=version,
+                                max_batch_size=max_batch_size, recompute_kv_cache=self.recompute_kv_cache)
+
+    # -- the protocol, on the request loop ---------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The weight version now loaded."""
+        return self.loop.version
+
+    def set_version(self, version: int) -> None:
+        """Set the weight version label (between decode steps)."""
+        self.loop.set_version(version)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Generate all requests, ``max_batch_size`` at a time; results in request order."""
+        return self.loop.generate(requests)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these in-flight requests at the next step with their partial tokens."""
+        self.loop.abort(request_ids)
+
+    def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
+        """Stop generating until :meth:`resume`; returns when no batch is decoding (``TimeoutError`` after
+        ``timeout`` seconds)."""
+        self.loop.pause(mode, timeout)
+
+    def resume(self) -> None:
+        """Let waiting and parked ``generate`` calls continue."""
+        self.loop.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.loop.paused
+
+    def stand_down(self, timeout: float | None = None, drain: bool = False) -> None:
+        """Pause with the parked batches' KV caches freed (colocated, while the trainer trains the module);
+        ``drain``: the requests in flight finish first."""
+        self.loop.stand_down(timeout, drain)
+
+    def wake(self) -> None:
+        """End a :meth:`stand_down`: parked batches re-prefill and decode on."""
+        self.loop.wake()
+
+    @property
+    def stood_down(self) -> bool:
+        return self.loop.stood_down
 
     def end_followers(self) -> None:
         """Colocated under tensor parallelism: send the other ranks back to training (between forward passes)."""
         if self.link is not None:
-            with self._model_lock:
+            with self.loop.lock:
                 self.link.end()
-
-    # -- the torch engine's hooks ----------------------------------------------------------------------
-    def _new_decoder(self) -> MegatronDecoder:
-        return MegatronDecoder(self.model, self.vocab_size, link=self.link)
-
-    def _release(self, batch: Any) -> None:
-        decoder = batch.static
-        batch.static = None
-        if decoder is not None:
-            with self._model_lock:  # the link's calls are one at a time, like the forwards
-                decoder.free()
-
-    @contextlib.contextmanager
-    def _forwarding(self) -> Iterator[None]:
-        with self._model_lock, eval_no_grad(self.model, self.autocast):
-            yield
 
     def update_weights(self, weights: WeightBuckets, version: int) -> None:
         """Load Megatron-named full tensors (``iter_export_buckets(naming="megatron")``), bucket by bucket, in
@@ -192,4 +251,31 @@ class MegatronGenerationEngine(TorchGenerationEngine):
             given.update(load_megatron_bucket(self.model, bucket))
             return len(bucket)
 
-        self._refit(weights, version, load, lambda: sorted(expected - given))
+        self.loop.refit(weights, version, load, lambda: sorted(expected - given))
+
+    # -- the request loop's decode steps -------------------------------------------------------------------
+    def _check_request(self, req: GenerationRequest) -> None:
+        refuse_images(req, self.vision, self.model)
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        with eval_no_grad(self.model, self.autocast):
+            yield
+
+    def _start(self, rows: list[Row], batch: Batch, ids: torch.Tensor, attn: torch.Tensor,
+               capacity: int) -> torch.Tensor:
+        batch.static = MegatronDecoder(self.model, self.vocab_size, link=self.link)
+        return batch.static.start(ids, attn, capacity)
+
+    def _step(self, rows: list[Row], batch: Batch, last: list[int]) -> torch.Tensor:
+        return batch.static.step(torch.tensor(last, dtype=torch.long, device=self.device))
+
+    def _sample_step(self, rows: list[Row], batch: Batch, logits: torch.Tensor, version: int) -> None:
+        sample_step(rows, batch, logits, version, self.vocab_size, None)
+
+    def _release(self, batch: Batch) -> None:
+        decoder = batch.static
+        batch.static = None
+        if decoder is not None:
+            with self.loop.lock:  # the link's calls are one at a time, like the forwards
+                decoder.free()

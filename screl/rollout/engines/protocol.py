@@ -153,6 +153,40 @@ class EngineOptions:
     (``model.init_args.routing_replay``); an engine that cannot refuses it."""
 
 
+BACKEND_ARGS_KEY = "data.init_args.generation.backend_args"
+
+
+@dataclass(frozen=True)
+class BackendArgs:
+    """The ``generation.backend_args`` an engine takes (its ``capabilities.backend_args``): the keys with their
+    defaults, so the defaults live with the engine and the rules read them from here."""
+
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Each key it takes and the value it uses when the config leaves the key out."""
+    choices: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    """The values a key may take, where the key has a fixed set (the engine refuses others)."""
+    open: bool = True
+    """It takes keys beyond ``defaults`` too, passed through (a plugin's own, vLLM's engine arguments)."""
+    note: str = ""
+    """Said after what it takes when it refuses a key (why it takes no more)."""
+
+    def value(self, given: Mapping[str, Any] | None, key: str) -> Any:
+        """``key``'s value under the configured ``given`` backend_args: the given one, else the default."""
+        return (given or {}).get(key, self.defaults.get(key))
+
+    def resolve(self, given: Mapping[str, Any] | None, engine: str) -> dict[str, Any]:
+        """The defaults overridden by ``given``; ``ValueError`` names a key the engine does not take."""
+        args = dict(given or {})
+        unknown = [] if self.open else sorted(set(args) - set(self.defaults))
+        if unknown:
+            takes = "only " + ", ".join(
+                f"{k!r} ({'|'.join(map(str, self.choices[k]))})" if k in self.choices else repr(k) for k in self.defaults
+            ) if self.defaults else "none"
+            note = f" ({self.note})" if self.note else ""
+            raise ValueError(f"{BACKEND_ARGS_KEY}={args!r}: the {engine} backend takes {takes}{note}, not {unknown}")
+        return {**self.defaults, **args}
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What an engine class declares it can do (its ``capabilities`` class attribute). ``screl check`` refuses a
@@ -170,9 +204,11 @@ class EngineCapabilities:
     weight_naming: str = "hf"
     """The weight names it loads: Hugging Face's (``hf``) or Megatron's (``megatron``)."""
     colocated: bool = False
-    """It decodes with the trainer's module in the trainer's process (``generation.colocated``)."""
+    """It decodes with the trainer's module in the trainer's process (``generation.colocated``): its class builds
+    that engine with ``on_trainer_module(policy, options, model=, autocast=, link=)``."""
     colocated_tensor_parallel: bool = False
-    """Colocated across the trainer's tensor-parallel ranks (under MegatronStrategy), not in one process only."""
+    """Colocated across the trainer's tensor-parallel ranks (under MegatronStrategy), not in one process only: its
+    class links the ranks, ``link_ranks(module, autocast, world_size)`` on every rank (:class:`RankLink`)."""
     vision_inputs: bool = False
     """Requests may carry images (vision-language policies)."""
     routing_records: bool = False
@@ -183,6 +219,9 @@ class EngineCapabilities:
     """It preallocates a share of a GPU's memory (``backend_args.gpu_memory_utilization``; placement checks it)."""
     eos_masked_logprobs: bool = False
     """Its logprobs of the first ``min_new_tokens`` tokens are of the EOS-masked distribution (the trainer's are not)."""
+    backend_args: BackendArgs = field(default_factory=BackendArgs)
+    """The ``generation.backend_args`` it takes and their defaults (an engine that declares none is passed them
+    untouched)."""
     config_rules: tuple[str, ...] = ()
     """``package.module:function`` rules ``screl check`` runs on its settings (``fn(context)``, as screl's own)."""
     why_not: tuple[tuple[str, str], ...] = ()
@@ -191,6 +230,19 @@ class EngineCapabilities:
     def reason(self, capability: str, engine: str) -> str:
         """Why the engine ``engine`` lacks ``capability``: its own words, else the generic ones."""
         return dict(self.why_not).get(capability, f"the {engine} engine does not declare {capability}")
+
+
+@runtime_checkable
+class RankLink(Protocol):
+    """What an engine class's ``link_ranks(module, autocast, world_size)`` returns on every rank (an engine that
+    declares ``colocated_tensor_parallel``): rank 0 gives ``link`` to its colocated engine (``on_trainer_module``),
+    the other ranks call :meth:`follow` while it generates."""
+
+    link: Any
+
+    def follow(self) -> Any:
+        """A follower rank: take part in the leader's forward passes until the leader ends them."""
+        ...
 
 
 def declared_capabilities(engine: Any) -> EngineCapabilities:

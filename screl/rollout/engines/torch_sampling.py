@@ -71,6 +71,13 @@ def check_prompt(req: GenerationRequest, vocab_size: int) -> None:
         )
 
 
+def refuse_images(req: GenerationRequest, vision: bool, model: Any) -> None:
+    """Refuse a request that carries images when the model has no vision tower."""
+    if req.vision is not None and not vision:
+        raise ValueError(f"generate: request {req.request_id!r} carries images, and {type(model).__name__} "
+                         "has no vision tower (use a vision-language policy: screl.models.HFVisionLM)")
+
+
 def new_row(req: GenerationRequest, stops: StopTokens, seed_rng: random.Random,
             routing: RoutingRecorder | None) -> Row:
     """A checked request's row: its uniforms from its own generator (seeded by its seed, else by ``seed_rng``)."""

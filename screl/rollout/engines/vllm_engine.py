@@ -79,6 +79,8 @@ class VLLMGenerationEngine:
     capabilities = EngineCapabilities(
         continuous_batching=True, streams_weight_buckets=True, weight_transfers=("object_store", "nccl"),
         on_generation_device=False, claims_gpu_memory_share=True, eos_masked_logprobs=True,
+        # backend_args: any vLLM engine argument (BackendArgs' open default); screl's defaults for them depend on
+        # the device: screl.config_generation.VLLM_DEFAULTS (FIXED_ENGINE_ARGS are refused by check_options)
         config_rules=("screl.rules.rollout_rules:vllm_rules",),
         why_not=(
             ("colocated", "colocated vLLM needs vLLM's sleep/wake mode, which runs on a GPU only: not built yet"),
