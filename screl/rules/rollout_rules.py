@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from screl.config_generation import TORCH_DECODE_PATHS
 from screl.data.sampler_config import InOrderSamplerConfig
+from screl.rollout.engines.registry import engine_capabilities
 from screl.rules.context import RuleContext, get
 
 GEN = "data.init_args.generation"
@@ -64,14 +64,17 @@ def worker_health_rules(c: RuleContext) -> None:
 
 
 def torch_backend_rules(c: RuleContext) -> None:
-    """``backend: torch`` takes one ``backend_args`` key, ``decode``."""
+    """``backend: torch`` takes the ``backend_args`` its engine declares (``decode``), each among its choices."""
+    declared = engine_capabilities("torch").backend_args
     args = c.gen_cfg.backend_args or {}
-    for key in sorted(set(args) - {"decode"}):
-        c.bad(f"{GEN}.backend_args.{key}", args[key], "the torch backend takes only backend_args.decode",
+    for key in sorted(set(args) - set(declared.defaults)):
+        c.bad(f"{GEN}.backend_args.{key}", args[key],
+              f"the torch backend takes only {', '.join(f'backend_args.{k}' for k in declared.defaults)}",
               f"remove {key}")
-    if "decode" in args and args["decode"] not in TORCH_DECODE_PATHS:
-        c.bad(f"{GEN}.backend_args.decode", args["decode"], f"must be one of {', '.join(TORCH_DECODE_PATHS)}",
-              "set decode: auto (the static-cache path where the model supports it)")
+    for key, choices in declared.choices.items():
+        if key in args and args[key] not in choices:
+            c.bad(f"{GEN}.backend_args.{key}", args[key], f"must be one of {', '.join(map(str, choices))}",
+                  f"set {key}: {declared.defaults[key]}")
 
 
 def vllm_rules(c: RuleContext) -> None:
