@@ -1,17 +1,17 @@
-"""Load on the OpenAI-compatible policy server (issue 40 item 4).
+"""Load on the OpenAI-compatible policy server (issue 40 item 4, issue 51 item 4): its memory over many requests.
 
 The server (``screl.rollout.server.server.PolicyServer``) runs as the runtime starts it for ``configs/grpo_agent_tiny.yaml``:
-a Ray actor (``max_concurrency=1000``) bound to 127.0.0.1 in front of torch-engine generation workers with the
-agent config's tiny model. Clients are the official ``openai.AsyncOpenAI``. For each concurrency level, that many
-sessions run for a bounded time: each session is 3 chat turns under its own ``X-Session-Id`` (each turn sends the
+a Ray actor (``max_concurrency=1000``) bound to 127.0.0.1 in front of a torch-engine generation worker with the
+agent config's tiny model. Clients are the official ``openai.AsyncOpenAI``. ``--sessions`` sessions run at once until
+``--requests`` requests were sent: each session is 3 chat turns under its own ``X-Session-Id`` (each turn sends the
 conversation so far, the assistant's reply appended), and when it ends the session is taken from the server as
-``AgentWorkflow`` does (``take_session``), then a new one starts. Reported per level and overall: requests/s,
-p50/p99 latency of a request, errors (target 0), and the server actor's RSS at the start and the end (target: growth
-< 10% over a 5-minute run).
+``AgentWorkflow`` does (``take_session``), then a new one starts. Reported: requests/s, p50/p99 latency of a
+request, errors (target 0), and the server actor's RSS every ``--mark`` requests; the target is RSS growth of at
+most 5% from the first mark (10k requests) to the last (100k), in ``rss_growth_first_to_last``.
 
-    .venv/bin/python bench/server_load.py                      # 64, 128, 256 sessions x 100 s: a 5-minute run
-    .venv/bin/python bench/server_load.py --sessions 64 --duration-s 30 --out-name server_load_quick
-    .venv/bin/python bench/server_load.py --sessions 32 --duration-s 40 --tracemalloc   # where the Python heap grows
+    .venv/bin/python bench/server_load.py                                  # 100k requests, RSS every 10k
+    .venv/bin/python bench/server_load.py --requests 20000 --mark 2000 --out-name server_load_quick
+    .venv/bin/python bench/server_load.py --requests 6000 --mark 2000 --tracemalloc   # where the Python heap grows
 """
 
 from __future__ import annotations
@@ -64,37 +64,54 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-async def drive(url: str, server: Any, sessions: int, duration_s: float, max_tokens: int) -> dict[str, Any]:
-    """``sessions`` concurrent 3-turn sessions for ``duration_s`` (a session under way at the end finishes)."""
+async def drive(url: str, server: Any, sessions: int, total: int, marks: dict[int, float] | None = None,
+                pid: int | None = None, max_tokens: int = 4) -> dict[str, Any]:
+    """``sessions`` concurrent 3-turn sessions until ``total`` requests were sent; the server's RSS (MB) is noted
+    in ``marks`` when the requests done reach each of its keys."""
     import openai
 
     latencies: list[float] = []
     errors: list[str] = []
-    completed = 0
-    deadline = time.monotonic() + duration_s
+    sent = completed = 0
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120.0)
 
+    def mark() -> None:
+        done = len(latencies) + len(errors)
+        for at in [m for m, v in (marks or {}).items() if v < 0 and done >= m]:
+            (marks or {})[at] = rss_mb(pid) if pid is not None else 0.0
+            print(f"{at} requests: server RSS {marks[at]:.1f} MB, errors {len(errors)}", flush=True)
+
+    async def turn(sid: str, messages: list[dict[str, str]]) -> str | None:
+        t0 = time.monotonic()
+        try:
+            reply = await client.chat.completions.create(
+                model="screl-policy", messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
+                extra_headers={"X-Session-Id": sid})
+        except Exception as err:  # noqa: BLE001 - counted and reported
+            errors.append(f"{type(err).__name__}: {err}"[:300])
+            mark()
+            return None
+        latencies.append(time.monotonic() - t0)
+        mark()
+        return reply.choices[0].message.content or ""
+
     async def session(k: int) -> None:
-        nonlocal completed
+        nonlocal completed, sent
         n = 0
-        while time.monotonic() < deadline:
+        while sent < total:
             sid = f"load-{k}-{n}-{uuid.uuid4().hex[:6]}"
             n += 1
             messages: list[dict[str, str]] = [{"role": "user", "content": QUESTIONS[(k + n) % len(QUESTIONS)]}]
             ok = True
-            for turn in range(TURNS):
-                t0 = time.monotonic()
-                try:
-                    reply = await client.chat.completions.create(
-                        model="screl-policy", messages=messages, max_tokens=max_tokens,  # type: ignore[arg-type]
-                        extra_headers={"X-Session-Id": sid})
-                except Exception as err:  # noqa: BLE001 - counted and reported
-                    errors.append(f"{type(err).__name__}: {err}"[:300])
+            for t in range(TURNS):
+                if sent >= total:
+                    break
+                sent += 1
+                text = await turn(sid, messages)
+                if text is None:
                     ok = False
                     break
-                latencies.append(time.monotonic() - t0)
-                text = reply.choices[0].message.content or ""
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": str(turn)}]
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": str(t)}]
             try:  # the session's record, as AgentWorkflow takes it (else the server keeps it)
                 await server.take_session.remote(sid)
             except Exception as err:  # noqa: BLE001
@@ -106,7 +123,7 @@ async def drive(url: str, server: Any, sessions: int, duration_s: float, max_tok
     async with client:
         await asyncio.gather(*(session(k) for k in range(sessions)))
     wall = time.monotonic() - t0
-    return {"sessions": sessions, "duration_s": duration_s, "wall_s": wall, "requests": len(latencies),
+    return {"sessions": sessions, "wall_s": wall, "requests": len(latencies),
             "requests_per_s": len(latencies) / wall, "sessions_completed": completed,
             "p50_ms": 1e3 * percentile(latencies, 50), "p99_ms": 1e3 * percentile(latencies, 99),
             "errors": len(errors), "error_samples": sorted(set(errors))[:5]}
@@ -145,52 +162,49 @@ def _trace_diff(self: Any, top: int = 10) -> dict[str, Any]:
                     for d in diff[:top]]}
 
 
-def run(levels: list[int], duration_s: float, num_workers: int, max_tokens: int,
+def run(sessions: int, total: int, mark_every: int, num_workers: int, max_tokens: int,
         trace: bool = False) -> dict[str, Any]:
     import ray
 
     load_before = list(os.getloadavg())
     server, url, workers, pid = start_server(num_workers, max_tokens)
     traced: dict[str, Any] | None = None
+    marks: dict[int, float] = {at: -1.0 for at in range(mark_every, total + 1, mark_every)}
     try:
-        asyncio.run(drive(url, server, 4, 0.01, max_tokens))  # warm-up: one session each of 4, not counted
+        asyncio.run(drive(url, server, 4, 12, max_tokens=max_tokens))  # warm-up, not counted
         if trace:  # past the first-time imports and caches of every code path
-            asyncio.run(drive(url, server, 16, 5.0, max_tokens))
+            asyncio.run(drive(url, server, sessions, 600, max_tokens=max_tokens))
             ray.get(server.__ray_call__.remote(_trace_start), timeout=60)
         rss_start = rss_mb(pid)
-        out = []
-        for sessions in levels:
-            before = rss_mb(pid)
-            figures = asyncio.run(drive(url, server, sessions, duration_s, max_tokens))
-            left = ray.get(server.__ray_call__.remote(  # every per-session record the server keeps
-                lambda self: sum(map(len, (self.sessions, self.replies, self.responses, self.sticky, self.inflight,
-                                           self.cancelled, self.seen)))), timeout=60)
-            after = rss_mb(pid)
-            figures.update(rss_start_mb=before, rss_end_mb=after, server_sessions_left=int(left),
-                           rss_growth_kb_per_request=(after - before) * 1024 / max(1, figures["requests"]))
-            out.append(figures)
-            print(f"{sessions} sessions: {figures['requests_per_s']:.1f} req/s, p50 {figures['p50_ms']:.0f} ms, "
-                  f"p99 {figures['p99_ms']:.0f} ms, errors {figures['errors']}", flush=True)
+        figures = asyncio.run(drive(url, server, sessions, total, marks, pid, max_tokens))
+        left = ray.get(server.__ray_call__.remote(  # every per-session record the server keeps
+            lambda self: sum(map(len, (self.sessions, self.replies, self.responses, self.sticky, self.inflight,
+                                       self.cancelled, self.seen)))), timeout=60)
         rss_end = rss_mb(pid)
         if trace:
             traced = ray.get(server.__ray_call__.remote(_trace_diff), timeout=120)
-            n = max(1, sum(lv["requests"] for lv in out))
+            n = max(1, figures["requests"])
             traced.update(growth_bytes_per_request=traced["growth_bytes"] / n,
                           screl_growth_bytes_per_request=traced["screl_growth_bytes"] / n)
     finally:
         for actor in (server, *workers):
             ray.kill(actor)
         ray.shutdown()
-    return {"levels": out, "turns_per_session": TURNS, "max_tokens": max_tokens, "num_workers": num_workers,
-            "server_rss_start_mb": rss_start, "server_rss_end_mb": rss_end,
-            "server_rss_growth": rss_end / rss_start - 1.0, "errors": sum(lv["errors"] for lv in out),
+    at = {k: v for k, v in marks.items() if v >= 0}
+    first, last = min(at), max(at)
+    return {**figures, "turns_per_session": TURNS, "max_tokens": max_tokens, "num_workers": num_workers,
+            "server_sessions_left": int(left), "server_rss_start_mb": rss_start, "server_rss_end_mb": rss_end,
+            "rss_mb_at_requests": at, "rss_first_mark": first, "rss_last_mark": last,
+            "rss_growth_first_to_last": at[last] / at[first] - 1.0,
+            "rss_growth_kb_per_request_first_to_last": (at[last] - at[first]) * 1024 / max(1, last - first),
             "loadavg_before": load_before, **({"tracemalloc": traced} if traced is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sessions", default="64,128,256", help="concurrency levels, comma-separated")
-    p.add_argument("--duration-s", type=float, default=100.0, help="time per level")
+    p.add_argument("--requests", type=int, default=100_000, help="requests in all")
+    p.add_argument("--mark", type=int, default=10_000, help="the server's RSS is noted every this many requests")
+    p.add_argument("--sessions", type=int, default=64, help="sessions at once")
     p.add_argument("--workers", type=int, default=1, help="generation workers behind the server")
     p.add_argument("--max-tokens", type=int, default=4, help="per reply (the agent config's max_new_tokens)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -198,16 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace the server actor's Python heap over the run (slower): its growth and where it grew")
     args = p.parse_args(argv)
-    levels = [int(x) for x in args.sessions.split(",")]
     started = time.time()
-    result = run(levels, args.duration_s, args.workers, args.max_tokens, args.tracemalloc)
+    result = run(args.sessions, args.requests, args.mark, args.workers, args.max_tokens, args.tracemalloc)
     result["machine"] = machine_info()
     result["bench_wall_s"] = time.time() - started
-    print_table(["sessions", "req/s", "p50 ms", "p99 ms", "errors", "RSS start MB", "RSS end MB"],
-                [[lv["sessions"], lv["requests_per_s"], lv["p50_ms"], lv["p99_ms"], lv["errors"], lv["rss_start_mb"],
-                  lv["rss_end_mb"]] for lv in result["levels"]], title="policy server under load")
-    print(f"server RSS {result['server_rss_start_mb']:.0f} MB -> {result['server_rss_end_mb']:.0f} MB "
-          f"({100 * result['server_rss_growth']:+.1f}%), errors {result['errors']}, load average before "
+    result["command"] = " ".join(["bench/server_load.py", *(argv if argv is not None else sys.argv[1:])])
+    print_table(["requests done", "server RSS MB"], [[k, v] for k, v in result["rss_mb_at_requests"].items()],
+                title=f"policy server under load ({args.sessions} sessions)")
+    print(f"{result['requests']} requests, {result['requests_per_s']:.1f} req/s, p50 {result['p50_ms']:.0f} ms, "
+          f"p99 {result['p99_ms']:.0f} ms, errors {result['errors']}; RSS {result['rss_first_mark']} -> "
+          f"{result['rss_last_mark']} requests: {100 * result['rss_growth_first_to_last']:+.2f}% "
+          f"({result['rss_growth_kb_per_request_first_to_last']:.3f} KB per request); load average before "
           f"{result['loadavg_before']}")
     if "tracemalloc" in result:
         t = result["tracemalloc"]

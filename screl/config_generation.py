@@ -87,6 +87,47 @@ class HttpServerConfig:
     """How replies become ``tool_calls``: ``hermes`` (``<tool_call>`` JSON: Hermes, Qwen), ``compact`` (the
     character tokenizer's ``=args``), ``auto`` (compact for the character tokenizer, else hermes), or a class path
     (``screl.rollout.server.tool_calls.ToolParser``)."""
+    max_body_bytes: int = 16 * 2**20
+    """Largest request body, checked from ``Content-Length`` and while reading, before parsing (413 beyond)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt after templating (400 naming the field beyond). None: the model's context length."""
+    max_request_tokens: int | None = None
+    """Largest ``max_tokens`` a request may ask for (400 beyond). None: the model's context length, or
+    ``generation.max_new_tokens`` when larger."""
+    max_choices: int = 64
+    """Largest ``n`` (times the prompts of a ``/v1/completions`` batch): the engine requests of one request (400)."""
+    max_messages: int = 1024
+    """Most chat messages (``/v1/responses``: input items, with a continued response's) in one request (400)."""
+    max_tools: int = 128
+    """Most tools in one request (400)."""
+    max_concurrent_requests: int = 1024
+    """Requests served at once; more get 429 with ``Retry-After``. Keep it above the agents that run at once
+    (``generation.num_workers`` x ``AgentWorkflow``'s ``max_concurrent``)."""
+    max_open_sessions: int = 4096
+    """Sessions the server holds records for; a new session beyond it gets 429 with ``Retry-After``."""
+    session_idle_timeout_s: float = 3600.0
+    """A session with no request for this long (and none in flight) is closed: its records freed, its later
+    requests answered with a 404 naming it."""
+
+
+SERVER_LIMIT_KEYS = ("max_body_bytes", "max_prompt_tokens", "max_request_tokens", "max_choices", "max_messages",
+                     "max_tools", "max_concurrent_requests", "max_open_sessions", "session_idle_timeout_s")
+"""The policy server's limits (docs/agents.md, "Limits"): each a positive number (the token ones may be None)."""
+
+
+def server_limit_problems(http_server: Any) -> list[tuple[str, Any, str]]:
+    """(key, value, problem) for every limit of ``http_server`` (an :class:`HttpServerConfig`) that is not a
+    positive number."""
+    out = []
+    for key in SERVER_LIMIT_KEYS:
+        value = getattr(http_server, key)
+        if value is None and key in ("max_prompt_tokens", "max_request_tokens"):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value <= 0 or (key != "session_idle_timeout_s" and not isinstance(value, int)):
+            kind = "a number of seconds" if key == "session_idle_timeout_s" else "an integer"
+            out.append((f"generation.http_server.{key}", value, f"must be {kind} > 0"))
+    return out
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

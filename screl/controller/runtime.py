@@ -262,7 +262,8 @@ class RolloutRuntime:
         g, hs = self.generation, self.generation.http_server
         self.server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(
             self.workers, policy, host=hs.host, port=hs.port, api_key=hs.api_key, model_name=hs.model_name,
-            max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser, seed=seed)
+            max_tokens=g.max_new_tokens, temperature=g.temperature, tool_parser=hs.tool_parser, seed=seed,
+            limits=hs)
         self.server_url = self._wait(self.server.start.remote(), "start the policy server", self.timeout_s)
         self._wait([w.attach_server.remote(self.server, self.server_url, hs.api_key) for w in self.workers]
                    + [self.controller.watch_server.remote(self.server)], "attach the policy server", self.timeout_s)

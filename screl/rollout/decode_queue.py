@@ -6,7 +6,9 @@ A step's groups arrive one by one as the pump reserves them: calls sent as a bur
 (:class:`screl.data.core_types.Burst`) decode as soon as every call of the burst is queued; others wait until no new
 group came for ``batch_window_s``.
 Invariant: a batch never waits past 4 windows nor grows past ``max_batch_size`` rows, and its callers all resume in
-the same iteration of their event loop. Which calls decode together is :mod:`screl.rollout.batching`'s rule.
+the same iteration of their event loop. A batch the engine fails is decoded again call by call, so a call fails
+only when it fails alone (one poisoned request never fails its batch's others). Which calls decode together is
+:mod:`screl.rollout.batching`'s rule.
 """
 
 from __future__ import annotations
@@ -93,9 +95,12 @@ class DecodeQueue:
         flat = [r for item in batch for r in item.requests]
         try:
             results = self.decode(flat)
-        except BaseException as err:  # noqa: BLE001 - handed to each waiting caller
-            for item in batch:
-                item.loop.call_soon_threadsafe(set_exception, item.future, err)
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+            if len(batch) == 1:
+                batch[0].loop.call_soon_threadsafe(set_exception, batch[0].future, err)
+            else:  # one call's requests may have failed the batch (a prompt it cannot hold): each alone again
+                for item in batch:
+                    self._decode([item])
             return
         # one hand-over per event loop: the batch's callers all resume in the same loop iteration, so none
         # reaches the row sink while another still counts as generating (the sink would put it alone)

@@ -147,3 +147,23 @@ def serve(policy: TinyCausalLM, backend: str = "tests.e2e._scripted.ScriptedEngi
     server = ray.remote(PolicyServer).options(num_cpus=0, max_concurrency=1000).remote(spawned, policy,
                                                                                        **server_kwargs)
     return server, ray.get(server.start.remote(), timeout=60), list(spawned)
+
+
+POISONS = {"zzoom": torch.OutOfMemoryError, "zzboom": RuntimeError}
+"""Prompt key -> the error the engine raises on a batch holding a prompt with it (the poisoned request)."""
+
+
+class PoisonedEngine(TorchGenerationEngine):
+    """The torch engine, except that a batch holding a prompt with a :data:`POISONS` key fails with its error (as an
+    out-of-memory fails the engine's whole batch); ``mixed`` counts the failed batches that held other requests."""
+
+    mixed = 0
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        for r in requests:
+            text = self.tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=False)
+            for key, error in POISONS.items():
+                if key in text:
+                    type(self).mixed += len(requests) > 1
+                    raise error(f"poisoned request {r.request_id} ({key})")
+        return super().generate(requests)

@@ -20,7 +20,7 @@ from screl.rollout.server.openai_api import IGNORED_FIELDS, RequestError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ErrorBody", "client_token_ids", "max_request_tokens", "model_vocab_size", "route_responses",
+__all__ = ["ErrorBody", "client_token_ids", "max_request_tokens", "model_context", "model_vocab_size", "route_responses",
            "validation_error_message"]
 
 
@@ -85,8 +85,9 @@ def route_responses(kind: str, stream: bool = False) -> dict[int | str, dict[str
                                                    "properties": {"data": {"type": "string"}}}}
     return {200: {"content": content},
             "4XX": {"model": ErrorBody, "description": "OpenAI's error body; `param` names the field at fault "
-                                                       "(400: a bad request, 401: the API key, 409: an aborted "
-                                                       "session)"}}
+                                                       "(400: a bad request, 401: the API key, 404: a closed "
+                                                       "session, 409: an aborted session, 413: the body's size, "
+                                                       "429: too many requests or sessions, with Retry-After)"}}
 
 
 def validation_error_message(errors: Sequence[Any]) -> tuple[str, str]:
@@ -119,6 +120,12 @@ def _config_int(config: Any, names: Sequence[str]) -> int | None:
             if isinstance(value, int) and value > 0:
                 return value
     return None
+
+
+def model_context(config: Any) -> int:
+    """The model's context length (its ``config``'s ``max_position_embeddings`` or the like), or
+    :data:`UNKNOWN_CONTEXT_MAX_TOKENS` when it names none: the longest prompt the server takes."""
+    return _config_int(config, CONTEXT_FIELDS) or UNKNOWN_CONTEXT_MAX_TOKENS
 
 
 def max_request_tokens(config: Any, default_max_tokens: int) -> int:

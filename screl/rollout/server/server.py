@@ -8,8 +8,10 @@ streaming (:mod:`screl.rollout.server.openai_stream`). A ``session_id`` (body fi
 conversation to one worker and records its turns token by token for :class:`~screl.rollout.workflows.agent.AgentWorkflow` to
 turn into a row; chat prompts splice the past turns' tokens verbatim (:mod:`screl.rollout.workflows.chat`). A client that
 disconnects mid-request (or mid-stream) gets its engine request aborted. The routes and their error replies are
-``server_routes.py`` beside it, a request's prompt, sampling and engine requests ``server_requests.py``; the actor
-keeps the sessions' records and the generating.
+``server_routes.py`` beside it, a request's prompt, sampling and engine requests ``server_requests.py``, its bounds
+(``generation.http_server``'s limits: body size, prompt length, counts, requests and sessions at once)
+``server_limits.py``, an engine failure's answer ``server_failures.py``; the actor keeps the sessions' records and
+the generating, and every 30 s closes idle sessions and hands freed heap back to the system.
 
 Invariant: it binds loopback unless told otherwise, and a non-loopback bind needs ``api_key``; every ``/v1`` request
 must then carry ``Authorization: Bearer <key>`` (401 otherwise).
@@ -32,26 +34,22 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from screl.config_generation import bind_problem
+from screl.config_generation import HttpServerConfig, bind_problem, server_limit_problems
 from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.server import server_requests, server_routes
 from screl.rollout.server.openai_api import Reply
-from screl.rollout.server.openai_schema import max_request_tokens, model_vocab_size
+from screl.rollout.server.openai_schema import max_request_tokens, model_context, model_vocab_size
 from screl.rollout.server.openai_stream import DONE, sse
-from screl.rollout.server.server_sessions import (
-    MAX_ABORTED_NOTES,
-    SESSION_IDLE_TIMEOUT_S,
-    forget_idle,
-    forget_session,
-    record_reply,
-)
+from screl.rollout.server.server_failures import EngineFailure
+from screl.rollout.server.server_limits import HOUSEKEEPING_S, Tokenizing, max_token_chars, release_memory
+from screl.rollout.server.server_sessions import MAX_ABORTED_NOTES, forget_idle, forget_session, record_reply
 from screl.rollout.server.tool_calls import ParsedReply, resolve_tool_parser
 from screl.rollout.workflows.multiturn import turn_seed
 from screl.rollout.workflows.trajectory import turn_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PolicyServer", "apply_stops", "check_bind", "session_seed"]
+__all__ = ["PolicyServer", "apply_stops", "check_bind", "check_limits", "session_seed"]
 
 
 def session_seed(base: int, session: str, turn: int) -> int:
@@ -67,6 +65,14 @@ def check_bind(host: str, api_key: str | None) -> None:
     problem = bind_problem(host, api_key)
     if problem is not None:
         raise ValueError(f"{problem}; set the key (clients then send Authorization: Bearer <key>), or bind 127.0.0.1")
+
+
+def check_limits(limits: HttpServerConfig) -> HttpServerConfig:
+    """The server's limits, refused when one is not a positive number (``server_limit_problems``)."""
+    problems = server_limit_problems(limits)
+    if problems:
+        raise ValueError("; ".join(f"{key}={value!r} {why}" for key, value, why in problems))
+    return limits
 
 
 def apply_stops(tokenizer: Any, result: GenerationResult, stops: Sequence[str]) -> tuple[GenerationResult, str, bool]:
@@ -94,17 +100,21 @@ class PolicyServer:
 
     def __init__(self, workers: Sequence[Any], policy: Any, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, model_name: str = "screl-policy", max_tokens: int = 16,
-                 temperature: float = 1.0, tool_parser: str = "auto",
-                 session_idle_timeout_s: float = SESSION_IDLE_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                 seed: int = 0) -> None:
+                 temperature: float = 1.0, tool_parser: str = "auto", session_idle_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, seed: int = 0,
+                 limits: HttpServerConfig | None = None) -> None:
         check_bind(host, api_key)
+        self.limits = check_limits(limits or HttpServerConfig())  # its bounds (server_limits.py)
         self.workers = list(workers)
         self.tokenizer = policy.build_tokenizer()
         self.parser = resolve_tool_parser(tool_parser, self.tokenizer)
         self.host, self.port, self.api_key = host, port, api_key
         self.model_name, self.max_tokens, self.temperature = model_name, max_tokens, temperature
         config = policy.build_config()
-        self.max_request_tokens = max_request_tokens(config, max_tokens)
+        self.max_request_tokens = self.limits.max_request_tokens or max_request_tokens(config, max_tokens)
+        self.max_prompt_tokens = self.limits.max_prompt_tokens or model_context(config)
+        self.max_token_chars = max_token_chars(self.tokenizer)
+        self.tokenizing = Tokenizing()
         self.vocab_size = model_vocab_size(config)  # client-sent token ids are checked against it
         self.seed = seed  # a session's request without a seed samples with session_seed(seed, session, turn)
         self.session_seeds: dict[str, int] = {}  # a rollout's session -> its sibling's seed (open_session)
@@ -115,12 +125,15 @@ class PolicyServer:
         self.inflight: dict[str, list[str]] = {}  # session -> its engine requests now generating
         self.cancelled: set[str] = set()
         self._next = itertools.count()
-        self.stats = {"requests": 0, "disconnect_aborts": 0, "errors": 0}
+        self.stats = {"requests": 0, "disconnect_aborts": 0, "errors": 0, "busy": 0, "engine_errors": 0}
         self.aborted: deque[dict[str, Any]] = deque(maxlen=MAX_ABORTED_NOTES)
         self.seen: dict[str, float] = {}  # session -> the time of its last request (or abort)
-        self.session_idle_timeout_s, self.clock = session_idle_timeout_s, clock
+        self.closed: OrderedDict[str, None] = OrderedDict()  # sessions closed idle (their late requests: 404)
+        self.session_idle_timeout_s = session_idle_timeout_s or self.limits.session_idle_timeout_s
+        self.clock = clock
         self._swept = clock()
         self._server: Any = None
+        self._housekeeping: asyncio.Future[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -140,13 +153,27 @@ class PolicyServer:
                 self._task.result()  # raises the bind error
             await asyncio.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._housekeeping = asyncio.ensure_future(self._keep_house())
         return self.url()
 
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/v1"
 
+    async def _keep_house(self) -> None:
+        """Every :data:`HOUSEKEEPING_S`: close the sessions idle too long, and (when requests came since) hand the
+        freed heap back to the system (``release_memory``: RSS stays flat under load)."""
+        served = -1
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            forget_idle(self, self.clock())
+            if self.stats["requests"] != served:
+                served = self.stats["requests"]
+                release_memory()
+
     async def stop(self) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
         if self._server is not None:
             self._server.should_exit = True
             await self._task
@@ -218,10 +245,10 @@ class PolicyServer:
         self._inflight(job, True)
         try:
             results = await self._generate(worker, job.requests, request)
-        except Exception:
+        except Exception as err:
             if job.session in self.cancelled:  # dropped from the worker's queue by the session's abort
                 raise server_requests.SessionAborted(job.session) from None
-            raise
+            raise EngineFailure(err) from err  # this request's 500 or 503 alone (server_failures.py)
         finally:
             self._inflight(job, False)
         return None if results is None else self._finish(job, results)
@@ -307,6 +334,11 @@ class PolicyServer:
                 self._background.add(cleanup)
                 cleanup.add_done_callback(self._background.discard)
                 raise
+            except Exception as err:  # the engine failed it: the stream's last event says so
+                self.stats["engine_errors"] += 1
+                yield sse(EngineFailure(err).event())
+                yield DONE
+                return
             finally:
                 self._inflight(job, False)
             for chunk in chunks(self._finish(job, results)):

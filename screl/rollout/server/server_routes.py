@@ -3,11 +3,14 @@
 and the error handlers that answer in OpenAI's error shape.
 
 Invariant: a request is never answered with a 5xx for what it sent: an invalid body or a refused request is a 400,
-a missing or wrong key a 401 (when the server has one), an aborted session a 409, a client gone mid-request a 499.
+a missing or wrong key a 401 (when the server has one), a closed session a 404, an aborted session a 409, a body
+too large a 413, a server at its bounds a 429 (``server_limits.py``), a client gone mid-request a 499. An engine
+failure on one request is that request's 500 or 503 alone (``server_failures.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Iterator
@@ -30,14 +33,24 @@ from screl.rollout.server.openai_api import (
     parse_tool_choice,
     parse_tools,
 )
-from screl.rollout.server.openai_schema import client_token_ids, route_responses, validation_error_message
+from screl.rollout.server.openai_schema import route_responses, validation_error_message
 from screl.rollout.server.openai_stream import OPEN, chat_chunks, completion_chunks, role_chunk, sse
 from screl.rollout.server.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.server.server_failures import EngineFailure
+from screl.rollout.server.server_limits import (
+    LimitsMiddleware,
+    ServerBusy,
+    SessionClosed,
+    busy_response,
+    check_count,
+)
 from screl.rollout.server.server_sessions import assistant_message
-from screl.rollout.workflows.chat import SpliceError, encode_text
+from screl.rollout.workflows.chat import SpliceError
 
 if TYPE_CHECKING:
     from screl.rollout.server.server import PolicyServer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build_app"]
 
@@ -45,6 +58,7 @@ __all__ = ["build_app"]
 def build_app(server: PolicyServer) -> FastAPI:
     """The app of ``server``: every ``/v1`` route asks for the API key, and each route's reply is its handler's."""
     app = FastAPI(title="screl policy server", docs_url=None, redoc_url=None)
+    app.add_middleware(LimitsMiddleware, server=server)
     _add_error_handlers(app, server)
 
     async def auth(request: Request) -> None:
@@ -106,20 +120,38 @@ async def _guard(server: PolicyServer, handler: Awaitable[Any], param: str) -> A
     except (SpliceError, ValueError) as err:
         server.stats["errors"] += 1
         return JSONResponse(api_error(str(err), param=param), status_code=400)
+    except ServerBusy as err:
+        return busy_response(str(err), "too_many_sessions")
+    except SessionClosed as err:
+        return JSONResponse(api_error(f"session {err.args[0]!r} was closed after "
+                                      f"{server.session_idle_timeout_s:g} s without a request "
+                                      "(generation.http_server.session_idle_timeout_s): its records are gone",
+                                      code="session_closed"), status_code=404)
+    except EngineFailure as err:
+        server.stats["engine_errors"] += 1
+        return err.response()
     except server_requests.SessionAborted as err:
         return JSONResponse(api_error(f"session {err.args[0]!r} was aborted (its rollout left the sampler's "
                                       "window or ran past its deadline)", code="session_aborted"),
                             status_code=409)
+    except Exception as err:  # noqa: BLE001 - a tokenizer's or a template's failure: this request's 500 alone
+        log.exception("screl: the policy server failed on a request")
+        server.stats["engine_errors"] += 1
+        return EngineFailure(err, stage="the server").response()
 
 
 async def chat_route(server: PolicyServer, body: ChatRequest, request: Request) -> Any:
     """``/v1/chat/completions``: one prompt, ``n`` choices, streamed or not."""
     session = body.session_id or request.headers.get("x-session-id")
+    limits = server.limits
+    check_count(len(body.messages), limits.max_messages, "messages", "messages", "max_messages")
+    check_count(len(body.tools or ()), limits.max_tools, "tools", "tools", "max_tools")
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
-    job = server_requests.chat_job(server, session, body.messages, tools, choice, body.n, body.parallel_tool_calls,
-                                   body.rollout, body.stops, server_requests.max_tokens_of(server, body),
-                                   body.temperature, body.top_p, body.top_k, body.min_tokens, body.seed)
+    job = await server_requests.chat_job(server, session, body.messages, tools, choice, body.n,
+                                         body.parallel_tool_calls, body.rollout, body.stops,
+                                         server_requests.max_tokens_of(server, body), body.temperature, body.top_p,
+                                         body.top_k, body.min_tokens, body.seed)
     [prompt] = job.prompts
     if body.stream:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -139,12 +171,11 @@ async def chat_route(server: PolicyServer, body: ChatRequest, request: Request) 
 async def completions_route(server: PolicyServer, body: CompletionRequest, request: Request) -> Any:
     """``/v1/completions``: one or more prompts (text or token ids), ``n`` choices each, streamed or not."""
     session = body.session_id or request.headers.get("x-session-id")
-    prompts = [client_token_ids(p, server.vocab_size, "prompt") if isinstance(p, list)
-               else encode_text(server.tokenizer, p) for p in body.prompts]
-    if session is not None and len(prompts) > 1:
+    if session is not None and len(body.prompts) > 1:
         raise RequestError("a batch of prompts within a session_id cannot be recorded as one conversation",
                            "prompt")
-    server_requests.admit(server, session, body.n)
+    server_requests.admit(server, session, body.n, body.n * len(body.prompts))
+    prompts = await server_requests.completion_prompts(server, body.prompts)
     sampling = server_requests.sampling_params(server, server_requests.max_tokens_of(server, body),
                                                body.temperature, body.top_p, body.top_k, body.min_tokens, body.stops)
     job = server_requests.Job(session, prompts, server.session_requests(prompts, sampling, body.n, body.seed, session),
@@ -167,6 +198,10 @@ async def completions_route(server: PolicyServer, body: CompletionRequest, reque
 async def responses_route(server: PolicyServer, body: ResponsesRequest, request: Request) -> Any:
     """``/v1/responses``: one reply, continuing a stored response of the same session (``previous_response_id``)."""
     session = body.session_id or request.headers.get("x-session-id")
+    limits = server.limits
+    check_count(1 if isinstance(body.input, str) else len(body.input), limits.max_messages, "input", "input items",
+                "max_messages")
+    check_count(len(body.tools or ()), limits.max_tools, "tools", "tools", "max_tools")
     messages = input_messages(body.input)
     if body.previous_response_id is not None:
         stored = server.responses.get(body.previous_response_id)
@@ -175,13 +210,15 @@ async def responses_route(server: PolicyServer, body: ResponsesRequest, request:
             raise RequestError(f"previous_response_id: {body.previous_response_id!r} is not a response of this "
                                f"session{whose}", "previous_response_id")
         messages = [*stored["messages"], *messages]
+        check_count(len(messages), limits.max_messages, "input", "messages (with previous_response_id's)",
+                    "max_messages")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = parse_tools(body.tools, flat=True)
     choice = parse_tool_choice(body.tool_choice, tools, flat=True)
-    job = server_requests.chat_job(server, session, [*system, *messages], tools, choice, 1,
-                                   body.parallel_tool_calls, body.rollout, [],
-                                   server_requests.max_tokens_of(server, body), body.temperature, body.top_p, None, 0,
-                                   body.seed)
+    job = await server_requests.chat_job(server, session, [*system, *messages], tools, choice, 1,
+                                         body.parallel_tool_calls, body.rollout, [],
+                                         server_requests.max_tokens_of(server, body), body.temperature, body.top_p,
+                                         None, 0, body.seed, param="input")
     replies = await server.generate_replies(job, request)
     if replies is None:
         return Response(status_code=499)

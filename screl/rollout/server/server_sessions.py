@@ -3,8 +3,10 @@
 A session's records (its turns, its last reply, its worker, whether it was aborted, its stored responses) go when
 ``AgentWorkflow`` takes the session. A session nobody takes (its rollout's worker died, or a client outside the
 trainer sends an ``X-Session-Id``) would stay for the server's lifetime, one record per session: sessions idle for
-``session_idle_timeout_s`` are forgotten instead (:func:`forget_idle`), with a warning. The notes on aborted
-requests (``get_stats()["aborted"]``) keep the last :data:`MAX_ABORTED_NOTES`.
+``generation.http_server.session_idle_timeout_s`` are closed instead (:func:`forget_idle`), with a warning: their
+records go, and their ids are noted (the newest :data:`MAX_CLOSED_NOTES`) so that a late request of one is a 404
+naming it rather than the start of a new conversation. The notes on aborted requests (``get_stats()["aborted"]``)
+keep the last :data:`MAX_ABORTED_NOTES`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from screl.rollout.workflows.chat import message_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_ABORTED_NOTES", "SESSION_IDLE_TIMEOUT_S", "assistant_message", "forget_idle", "forget_session",
+__all__ = ["MAX_ABORTED_NOTES", "MAX_CLOSED_NOTES", "assistant_message", "forget_idle", "forget_session",
            "record_reply", "same_reply"]
 
-SESSION_IDLE_TIMEOUT_S = 3600.0
-"""A session with no request for this long, and none in flight, is forgotten (``PolicyServer(session_idle_timeout_s)``)."""
+MAX_CLOSED_NOTES = 16384
+"""The sessions closed for idleness whose late requests get a 404: the newest ones (an older one's is a new session)."""
 MAX_ABORTED_NOTES = 1024
 """The aborted requests ``get_stats()`` reports: the newest ones."""
 
@@ -36,19 +38,24 @@ def forget_session(server: Any, session_id: str) -> tuple[list[dict[str, Any]], 
     server.session_seeds.pop(session_id, None)
     for rid in [r for r, v in server.responses.items() if v["session"] == session_id]:
         del server.responses[rid]
+    server.closed.pop(session_id, None)
     aborted = session_id in server.cancelled
     server.cancelled.discard(session_id)
     return server.sessions.pop(session_id, []), aborted
 
 
 def forget_idle(server: Any, now: float) -> list[str]:
-    """Forget the sessions idle past ``server.session_idle_timeout_s`` with nothing in flight; their ids."""
+    """Close the sessions idle past ``server.session_idle_timeout_s`` with nothing in flight (their records
+    forgotten, their ids noted in ``server.closed``); their ids."""
     cutoff = now - server.session_idle_timeout_s
     idle = [sid for sid, at in server.seen.items() if at < cutoff and not server.inflight.get(sid)]
     for sid in idle:
         forget_session(server, sid)
+        server.closed[sid] = None
+    while len(server.closed) > MAX_CLOSED_NOTES:
+        server.closed.popitem(last=False)
     if idle:
-        log.warning("screl: the policy server forgot %d session(s) idle for over %.0f s that nobody took (e.g. %r): "
+        log.warning("screl: the policy server closed %d session(s) idle for over %.0f s that nobody took (e.g. %r): "
                     "a rollout whose worker died, or a client's own X-Session-Id", len(idle),
                     server.session_idle_timeout_s, idle[0])
     return idle
