@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from screl.rules.agent_rules import agent_rules
+from screl.rules.agent_rules import agent_rules, server_limit_rules
 from screl.rules.colocated_rules import colocated_rules
 from screl.rules.context import (
     ConfigError,
@@ -69,6 +69,7 @@ RULES = (
     colocated_rules,
     placement_rules,
     agent_rules,
+    server_limit_rules,
     deadline_rules,
     refit_rules,
     worker_health_rules,

@@ -82,3 +82,29 @@ def _multi_turn_rules(c: RuleContext, name: str, args: dict[str, Any]) -> None:
             c.bad(f"{algo}.{on[0]}", block[on[0]], f"validation runs single-turn generations, not {name}'s "
                   "conversations, so its reward would not measure what trains",
                   "set val_period: 0, val_at_start: false and val_at_end: false")
+
+
+def server_limit_rules(c: RuleContext) -> None:
+    """The policy server's limits are positive; agents running at once fit under the request and session bounds."""
+    from screl.config_generation import server_limit_problems
+
+    gen = c.gen_cfg
+    if not gen.expose_http_server:
+        return
+    for key, value, problem in server_limit_problems(gen.http_server):
+        c.bad(f"data.init_args.{key}", value, problem, f"set {key.rsplit('.', 1)[-1]} to a positive value")
+    workflow = str(gen.workflow or DEFAULT_WORKFLOW)
+    cls = _class(workflow)
+    if workflow.rpartition(".")[2] != "AgentWorkflow" or cls is None:
+        return
+    per_worker = (gen.workflow_args or {}).get("max_concurrent", inspect.signature(cls).parameters["max_concurrent"].default)
+    workers = gen.num_workers if isinstance(gen.num_workers, int) else 1
+    if not isinstance(per_worker, int):
+        return
+    agents = workers * per_worker
+    for key in ("max_concurrent_requests", "max_open_sessions"):
+        bound = getattr(gen.http_server, key)
+        if isinstance(bound, int) and bound < agents:
+            c.bad(f"{GEN}.http_server.{key}", bound, f"is below the agents that run at once ({workers} worker(s) x "
+                  f"workflow_args.max_concurrent {per_worker} = {agents}): the excess would get 429s, each a data "
+                  "failure", f"raise {key} to >= {agents}, or lower workflow_args.max_concurrent")
