@@ -8,7 +8,7 @@ from typing import Any
 
 DEFAULT_WORKFLOW = "screl.rollout.workflows.workflow.SingleTurnWorkflow"
 """The rollout workflow a worker runs unless ``generation.workflow`` names another."""
-TORCH_DECODE_PATHS = ("auto", "static", "hf")
+TORCH_DECODE_PATHS = ("auto", "static", "hf", "continuous")
 """The torch backend's ``backend_args.decode`` values (:mod:`screl.rollout.engines.torch_engine`)."""
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.5

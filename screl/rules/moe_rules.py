@@ -46,8 +46,8 @@ def routing_replay_rules(c: RuleContext) -> None:
     if c.engine is not None and not c.engine.routing_records:
         c.bad(KEY, True, c.engine.reason("routing_records", c.engine_name),
               "use backend: torch, or routing_replay: false")
-    elif (gen.backend_args or {}).get("decode") == "static":
-        c.bad(f"{GEN}.backend_args.decode", "static", "routing replay records the experts through Hugging Face's "
+    elif (decode := (gen.backend_args or {}).get("decode")) in ("static", "continuous"):
+        c.bad(f"{GEN}.backend_args.decode", decode, "routing replay records the experts through Hugging Face's "
               "forward", "set decode: hf or auto")
     if gen.colocated.enabled:
         c.bad(KEY, True, "a colocated engine decodes with the trainer's own module and precision: its routing is "

@@ -69,8 +69,8 @@ def vlm_rules(c: RuleContext) -> None:
         why = c.engine.reason("vision_inputs", c.engine_name)
         c.bad(f"{GEN}.backend", c.gen_cfg.backend, f"{why}; {name}'s prompts carry images",
               "use backend: torch")
-    if (c.gen_cfg.backend_args or {}).get("decode") == "static":
-        c.bad(f"{GEN}.backend_args.decode", "static", "a vision-language policy decodes through Hugging Face's "
+    if (decode := (c.gen_cfg.backend_args or {}).get("decode")) in ("static", "continuous"):
+        c.bad(f"{GEN}.backend_args.decode", decode, "a vision-language policy decodes through Hugging Face's "
               "forward (the vision tower and multimodal positions)", "set decode: hf or auto")
     if c.gen_cfg.colocated.enabled:
         c.bad(f"{GEN}.colocated.enabled", True, "colocated generation builds text prompts only; the images are "

@@ -122,7 +122,8 @@ def test_recomputing_the_cache_after_a_refit_matches_on_both_paths() -> None:
 
 
 def test_decode_setting_is_checked_and_an_unsupported_model_is_named() -> None:
-    with pytest.raises(ValueError, match=rf"{DECODE_KEY}='fast': expected one of \('auto', 'static', 'hf'\)"):
+    paths = r"\('auto', 'static', 'hf', 'continuous'\)"
+    with pytest.raises(ValueError, match=rf"{DECODE_KEY}='fast': expected one of {paths}"):
         _engine("fast")
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, hidden_act="gelu"))

@@ -104,6 +104,9 @@ class RequestLoop:
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
         self._stood_down = False  # paused with the KV caches freed (colocated: the trainer has the module)
+        self._exclusive = False  # a call holds the engine's shared KV cache (the continuous path)
+        self.continuous: Callable[[RequestLoop, list[Row]], None] | None = None
+        """Runs a call's rows instead of the batches (the torch engine's continuous path)."""
 
     # ------------------------------------------------------------------------------ version, refits
 
@@ -199,8 +202,10 @@ class RequestLoop:
         ids = [r.request_id for r in requests]
         self._enter(ids)
         try:
+            if self.continuous is not None:
+                self.continuous(self, rows)
             size = self.max_batch_size or len(rows)
-            for i in range(0, len(rows), size):
+            for i in range(0, len(rows) if self.continuous is None else 0, size):
                 self._run_batch(rows[i : i + size])
         finally:
             self._exit(ids)
@@ -228,14 +233,43 @@ class RequestLoop:
             self._aborted.difference_update(ids)
             self._cond.notify_all()
 
-    def _checkpoint(self, rows: list[Row], batch: Batch | None = None) -> None:
-        """Between steps: park while paused in ``keep`` mode (a stand-down frees the batch's KV cache first),
-        then apply aborts."""
+    def gate_pending(self) -> bool:
+        """Whether an abort or a pause waits for the next checkpoint (the continuous path reads its tokens first)."""
+        with self._cond:
+            return bool(self._aborted) or self._pause_mode == "keep"
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """One call at a time holds the engine's shared KV cache; a call waiting for it while paused in ``keep``
+        mode counts as parked (the pause does not wait for it), else as running (it will run, as the pause asks)."""
+        with self._cond:
+            while self._exclusive:
+                parked = self._pause_mode == "keep"
+                if parked:
+                    self._active -= 1
+                    self._cond.notify_all()
+                self._cond.wait()
+                if parked:
+                    self._active += 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def _checkpoint(self, rows: list[Row], batch: Batch | None = None,
+                    on_drop: Callable[[], None] | None = None) -> None:
+        """Between steps: park while paused in ``keep`` mode (a stand-down frees the batch's KV cache first, or
+        calls ``on_drop``), then apply aborts."""
         with self._cond:
             if self._pause_mode == "keep":
                 if self._stood_down and batch is not None:
                     self.steps._release(batch)
                     batch.dropped = True
+                if self._stood_down and on_drop is not None:
+                    on_drop()
                 self._active -= 1
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._pause_mode != "keep")

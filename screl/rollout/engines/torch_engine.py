@@ -22,7 +22,8 @@ batch tensors and sampling are :mod:`.torch_sampling`'s, the model, its decode p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch
 from screl.models.spec import PolicySpec
 from screl.models.vision import is_vision_model
 from screl.rollout.engines.buckets import WeightBuckets
+from screl.rollout.engines.continuous import CONTINUOUS_DEFAULTS, ContinuousDecoder
 from screl.rollout.engines.protocol import (
     BackendArgs,
     EngineCapabilities,
@@ -40,7 +42,7 @@ from screl.rollout.engines.protocol import (
 )
 from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.routing import RoutingRecorder
-from screl.rollout.engines.static_decode import StaticDecoder
+from screl.rollout.engines.static_decode import StaticDecoder, static_decode_support
 from screl.rollout.engines.stop_tokens import StopTokens, stop_tokens
 from screl.rollout.engines.torch_forward import HFForward
 from screl.rollout.engines.torch_model import (
@@ -52,6 +54,8 @@ from screl.rollout.engines.torch_model import (
     load_model,
 )
 from screl.rollout.engines.torch_sampling import Batch, Row, refuse_images, sample_step
+
+log = logging.getLogger(__name__)
 
 
 class TorchGenerationEngine:
@@ -77,8 +81,8 @@ class TorchGenerationEngine:
 
     capabilities = EngineCapabilities(
         whole_call_batches=True, streams_weight_buckets=True, colocated=True, vision_inputs=True,
-        routing_records=True, backend_args=BackendArgs(defaults={"decode": "auto"}, choices={"decode": DECODE_PATHS},
-                                                       open=False),
+        routing_records=True, backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS},
+                                                       choices={"decode": DECODE_PATHS}, open=False),
         config_rules=("screl.rules.rollout_rules:torch_backend_rules",),
     )
 
@@ -95,6 +99,7 @@ class TorchGenerationEngine:
             seed=options.seed,
             decode=args["decode"],
             record_routing=options.record_routing,
+            continuous=args,
         )
 
     @classmethod
@@ -104,7 +109,7 @@ class TorchGenerationEngine:
         args = cls.capabilities.backend_args.resolve(options.args, "torch")
         return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
-                   model=model, autocast=autocast, decode=str(args["decode"]))
+                   model=model, autocast=autocast, decode=str(args["decode"]), continuous=args)
 
     def __init__(
         self,
@@ -119,6 +124,7 @@ class TorchGenerationEngine:
         model: torch.nn.Module | None = None,
         autocast: torch.dtype | None = None,
         record_routing: bool = False,
+        continuous: Mapping[str, Any] | None = None,
     ) -> None:
         apply_threads(num_threads, max_batch_size, type(self).__name__)
         self.policy, self.max_batch_size = policy, max_batch_size
@@ -128,7 +134,7 @@ class TorchGenerationEngine:
         self.autocast = autocast if model is not None else None
         self.model: Any
         self.model, self.device = load_model(policy, device, model)
-        self.decode_path = choose_decode_path(self.model, decode)
+        self.decode_path = self._decode_path(decode)
         self.routing = RoutingRecorder(self.model) if record_routing else None
         self.vision = is_vision_model(self.model)
         if self.vision and self.decode_path != "hf":
@@ -147,6 +153,29 @@ class TorchGenerationEngine:
                                 routing=self.routing)
         if self.vision:
             self._banned = banned_tokens(self.model, self.vocab_size, self.device)
+        if self.decode_path == "continuous":
+            self._start_continuous({**CONTINUOUS_DEFAULTS, **(continuous or {})})
+
+    def _decode_path(self, decode: str) -> str:
+        """``continuous`` (the model must run on the static path's network), else :func:`choose_decode_path`'s."""
+        if decode != "continuous":
+            return choose_decode_path(self.model, decode)
+        why = static_decode_support(self.model)
+        if why is not None:
+            raise ValueError(f"{DECODE_KEY}=continuous: {why}; set it to auto or hf")
+        return "continuous"
+
+    def _start_continuous(self, args: dict[str, Any]) -> None:
+        """Size the continuous path's KV cache once (in the compute dtype, never fp32 masters) and log it."""
+        dtype = self.autocast if self.autocast is not None else self.model.get_input_embeddings().weight.dtype
+        self.continuous = ContinuousDecoder(self.model, device=self.device, dtype=dtype, vocab_size=self.vocab_size,
+                                            args=args)
+        self.loop.continuous = self.continuous.run
+        log.info("screl: the torch engine decodes %s on its continuous path (%s=continuous): %s",
+                 type(self.model).__name__, DECODE_KEY, self.continuous.describe())
+
+    continuous: ContinuousDecoder | None = None
+    """The continuous decode path (``decode: continuous``): its KV cache is the engine's, sized once."""
 
     vision = False
     """A vision-language model (set from the model): requests may carry images (``GenerationRequest.vision``)."""
@@ -207,9 +236,14 @@ class TorchGenerationEngine:
         requests re-prefill under the weights of the :meth:`wake` (their tokens after it carry its version).
         ``drain``: pause in ``wait`` mode instead (the drain gate): the requests in flight finish first."""
         self.loop.stand_down(timeout, drain)
+        if self.continuous is not None:
+            self.continuous.release()  # the engine's KV cache is handed back while the trainer trains
 
     def wake(self) -> None:
-        """End a :meth:`stand_down`: parked batches re-prefill and decode on."""
+        """End a :meth:`stand_down`: parked batches re-prefill and decode on (the continuous path's KV cache is
+        re-made first)."""
+        if self.continuous is not None:
+            self.continuous.make()
         self.loop.wake()
 
     @property
@@ -224,6 +258,8 @@ class TorchGenerationEngine:
 
     def _check_request(self, req: GenerationRequest) -> None:
         refuse_images(req, self.vision, self.model)
+        if self.continuous is not None:
+            self.continuous.check(req)
 
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:

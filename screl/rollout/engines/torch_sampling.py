@@ -58,6 +58,7 @@ class Batch:
     next_pos: torch.Tensor | None = None
     dropped: bool = False  # the KV cache was freed in a stand-down: re-prefill before the next step
     rope_delta: torch.Tensor | None = None  # a vision-language model: each row's multimodal rotary offset [rows, 1]
+    filtered: bool = True  # some row has a top-k or top-p (needs_filter): else the filter is skipped, no sync
 
 
 def check_prompt(req: GenerationRequest, vocab_size: int) -> None:
@@ -106,6 +107,7 @@ def batch_params(rows: list[Row], dev: torch.device, n_vocab: int) -> Batch:
         top_k=torch.tensor([r.sampling.top_k or n_vocab for r in rows], dtype=torch.long, device=dev),
         min_new=torch.tensor([r.sampling.min_new_tokens for r in rows], dtype=torch.long, device=dev),
         stop_mask=stop_mask.to(dev),
+        filtered=needs_filter(rows, n_vocab),
     )
 
 
@@ -114,20 +116,8 @@ def sample_step(rows: list[Row], batch: Batch, logits: torch.Tensor, version: in
     """Sample one token for every unfinished row and record logprob, version and finish (``banned``: tokens
     never sampled)."""
     step = len(next(r for r in rows if r.finish is None).tokens)
-    greedy = batch.temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(batch.temps), batch.temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    proc = scaled.masked_fill(batch.stop_mask & (step < batch.min_new)[:, None], float("-inf"))
-    if banned is not None:
-        proc = proc.masked_fill(banned, float("-inf"))
-    proc = filter_top_k_top_p(proc, batch.top_k, batch.top_p)
-    probs = torch.softmax(proc, dim=-1).double()
-    cdf = probs.cumsum(dim=-1)
     u = batch.uniforms[:, min(step, batch.uniforms.shape[1] - 1)]
-    target = ((1.0 - u) * cdf[:, -1])[:, None]
-    sampled = torch.searchsorted(cdf, target).squeeze(1).clamp(max=vocab_size - 1)
-    tokens = torch.where(greedy, proc.argmax(dim=-1), sampled)
-    tok_logp = logp.gather(1, tokens[:, None]).squeeze(1)
+    tokens, tok_logp = draw(logits, batch, u, step, banned, batch.filtered)
     for r, t, lp in zip(rows, tokens.tolist(), tok_logp.tolist(), strict=True):
         if r.finish is not None:
             continue
@@ -160,11 +150,38 @@ def row_result(r: Row, end_version: int, stops: StopTokens) -> GenerationResult:
     )
 
 
+def draw(logits: torch.Tensor, params: Any, u: torch.Tensor, step: int | torch.Tensor, banned: torch.Tensor | None,
+         filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token by inverse CDF at its uniform ``u`` of its filtered distribution, and the token's logprob
+    (``log_softmax(logits / T)``), both on the logits' device (no host sync). ``params``: the rows' ``temps``,
+    ``top_k``, ``top_p``, ``min_new`` and ``stop_mask`` tensors; ``step``: the tokens each row has (stop tokens are
+    masked below ``min_new``); ``filtered``: some row has a top-k or top-p (decided on the host, not by a sync)."""
+    vocab_size = logits.shape[-1]
+    greedy = params.temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(params.temps), params.temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    proc = scaled.masked_fill(params.stop_mask & (step < params.min_new)[:, None], float("-inf"))
+    if banned is not None:
+        proc = proc.masked_fill(banned, float("-inf"))
+    if filtered:
+        proc = filter_top_k_top_p(proc, params.top_k, params.top_p)
+    probs = torch.softmax(proc, dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    target = ((1.0 - u) * cdf[:, -1])[:, None]
+    sampled = torch.searchsorted(cdf, target).squeeze(1).clamp(max=vocab_size - 1)
+    tokens = torch.where(greedy, proc.argmax(dim=-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def needs_filter(rows: list[Row], vocab_size: int) -> bool:
+    """Whether any row has a top-k below the vocabulary or a top-p below 1 (from the host's parameters)."""
+    return any((r.sampling.top_k or vocab_size) < vocab_size or r.sampling.top_p < 1 for r in rows)
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus (no host sync: the caller
+    skips it when no row filters, :func:`needs_filter`)."""
     n_vocab = logits.shape[-1]
-    if bool((top_k >= n_vocab).all()) and bool((top_p >= 1).all()):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(n_vocab, device=logits.device)[None, :]
     drop_sorted = ranks >= top_k[:, None]

@@ -1,0 +1,204 @@
+"""The torch engine's continuous decode path (``backend_args.decode: continuous``; docs/generation.md).
+
+:class:`ContinuousDecoder` is sized once per engine: a :class:`~.kv_cache.SlotKVCache` of up to ``max_rows`` slots
+from the ``kv_cache_gb`` budget, the forward passes of :class:`~.slot_forward.SlotForward`. A ``generate`` call's
+rows (:class:`_Call`) join the running batch between decode steps as slots free up (prefills limited to
+``prefill_tokens`` new tokens a step, at least one row), and a finished row leaves at once, its slot reused. Tokens
+are drawn, recorded and stopped on the device (:class:`~.slot_state.SlotState`) and reach the host every
+``sync_every`` steps, or at once when an abort or a pause waits.
+
+The RL contract is the static path's: a row's tokens come from its own seeded uniforms by the same sampling math
+(the same tokens for the same seeds), each token's logprob is ``log_softmax(logits / T)`` and carries the version of
+the forward pass that made it, an abort finishes a row between steps with its tokens so far while the others go on,
+a refit lands between steps (the rows go on on their KV cache, or re-prefill under the new weights with
+``recompute_kv_cache``), and a stand-down frees the KV cache (:meth:`ContinuousDecoder.release`), its rows
+re-prefilling after the wake. One call decodes on the cache at a time (:meth:`RequestLoop.exclusive`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from screl.rollout.engines.kv_cache import SlotKVCache, slots_for_budget
+from screl.rollout.engines.protocol import GenerationRequest
+from screl.rollout.engines.sdpa_attention import ATTENTION_PATH
+from screl.rollout.engines.slot_forward import SlotForward
+from screl.rollout.engines.slot_state import LENGTH, STOPPED, SlotState
+from screl.rollout.engines.torch_sampling import Row, needs_filter
+
+CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4}
+"""The continuous path's ``backend_args`` and their defaults (``max_len`` None: the model's context length)."""
+
+
+class ContinuousDecoder:
+    """The engine's continuous decode path (see the module docstring)."""
+
+    def __init__(self, model: Any, *, device: torch.device, dtype: torch.dtype, vocab_size: int,
+                 args: dict[str, Any]) -> None:
+        self.forward = SlotForward(model)
+        max_len = args.get("max_len") or int(model.config.max_position_embeddings)
+        shape = self.forward.cache_shape(int(max_len), dtype)
+        slots = slots_for_budget(shape, float(args["kv_cache_gb"]), int(args["max_rows"]))
+        self.cache = SlotKVCache(shape, slots, device)
+        self.prefill_tokens, self.sync_every = int(args["prefill_tokens"]), int(args["sync_every"])
+        if self.prefill_tokens < 1 or self.sync_every < 1:
+            raise ValueError(f"backend_args.prefill_tokens ({self.prefill_tokens}) and backend_args.sync_every "
+                             f"({self.sync_every}) must be >= 1")
+        self.vocab_size, self.device = vocab_size, device
+
+    def describe(self) -> str:
+        """The start-up line: attention path, KV cache (size, dtype), rows, prefill budget, host reads."""
+        return (f"attention {ATTENTION_PATH}; {self.cache.describe()}; up to {self.cache.slots} rows, prefills of "
+                f"{self.prefill_tokens} tokens a step, tokens to the host every {self.sync_every} steps")
+
+    def check(self, req: GenerationRequest) -> None:
+        """Refuse a request longer than a slot."""
+        need = len(req.prompt_token_ids) + req.sampling.max_new_tokens
+        if need > self.cache.shape.max_len:
+            raise ValueError(f"generate: request {req.request_id!r} needs {need} positions and a KV-cache slot holds "
+                             f"{self.cache.shape.max_len} (backend_args.max_len)")
+
+    def release(self) -> None:
+        self.cache.release()
+
+    def make(self) -> None:
+        self.cache.make()
+
+    def run(self, loop: Any, rows: list[Row]) -> None:
+        """Decode ``rows`` to their ends under ``loop``'s gates (its lock, pauses, aborts, stand-downs)."""
+        with loop.exclusive():
+            call = _Call(self, loop, rows)
+            try:
+                call.run()
+            finally:
+                call.leave(everyone=True)
+
+
+class _Call:
+    """One ``generate`` call's rows on the continuous path."""
+
+    def __init__(self, dec: ContinuousDecoder, loop: Any, rows: list[Row]) -> None:
+        self.dec, self.loop, self.rows, self.cache = dec, loop, rows, dec.cache
+        steps = max(r.sampling.max_new_tokens for r in rows)
+        self.state = SlotState(self.cache.slots, steps, dec.vocab_size, dec.device)
+        self.filtered = needs_filter(rows, dec.vocab_size)
+        self.pending = deque(rows)
+        self.slotted: dict[int, Row] = {}
+        self.step0: dict[int, int] = {}  # slot -> index in step_versions of its first token not on the host yet
+        self.cache_version: dict[int, int] = {}  # slot -> version its KV cache was made under
+        self.step_versions: list[int] = []  # the version of each step's forward pass
+        self.unsynced = 0  # steps since the host last read the tokens
+        self.dropped = False  # a stand-down freed the KV cache: the slotted rows re-prefill
+
+    def run(self) -> None:
+        while True:
+            if self.unsynced and (self.unsynced >= self.dec.sync_every or self.loop.gate_pending()):
+                self.sync()
+            self.loop._checkpoint(self.rows, on_drop=self.drop)
+            self.leave()
+            if all(r.finish is not None for r in self.rows):
+                return
+            with self.loop._forwarding():
+                logits = self.step(self.loop.version)
+            self.state.sample(logits, self.filtered, None)
+            self.unsynced += 1
+
+    def drop(self) -> None:
+        """A stand-down (under the loop's gate): free the KV cache; the rows re-prefill after the wake."""
+        self.dropped = True
+        self.dec.release()
+
+    def step(self, version: int) -> torch.Tensor:
+        """One forward pass: re-prefills, a decode step of the slotted rows, new rows' prefills; logits of all."""
+        self.step_versions.append(version)
+        redo = self._stale(version)
+        hi_old = self.cache.in_use()
+        decoded = None
+        if hi_old and len(redo) < len(self.slotted):
+            keys = min(self.cache.shape.max_len, max(self.cache.lengths[:hi_old]) + 1)
+            decoded = self.dec.forward.decode(self.cache, self.state.feed[:hi_old], self.state.pos[:hi_old], keys)
+            self.state.advance(hi_old)
+            for slot in self.slotted:
+                self.cache.lengths[slot] = min(self.cache.lengths[slot] + 1, self.cache.shape.max_len)
+        prefilled = {slot: self._prefill(slot, version) for slot in redo}
+        prefilled.update(self._admit(version))
+        logits = torch.zeros(self.cache.in_use(), self.dec.vocab_size, device=self.dec.device)
+        if decoded is not None:
+            logits[:hi_old] = decoded
+        for slot, row_logits in prefilled.items():
+            logits[slot] = row_logits
+        return logits
+
+    def _stale(self, version: int) -> list[int]:
+        """The slots to re-prefill now: all after a stand-down, those of older weights under ``recompute``."""
+        stale = [s for s, v in self.cache_version.items() if v != version] if self.loop.recompute_kv_cache else []
+        if not (self.dropped or stale):
+            return []
+        self.sync()  # the host needs every token so far
+        self.leave()
+        self.dec.make()
+        redo = list(self.slotted) if self.dropped else [s for s in stale if s in self.slotted]
+        self.dropped = False
+        return redo
+
+    def _prefill(self, slot: int, version: int) -> torch.Tensor:
+        row = self.slotted[slot]
+        seq = torch.tensor(list(row.req.prompt_token_ids) + row.tokens, dtype=torch.long, device=self.dec.device)
+        self.cache_version[slot] = version
+        logits = self.dec.forward.prefill(self.cache, slot, seq)
+        self.state.pos[slot] = len(seq)
+        return logits
+
+    def _admit(self, version: int) -> dict[int, torch.Tensor]:
+        """Rows join while slots are free and the prefill budget lasts (at least one row a step)."""
+        out: dict[int, torch.Tensor] = {}
+        budget = self.dec.prefill_tokens
+        while self.pending and self.cache.free_slots:
+            row = self.pending[0]
+            if row.finish is not None:  # aborted before it joined
+                self.pending.popleft()
+                continue
+            need = len(row.req.prompt_token_ids) + len(row.tokens)
+            if out and need > budget:
+                break
+            self.pending.popleft()
+            budget -= need
+            slot = self.cache.take()
+            self.slotted[slot], self.step0[slot] = row, len(self.step_versions) - 1
+            if row.start_version is None:
+                row.start_version = version
+            self.state.join(slot, row)
+            out[slot] = self._prefill(slot, version)
+        return out
+
+    def sync(self) -> None:
+        """Bring the tokens drawn since the last read to the host rows; mark the rows the device finished."""
+        if not self.slotted:
+            self.unsynced = 0
+            return
+        lo = min(len(r.tokens) for r in self.slotted.values())
+        up = max(len(r.tokens) for r in self.slotted.values()) + self.unsynced + 1
+        counts, codes, tokens, logprobs = self.state.read(self.cache.in_use(), lo, up)
+        for slot, row in self.slotted.items():
+            have, n = len(row.tokens), counts[slot]
+            row.tokens.extend(tokens[slot][have - lo: n - lo])
+            row.logprobs.extend(logprobs[slot][have - lo: n - lo])
+            row.versions.extend(self.step_versions[self.step0[slot]: self.step0[slot] + n - have])
+            self.step0[slot] += n - have
+            if row.finish is None and codes[slot] == STOPPED:
+                row.finish, row.stop_token = "stop", row.tokens[-1]
+            elif row.finish is None and codes[slot] == LENGTH:
+                row.finish = "length"
+        self.unsynced = 0
+
+    def leave(self, everyone: bool = False) -> None:
+        """Finished rows (or, at the end, all) hand their slots back at once."""
+        for slot, row in list(self.slotted.items()):
+            if row.finish is not None or everyone:
+                del self.slotted[slot]
+                self.cache_version.pop(slot, None)
+                self.cache.give_back(slot)
+                self.state.leave(slot)

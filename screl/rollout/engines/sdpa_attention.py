@@ -1,0 +1,47 @@
+"""Attention of the continuous decode path on ``torch.nn.functional.scaled_dot_product_attention``, with grouped
+query heads and no copy of the KV heads.
+
+Prefill (:func:`prefill_attention`): one row's sequence from position 0 into its own slot, so ``is_causal=True``
+is exact: no mask at all, grouped heads by ``enable_gqa`` (on a GPU the flash kernel takes both, and nothing of
+``[rows, heads, W, W]`` is materialised).
+
+Decode (:func:`decode_attention`): one query a row over that row's slot. The query heads that share a KV head are
+folded into the query-length axis (``[rows, kv_heads, group, head_dim]``), which is exact for one query position:
+SDPA sees as many heads as the KV cache has, so the KV heads are never repeated and ``enable_gqa`` is not needed.
+The rows of a step have different lengths and SDPA takes no per-row key lengths, so this one path passes a mask:
+``[rows, 1, 1, keys]`` of the valid positions, built once per step (not per layer) and broadcast over heads and
+the folded group; on a GPU the memory-efficient kernel takes it (flash takes no mask). A per-row-length kernel
+(``flash_attn_with_kvcache``'s ``cache_seqlens``, or FlexAttention with a block mask) would drop it: not done here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ATTENTION_PATH = ("sdpa (prefill: is_causal, no mask, GQA without a KV copy; decode: GQA folded into the query "
+                  "axis, no KV copy, a [rows, 1, 1, keys] length mask built once a step)")
+"""The start-up line's words for the attention path."""
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention of a sequence that starts at position 0: ``q`` ``[rows, heads, n, d]``, ``k``/``v``
+    ``[rows, kv_heads, n, d]``; returns ``[rows, heads, n, d]``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """One query a row: ``q`` ``[rows, heads, 1, d]`` over ``k``/``v`` ``[rows, kv_heads, keys, d]`` (views of the
+    slots), ``valid`` ``[rows, 1, 1, keys]`` bool; returns ``[rows, heads, 1, d]``."""
+    rows, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h uses KV head h // group, as repeat_kv
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=valid, scale=scale)
+    return out.reshape(rows, heads, 1, dim)
+
+
+def length_mask(lengths: Tensor, keys: int) -> Tensor:
+    """``[rows, 1, 1, keys]``: key ``j`` of row ``i`` is valid when ``j < lengths[i]`` (on the lengths' device)."""
+    return (torch.arange(keys, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]

@@ -1,0 +1,178 @@
+"""The torch engine's continuous decode path (``decode: continuous``) against the static path and the trainer's
+forward: the same tokens for the same seeds, logprobs within 1e-5 of a full forward in fp32, with rows joining and
+leaving mid-batch, aborts, refits in flight and stand-downs; its KV cache sized once and handed back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from screl.models import TinyCausalLM
+from screl.rollout import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.engines.kv_cache import CacheShape, slots_for_budget
+from screl.rollout.engines.sdpa_attention import decode_attention, length_mask
+from screl.rollout.engines.torch_engine import TorchGenerationEngine
+
+torch.set_num_threads(1)
+TOL = 1e-5  # engine vs trainer logprobs in fp32
+SPEC = TinyCausalLM(scale="tiny")
+
+
+def _engine(decode: str = "continuous", rows: int = 3, **kwargs: Any) -> TorchGenerationEngine:
+    return TorchGenerationEngine(SPEC, num_threads=1, seed=0, decode=decode,
+                                 continuous={"max_rows": rows, "kv_cache_gb": 0.01, "sync_every": 3}, **kwargs)
+
+
+def _requests(n: int = 7, prefix: str = "r", **sampling: Any) -> list[GenerationRequest]:
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+    base: dict[str, Any] = {"temperature": 0.9}
+    return [GenerationRequest(f"{prefix}{i}", prompts[i % 4], SamplingParams(
+        **{"max_new_tokens": 6 + 2 * i, "seed": 50 + i, **base, **sampling})) for i in range(n)]
+
+
+def _reference(model: Any, res: GenerationResult, temperature: float) -> torch.Tensor:
+    """The trainer's logprobs: log_softmax(logits / T) of the sampled tokens from one full forward pass."""
+    prompt, toks = res.prompt_token_ids, res.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + toks])).logits[0].float()
+    logits = logits[len(prompt) - 1: len(prompt) - 1 + len(toks)]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(toks)[:, None]).squeeze(1)
+
+
+def _max_gap(a: list[float], b: torch.Tensor) -> float:
+    return float((torch.tensor(a) - b).abs().max())
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 5, "top_p": 0.8}, {"min_new_tokens": 6}])
+def test_same_tokens_as_the_static_path_and_trainer_logprobs_while_rows_join_and_leave(sampling: dict) -> None:
+    cont, static = _engine(), _engine("static")
+    taken: list[int] = []
+    take = cont.continuous.cache.take  # type: ignore[union-attr]
+    cont.continuous.cache.take = lambda: taken.append(take()) or taken[-1]  # type: ignore[union-attr,method-assign]
+    ours, ref = cont.generate(_requests(**sampling)), static.generate(_requests(**sampling))
+    assert len(taken) == 7 and set(taken) == {0, 1, 2}  # 7 rows through 3 slots: they joined as slots freed
+    model = SPEC.build_model().eval()
+    for x, y in zip(ours, ref, strict=True):
+        assert (x.token_ids, x.finish_reason, x.stop_token_id) == (y.token_ids, y.finish_reason, y.stop_token_id)
+        assert x.weight_versions == [0] * len(x.token_ids) and len(x.logprobs) == len(x.token_ids)
+        assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    assert cont.continuous.cache.free_slots == 3  # type: ignore[union-attr]
+
+
+def _on_checkpoint(engine: TorchGenerationEngine, at: int, action: Any) -> None:
+    """Run ``action()`` in the generate thread before the ``at``-th gate between steps (no lock held)."""
+    gate, calls = engine.loop._checkpoint, [0]
+
+    def hooked(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == at:
+            action()
+        gate(*args, **kwargs)
+
+    engine.loop._checkpoint = hooked  # type: ignore[method-assign]
+
+
+@pytest.mark.parity
+def test_an_abort_mid_batch_leaves_at_once_and_the_others_continue() -> None:
+    eng, full = _engine(), _engine("static").generate(_requests())
+    _on_checkpoint(eng, 5, lambda: eng.abort(["r1"]))
+    out = eng.generate(_requests())
+    assert out[1].finish_reason == "abort" and 1 <= len(out[1].token_ids) < len(full[1].token_ids)
+    assert out[1].token_ids == full[1].token_ids[: len(out[1].token_ids)]
+    assert len(out[1].logprobs) == len(out[1].weight_versions) == len(out[1].token_ids)
+    for i in (0, 2, 3, 4, 5, 6):
+        assert out[i].token_ids == full[i].token_ids and out[i].finish_reason == full[i].finish_reason
+    assert eng.loop.in_flight == set() and eng.continuous.cache.free_slots == 3  # type: ignore[union-attr]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_refit_in_flight_lands_between_steps(recompute: bool) -> None:
+    eng = _engine(recompute_kv_cache_after_weight_updates=recompute)
+    new = TinyCausalLM(scale="tiny", seed=1).build_model().eval()
+    _on_checkpoint(eng, 4, lambda: eng.update_weights(new.state_dict(), 1))
+    out = eng.generate(_requests(min_new_tokens=8, max_new_tokens=8))
+    old = SPEC.build_model().eval()
+    for r in out:
+        first_new = r.weight_versions.index(1)
+        assert r.weight_versions == [0] * first_new + [1] * (len(r.token_ids) - first_new)
+        assert (r.start_version, r.end_version) == ((0, 1) if first_new else (1, 1))
+        if first_new:
+            assert _max_gap(r.logprobs[:first_new], _reference(old, r, 0.9)[:first_new]) <= TOL
+        gap = _max_gap(r.logprobs[first_new:], _reference(new, r, 0.9)[first_new:])
+        # recomputed KV == the trainer's forward under the new weights; a kept KV cache is stale for the rows that
+        # started before the refit (those that joined after it prefilled under the new weights)
+        assert (gap <= TOL) == (recompute or first_new == 0)
+
+
+@pytest.mark.parity
+def test_a_stand_down_mid_batch_hands_the_cache_back_and_the_rows_re_prefill_on_wake() -> None:
+    eng, full = _engine(), _engine().generate(_requests())
+    cache = eng.continuous.cache  # type: ignore[union-attr]
+    reached, seen = threading.Event(), []
+    _on_checkpoint(eng, 4, lambda: (reached.set(), _wait(lambda: eng.stood_down)))
+
+    def trainer() -> None:
+        assert reached.wait(10)
+        eng.stand_down(timeout=10)
+        seen.append(cache.allocated)
+        eng.wake()
+
+    th = threading.Thread(target=trainer, daemon=True)
+    th.start()
+    out = eng.generate(_requests())
+    th.join(10)
+    assert seen == [False] and cache.allocated
+    model = SPEC.build_model().eval()
+    for x, y in zip(out, full, strict=True):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    eng.stand_down(timeout=10)  # idle: the cache goes back too, and comes back on the wake
+    assert not cache.allocated
+    eng.wake()
+    assert cache.allocated and [len(k) for k in cache.k] == [3] * 2
+
+
+def _wait(pred: Any) -> None:
+    for _ in range(10000):
+        if pred():
+            return
+        threading.Event().wait(0.001)
+    raise TimeoutError("condition not reached")
+
+
+def test_the_cache_is_sized_by_the_budget_in_the_compute_dtype_and_named_at_start_up(caplog: Any) -> None:
+    shape = CacheShape(layers=2, kv_heads=2, head_dim=16, max_len=128, dtype=torch.bfloat16)
+    assert shape.slot_bytes() == 2 * 2 * 2 * 128 * 16 * 2
+    assert slots_for_budget(shape, 1.0, 256) == 256
+    assert slots_for_budget(shape, 10 * shape.slot_bytes() / 2**30, 256) == 10
+    with pytest.raises(ValueError, match="holds no slot of 128 positions"):
+        slots_for_budget(shape, 1e-9, 4)
+    with caplog.at_level("INFO"):
+        eng = TorchGenerationEngine(SPEC, num_threads=1, seed=0, decode="continuous", model=SPEC.build_model(),
+                                    autocast=torch.bfloat16)
+    cache = eng.continuous.cache  # type: ignore[union-attr]
+    assert cache.k[0].dtype == torch.bfloat16 and cache.slots == 256  # not the fp32 masters
+    assert "KV cache 8.0 MiB bfloat16 on cpu (256 slots x 128 positions" in caplog.text
+    assert "attention sdpa (prefill: is_causal, no mask" in caplog.text
+    res = eng.generate(_requests(3))
+    assert all(0 <= t < eng.vocab_size for r in res for t in r.token_ids)
+    with pytest.raises(ValueError, match="needs 130 positions and a KV-cache slot holds 128"):
+        eng.generate([GenerationRequest("long", [5, 6], SamplingParams(max_new_tokens=128))])
+
+
+@pytest.mark.parity
+def test_decode_attention_folds_grouped_heads_without_a_copy_and_equals_repeated_heads() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 1, 8, generator=g)
+    k, v = torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
+    lengths = torch.tensor([5, 2, 1])
+    ours = decode_attention(q, k, v, length_mask(lengths, 5), 8 ** -0.5)
+    for i, n in enumerate(lengths.tolist()):
+        kr, vr = k[i, :, :n].repeat_interleave(3, 0), v[i, :, :n].repeat_interleave(3, 0)
+        want = torch.softmax(q[i] @ kr.transpose(1, 2) * 8 ** -0.5, dim=-1) @ vr
+        torch.testing.assert_close(ours[i], want, atol=1e-6, rtol=0)
