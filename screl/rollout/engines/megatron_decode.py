@@ -43,8 +43,10 @@ class MegatronDecoder:
     ``StaticInferenceContext`` is megatron-core's static-batching KV cache: one slot per position, shared by the
     batch's rows, so left padding keeps every row's newest token in the same slot. Padding is masked by an explicit
     attention mask, in the prefill and in every decode step; RoPE sees each row's positions shifted by its padding,
-    which leaves attention unchanged (it depends on relative positions only). Under tensor parallelism the logits
-    are gathered over the vocabulary (the last position's only), and the vocabulary padding Megatron adds is cut off.
+    which leaves attention unchanged (it depends on relative positions only). The output layer runs at each row's
+    last position only (``materialize_only_last_token_logits``: a prefill computes ``[rows, vocab]`` logits, never
+    ``[rows, width, vocab]``); under tensor parallelism they are gathered over the vocabulary, and the vocabulary
+    padding Megatron adds is cut off.
 
     Args:
         model: The ``GPTModel`` (this rank's shard under tensor parallelism).
@@ -73,6 +75,9 @@ class MegatronDecoder:
             self.link.send(_START, self.batch_id, ids, attention_mask, capacity)
         dev = ids.device
         self._ctx = StaticInferenceContext(rows, capacity)
+        # the output layer at the last position only: the prefill's logits are [rows, 1, vocab], never
+        # [rows, width, vocab] (megatron-core's default for this context; set so no version can change it)
+        self._ctx.materialize_only_last_token_logits = True
         valid = torch.zeros((rows, capacity), dtype=torch.bool, device=dev)
         valid[:, :width] = attention_mask.bool()
         self._valid = valid
@@ -105,7 +110,9 @@ class MegatronDecoder:
         pos = torch.arange(offset, offset + n, device=ids.device).expand(rows, n)
         logits = self.model(ids, pos, masked, inference_context=self._ctx, runtime_gather_output=True)
         self._ctx.sequence_len_offset += n
-        return logits[:, -1, : self.vocab_size].float()  # type: ignore[no-any-return]
+        if logits.shape[1] != 1:
+            raise RuntimeError(f"the output layer ran at {logits.shape[1]} positions per row, expected the last only")
+        return logits[:, 0, : self.vocab_size].float()  # type: ignore[no-any-return]
 
 
 class DecodeLink:
