@@ -21,7 +21,7 @@ from tests.e2e._scripted import HermesTinyLM, serve
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
-HERMES = HermesTinyLM(hidden_size=32, num_layers=1)
+HERMES = HermesTinyLM(hidden_size=32, num_layers=1, max_position_embeddings=1024)  # tool prompts: ~500 tokens
 ADD = {"type": "function", "name": "add", "description": "add two integers", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
 MUL = {**ADD, "name": "mul", "description": "multiply two integers"}

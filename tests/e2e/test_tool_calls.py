@@ -18,7 +18,7 @@ from tests.e2e._scripted import HermesTinyLM, serve
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster")]
 
-HERMES = HermesTinyLM(hidden_size=32, num_layers=1)
+HERMES = HermesTinyLM(hidden_size=32, num_layers=1, max_position_embeddings=1024)  # tool prompts: ~500 tokens
 CHAR = TinyCausalLM(hidden_size=32, num_layers=1)
 
 

@@ -98,11 +98,12 @@ def test_a_hanging_verification_times_out_into_a_data_failure(tmp_path: Path) ->
         workflow = SingleTurnWorkflow(task=task, tokenizer=None)
         start = time.monotonic()
         with ThreadPoolExecutor(1) as pool:  # as on a rollout worker: off the main thread
-            scores = pool.submit(workflow.score, prompts, completions).result()
+            scores = pool.submit(workflow.score, list(prompts), completions, [[1]] * 3).result()
         elapsed = time.monotonic() - start
         assert isinstance(scores[0], MathVerifyError)
         assert "timeout_s=1 on prompt 0" in str(scores[0]) and "data failure" in str(scores[0])
-        assert scores[1:] == [1.0, 0.0]  # the rest of the batch, in the process started after the kill
+        # the rest of the batch, in the process started after the kill
+        assert [getattr(s, "reward", s) for s in scores[1:]] == [1.0, 0.0]
         assert elapsed < 30.0
         start = time.monotonic()  # the same sample again: the cached failure, no second wait
         with pytest.raises(MathVerifyError, match="ran past timeout_s=1 on prompt 0"):
@@ -116,9 +117,9 @@ def test_a_hanging_verification_times_out_into_a_data_failure(tmp_path: Path) ->
 def test_a_raising_verification_is_a_data_failure(mv: MathVerify, tmp_path: Path) -> None:
     task = dataset_task(tmp_path, ["", "4", None], mv)
     workflow = SingleTurnWorkflow(task=task, tokenizer=None)
-    scores = workflow.score(task.prompts(), ["\\boxed{1}", "4", "4"])
+    scores = workflow.score(list(task.prompts()), ["\\boxed{1}", "4", "4"], [[1], [2], [2]])
     assert isinstance(scores[0], MathVerifyError) and "reference answer '' does not parse" in str(scores[0])
-    assert scores[1] == 1.0
+    assert not isinstance(scores[1], BaseException) and scores[1].reward == 1.0
     assert isinstance(scores[2], MathVerifyError) and "answer_key" in str(scores[2])
     with pytest.raises(MathVerifyError, match="1 of 2 verifications failed; math-verify failed on prompt 0"):
         task.rewards(task.prompts()[:2], ["\\boxed{1}", "4"])
