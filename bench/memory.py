@@ -111,7 +111,8 @@ class _ScrelSide:
             activation_checkpointing="full" if side == "after_ckpt" else False,
         )
         self.model = self.module.model
-        self.opt = self.module.configure_optimizers()
+        configured = self.module.configure_optimizers()  # {"optimizer", "lr_scheduler"}: the module's own optimizer
+        self.opt = configured["optimizer"] if isinstance(configured, dict) else configured
 
     def step(self, batch: dict[str, Any], micro_rows: int) -> None:
         import torch

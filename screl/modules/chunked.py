@@ -27,10 +27,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from screl.modules.chunk import Chunk, chunk_means, chunk_tensors, micro_rows
-from screl.modules.logprobs import token_logprobs
 from screl.modules.masks import AllFilteredStepError, behaviour, whole_row_on_policy
 from screl.modules.policy_gradient import PolicyGradientModule
-from screl.modules.vision_inputs import vision_forward_inputs
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +130,7 @@ class ChunkedPolicyGradient(PolicyGradientModule):
         prev = curr.detach()
         on_policy = batch["token_versions"][sl] == int(batch["trainer_version"])
         gen = behaviour(prev, batch["generation_logprobs"][sl], on_policy, self.behaviour_logprobs)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens,
-                                     vision_forward_inputs(self.reference, batch, sl))
+        ref = self.reference_logprobs(ids, attention, batch, sl) if self.has_reference else None
         loss, metrics = self._objective(batch, chunk, sl, curr, prev, gen, ref)
         if not self.loss_fn.token_level_loss:
             loss = loss * (sl.stop - sl.start) / chunk.chunk_rows

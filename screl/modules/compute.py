@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from screl.models.lora import hf_state_items
 from screl.modules.logprobs import token_logprobs
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
@@ -242,8 +243,9 @@ class HFCompute(PolicyCompute):
         if naming == "megatron":
             raise ValueError("the Megatron engine's weights (data.init_args.generation.backend: megatron) come from a "
                              "policy trained under trainer.strategy: screl.strategies.MegatronStrategy")
-        # cast before bucketing: a bucket's bytes are the engine's dtype's
-        yield from iter_buckets(((k, cast(v)) for k, v in model.state_dict().items()), bucket_bytes)
+        # cast before bucketing: a bucket's bytes are the engine's dtype's; a LoRA policy's weights merged, in the
+        # base model's own names (screl.models.lora.hf_state_items)
+        yield from iter_buckets(((k, cast(v)) for k, v in hf_state_items(model)), bucket_bytes)
 
     @override
     def export_state(self, module: Any, path: str) -> dict[str, Tensor]:

@@ -75,6 +75,7 @@ class Distill(ChunkedPolicyGradient):
         lr_scheduler: Literal["constant", "linear", "cosine"] = "constant",
         warmup_steps: int = 0,
         warmup_ratio: float = 0.0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             policy, from_dict(GRPOConfig, algo) if not isinstance(algo, GRPOConfig) else algo,
@@ -82,7 +83,7 @@ class Distill(ChunkedPolicyGradient):
             learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
             micro_batch_size=micro_batch_size, train_global_batch_size=train_global_batch_size,
             temperature=temperature, behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
-            activation_checkpointing=activation_checkpointing, micro_batch_tokens=micro_batch_tokens,
+            activation_checkpointing=activation_checkpointing, micro_batch_tokens=micro_batch_tokens, lora=lora,
         )
         self.distillation = DistillationConfig.coerce(distillation)
         problems = self.distillation.problems()

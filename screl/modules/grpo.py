@@ -70,6 +70,11 @@ class GRPO(ChunkedPolicyGradient):
         warmup_steps: The learning rate ramps linearly over this many RL steps (``(n + 1) / warmup_steps`` of it at
             step ``n``).
         warmup_ratio: Or over this fraction of the run's steps (rounded up); set one of the two.
+        lora: Train LoRA adapters instead of the full policy (``{r: 16, alpha: 32, dropout: 0, target_modules:
+            all-linear, use_rslora: false}``, or ``{peft: {class_path: peft.LoraConfig, init_args: {...}}}``;
+            :mod:`screl.models.lora`, docs/lora.md): the trainer's copy only (the engines get merged weights),
+            the base frozen in the spec's dtype, the optimizer over the adapters, checkpoints of the adapters.
+            Not under ``MegatronStrategy``. None: full fine-tuning.
 
     Precision: the trainer's parameters and the optimizer state are fp32 whatever the policy spec's ``dtype``
     (master weights); set ``trainer.precision: bf16-mixed`` for bf16 compute. The refit sends the spec's dtype,
@@ -96,6 +101,7 @@ class GRPO(ChunkedPolicyGradient):
         lr_scheduler: Literal["constant", "linear", "cosine"] = "constant",
         warmup_steps: int = 0,
         warmup_ratio: float = 0.0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             policy, from_dict(GRPOConfig, algo) if not isinstance(algo, GRPOConfig) else algo,
@@ -104,7 +110,7 @@ class GRPO(ChunkedPolicyGradient):
             micro_batch_size=micro_batch_size, train_global_batch_size=train_global_batch_size,
             temperature=temperature, behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
             activation_checkpointing=activation_checkpointing, micro_batch_tokens=micro_batch_tokens,
-            routing_replay=routing_replay,
+            routing_replay=routing_replay, lora=lora,
         )
 
     @override

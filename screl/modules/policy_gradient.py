@@ -7,12 +7,19 @@ registered loss's name), the frozen reference policy when the loss asks for one,
 schedule (:mod:`screl.modules.optim`), the refit's weight export (:class:`~screl.modules.weight_export.WeightExport`)
 and the batch's metrics (written once per batch, :mod:`screl.modules.step_log`). Optimization is manual: each
 algorithm's ``training_step`` steps its optimizers and schedules itself.
+
+With ``lora`` (:mod:`screl.models.lora`) the policy is the spec's model, frozen in its dtype, with peft's adapters
+injected: they are the only trained parameters (and the optimizer's), the reference policy is the same model with
+its adapters off (no copy), a refit sends the merged weights and a checkpoint the adapters
+(:mod:`screl.modules.lora`).
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -24,12 +31,16 @@ from typing_extensions import override
 from screl.algos import PolicyLoss, policy_loss
 from screl.config import GRPOConfig
 from screl.models import PolicySpec
+from screl.models.lora import LoRASettings, adapters_disabled, apply_lora, lora_settings
 from screl.modules.chunk import chunk_logs, chunk_means
 from screl.modules.compute import HFCompute, PolicyCompute, enable_activation_checkpointing
+from screl.modules.logprobs import token_logprobs
+from screl.modules.lora import MEGATRON_REFUSAL, LoRAHooks
 from screl.modules.megatron_compute import compute_for
 from screl.modules.optim import OptimSettings
 from screl.modules.routing_replay import check_routing_replay
 from screl.modules.step_log import BatchMetrics
+from screl.modules.vision_inputs import vision_forward_inputs
 from screl.modules.weight_export import WeightExport
 from screl.rollout.rows import ROUTING_SCHEMA, ROW_SCHEMA, VISION_SCHEMA, RowSchema
 
@@ -68,11 +79,11 @@ def _check_arguments(micro_batch_tokens: int | None, logprob_chunk_tokens: int |
     return "full" if activation_checkpointing is True else activation_checkpointing or None
 
 
-class PolicyGradientModule(WeightExport, LightningModule):
+class PolicyGradientModule(LoRAHooks, WeightExport, LightningModule):
     """The base of screl's algorithms; the arguments are documented on :class:`~screl.modules.GRPO`.
 
     ``algo`` is the algorithm's block, already parsed by the algorithm; ``optim`` its optimizer and schedule
-    settings (:class:`~screl.modules.optim.OptimSettings`).
+    settings (:class:`~screl.modules.optim.OptimSettings`); ``lora`` the ``lora`` block (None: full fine-tuning).
     """
 
     def __init__(
@@ -81,8 +92,10 @@ class PolicyGradientModule(WeightExport, LightningModule):
         train_global_batch_size: int | None, temperature: float, behaviour_logprobs: Literal["trainer", "engine"],
         logprob_chunk_tokens: int | None, activation_checkpointing: bool | Literal["full", "selective"],
         micro_batch_tokens: int | None = None, routing_replay: bool = False,
+        lora: Mapping[str, Any] | LoRASettings | None = None,
     ) -> None:
         super().__init__()
+        self.lora: LoRASettings | None = lora_settings(lora)
         self.activation_checkpointing = _check_arguments(micro_batch_tokens, logprob_chunk_tokens,
                                                          activation_checkpointing, behaviour_logprobs)
         self.logprob_chunk_tokens = logprob_chunk_tokens
@@ -100,20 +113,22 @@ class PolicyGradientModule(WeightExport, LightningModule):
         self.train_global_batch_size = train_global_batch_size
         self.temperature = temperature
         self.reference: torch.nn.Module | None = None
+        self._reference_is_base = False  # LoRA: the reference is the policy with its adapters off
         if self.loss_fn.requires_reference_logprobs:
-            self.reference = self._frozen_copy()
+            self._make_reference()
         self._step_started: float | None = None
         self._step_lr: float | None = None  # the policy's learning rate of the step's update (train/lr)
         self._batch_metrics = BatchMetrics()  # this batch's scalars, written once at its end
 
     def _build_policy(self, policy: PolicySpec, routing_replay: bool) -> None:
         """The policy's fp32 master copy, in train mode as Lightning expects (from_pretrained loads in eval mode;
-        the shipped policies have no dropout, so the trainer's logprobs stay the engine's)."""
+        the shipped policies have no dropout, so the trainer's logprobs stay the engine's). With ``lora``: the
+        spec's model as loaded (frozen: no master copy), its fp32 adapters injected."""
         self.policy_spec = policy
         self.compute: PolicyCompute = HFCompute()  # Hugging Face models until configure_model asks the strategy
         built = policy.build_model()
         self.engine_dtype = next(built.parameters()).dtype  # what the generation engines hold: refits send it
-        self.model = master_copy(built).train()
+        self.model = (master_copy(built) if self.lora is None else apply_lora(built, self.lora)).train()
         enable_activation_checkpointing(self.model, self.activation_checkpointing)
         self.routing_replay = check_routing_replay(routing_replay, self.model, self.activation_checkpointing)
 
@@ -130,15 +145,44 @@ class PolicyGradientModule(WeightExport, LightningModule):
         it needs no fp32 master)."""
         return copy.deepcopy(self.model).to(self.engine_dtype).requires_grad_(False).eval()
 
+    def _make_reference(self) -> None:
+        """The reference policy (the initial one): a frozen copy, or with LoRA the base itself (adapters off)."""
+        if self.lora is not None:
+            self._reference_is_base = True
+        else:
+            self.reference = self._frozen_copy()
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the module holds a reference policy (the loss or PPO's KL penalty asks for one)."""
+        return self.reference is not None or self._reference_is_base
+
+    def reference_logprobs(self, ids: Tensor, attention: Tensor, batch: dict[str, Any] | None = None,
+                           sl: slice | None = None) -> Tensor:
+        """The reference policy's ``[rows, len - 1]`` next-token logprobs (no gradient); ``batch`` and ``sl``: the
+        chunk and rows whose images a vision-language policy reads."""
+        model = self.model if self._reference_is_base else self.reference
+        assert model is not None, "the module holds no reference policy"
+        inputs = vision_forward_inputs(model, batch, sl) if batch is not None and sl is not None else None
+        with torch.no_grad(), adapters_disabled(model) if self._reference_is_base else nullcontext():
+            return token_logprobs(model, ids, attention, self.temperature, self.logprob_chunk_tokens, inputs)
+
     @override
     def configure_model(self) -> None:
         """Choose the strategy's compute adapter and let it make the policy it trains (under ``MegatronStrategy``
         this rank's Megatron shard, loaded with the same weights: the generation workers start from the same spec)."""
         if self.compute.sharded:  # a later fit: the models are this rank's shards already
             return
-        compute = compute_for(self._trainer)
+        compute = self._strategy_compute()
         self.model = compute.policy_model(self.model, self.activation_checkpointing)
         self.compute = compute
+
+    def _strategy_compute(self) -> PolicyCompute:
+        """The trainer's strategy's compute adapter; LoRA is refused under ``MegatronStrategy``."""
+        compute = compute_for(self._trainer)
+        if self.lora is not None and compute.sharded:
+            raise ValueError(MEGATRON_REFUSAL)
+        return compute
 
     # -- optimization --------------------------------------------------------------------------------
     @override
@@ -148,8 +192,10 @@ class PolicyGradientModule(WeightExport, LightningModule):
         return {"optimizer": opt, "lr_scheduler": self.optim.schedule(opt, self.run_steps())}
 
     def _optimizer(self, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        """The optimizer over ``module``'s trained parameters (with LoRA: the adapters only)."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        return self.optim.optimizer(module.parameters(), lr, self.weight_decay, strategy)
+        params = [p for p in module.parameters() if p.requires_grad]
+        return self.optim.optimizer(params, lr, self.weight_decay, strategy)
 
     def run_steps(self) -> int | None:
         """The run's RL steps as far as the module can tell: the least of the block's ``max_num_steps`` and

@@ -36,9 +36,8 @@ from screl.algos import ClippedValueLoss, PolicyLoss, get_adv_estimator, termina
 from screl.config import PPOConfig
 from screl.models import PolicySpec, ValueModel
 from screl.modules.compute import CRITIC, POLICY, enable_activation_checkpointing
-from screl.modules.logprobs import token_logprobs
 from screl.modules.masks import AllFilteredStepError, behaviour, loss_sample_mask
-from screl.modules.megatron_compute import check_actor_critic_layout, compute_for, right_padded_positions
+from screl.modules.megatron_compute import check_actor_critic_layout, right_padded_positions
 from screl.modules.optim import OptimSettings
 from screl.modules.policy_gradient import PolicyGradientModule, master_copy
 from screl.modules.ppo_step import StepData, checked_ppo_config, epoch_minibatches, whiten_over_shards
@@ -81,6 +80,7 @@ class PPO(PolicyGradientModule):
         lr_scheduler, warmup_steps, warmup_ratio: The policy's schedule, as GRPO's, stepped once per RL step that
             trains the policy (over the steps after ``ppo.policy_training_start_step``); the critic's is
             ``value_lr_warmup_steps``.
+        lora: LoRA adapters on the policy, as GRPO's (:class:`~screl.modules.GRPO`); the critic trains in full.
 
     Precision as GRPO's: the policy and the critic train fp32 master weights whatever their specs' dtype.
     """
@@ -110,6 +110,7 @@ class PPO(PolicyGradientModule):
         lr_scheduler: Literal["constant", "linear", "cosine"] = "constant",
         warmup_steps: int = 0,
         warmup_ratio: float = 0.0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         if value is None:
             raise ValueError("model.init_args.value: a PPO run needs a critic spec (e.g. the policy's spec)")
@@ -119,7 +120,7 @@ class PPO(PolicyGradientModule):
             loss_fn=loss_fn, learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
             micro_batch_size=micro_batch_size, train_global_batch_size=train_global_batch_size,
             temperature=temperature, behaviour_logprobs=behaviour_logprobs, logprob_chunk_tokens=logprob_chunk_tokens,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, lora=lora,
         )
         self._build_critic(value, value_loss_fn)
         self.value_learning_rate = value_learning_rate
@@ -127,8 +128,8 @@ class PPO(PolicyGradientModule):
         self.value_max_grad_norm = value_max_grad_norm
         self.offload_optimizer_for_logprob = offload_optimizer_for_logprob
         self.value_train_global_batch_size = value_train_global_batch_size
-        if self.ppo.reward_kl_coef > 0 and self.reference is None:
-            self.reference = self._frozen_copy()
+        if self.ppo.reward_kl_coef > 0 and not self.has_reference:
+            self._make_reference()
         self.refit_due = True
         """Whether the step just trained changed the policy (WeightSync refits only then)."""
         self.update_counts = {"policy": 0, "critic": 0}
@@ -150,7 +151,7 @@ class PPO(PolicyGradientModule):
         ``MegatronStrategy`` this rank's shards of both, holding the Hugging Face weights they had)."""
         if self.compute.sharded:  # a later fit: the models are this rank's shards already
             return
-        compute = compute_for(self._trainer)
+        compute = self._strategy_compute()
         self.model, self.critic = compute.actor_critic(self.model, self.critic, self.activation_checkpointing,
                                                        self._trainer)
         self.compute = compute
@@ -226,9 +227,7 @@ class PPO(PolicyGradientModule):
         mask = token_mask * sample_mask[:, None]
         kl = None
         if self.ppo.reward_kl_coef > 0:
-            assert self.reference is not None
-            ref = torch.cat([token_logprobs(self.reference, ids[s], attention[s], self.temperature,
-                                            self.logprob_chunk_tokens) for s in slices])
+            ref = torch.cat([self.reference_logprobs(ids[s], attention[s]) for s in slices])
             kl = old_lp - ref
         rewards = terminal_token_rewards(batch["rewards"].float(), mask, kl, self.ppo.reward_kl_coef)
         est = self.ppo.adv_estimator
@@ -322,9 +321,7 @@ class PPO(PolicyGradientModule):
         curr = self.compute.row_logprobs(self, ids, attention)
         ref = None
         if self.loss_fn.requires_reference_logprobs:
-            assert self.reference is not None
-            with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attention, self.temperature, self.logprob_chunk_tokens)
+            ref = self.reference_logprobs(ids, attention)
         loss, metrics = self.loss_fn(
             curr, mb.old_logprobs[sl], mb.behaviour_logprobs[sl], mb.advantages[sl], mb.token_mask[sl],
             mb.sample_mask[sl], reference_logprobs=ref,
@@ -346,10 +343,12 @@ class PPO(PolicyGradientModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["ppo_update_counts"] = dict(self.update_counts)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.update_counts = dict(checkpoint.get("ppo_update_counts", self.update_counts))
 
     def _log_step(
