@@ -33,6 +33,24 @@ __all__ = [
 ]
 
 KEY = "model.init_args.lora"
+
+MEGATRON_REFUSAL = (
+    f"{KEY}: LoRA trains a Hugging Face policy under Lightning's own strategies (one process, "
+    "screl.strategies.DDPStrategy); screl.strategies.MegatronStrategy does not support it. Remove "
+    f"{KEY} or train under trainer.strategy: auto or screl.strategies.DDPStrategy"
+)
+"""The error a LoRA module raises when Lightning configures it under ``MegatronStrategy`` (``screl check``'s rule
+gives the same)."""
+
+COLOCATED_REFUSAL = (
+    f"{KEY} with data.init_args.generation.colocated.enabled: true is not supported: the colocated engine decodes "
+    "with the trainer's own module, whose adapters are not merged into its layers; generate on separate workers "
+    "(colocated.enabled: false): they receive the merged weights at each refit"
+)
+BROADCAST_REFUSAL = (
+    f"{KEY} with vLLM's NCCL weight transfer is not supported: it sends the trainer's module as it is (its base and "
+    "adapters apart, in peft's names); use the object-store refit, which sends the merged weights"
+)
 ADAPTER = "default"
 """peft's adapter name: the one adapter screl trains."""
 INIT_SEED = 0

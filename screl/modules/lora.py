@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from screl.models.lora import (
+    BROADCAST_REFUSAL,
+    COLOCATED_REFUSAL,
     KEY,
+    MEGATRON_REFUSAL,
     RECORD,
     LoRASettings,
     base_fingerprint,
@@ -26,23 +29,6 @@ from screl.models.lora import (
 
 __all__ = ["BROADCAST_REFUSAL", "COLOCATED_REFUSAL", "MEGATRON_REFUSAL", "LoRAHooks"]
 
-MEGATRON_REFUSAL = (
-    f"{KEY}: LoRA trains a Hugging Face policy under Lightning's own strategies (one process, "
-    "screl.strategies.DDPStrategy); screl.strategies.MegatronStrategy does not support it. Remove "
-    f"{KEY} or train under trainer.strategy: auto or screl.strategies.DDPStrategy"
-)
-"""The error a LoRA module raises when Lightning configures it under ``MegatronStrategy`` (``screl check``'s rule
-gives the same)."""
-
-COLOCATED_REFUSAL = (
-    f"{KEY} with data.init_args.generation.colocated.enabled: true is not supported: the colocated engine decodes "
-    "with the trainer's own module, whose adapters are not merged into its layers; generate on separate workers "
-    "(colocated.enabled: false): they receive the merged weights at each refit"
-)
-BROADCAST_REFUSAL = (
-    f"{KEY} with vLLM's NCCL weight transfer is not supported: it sends the trainer's module as it is (its base and "
-    "adapters apart, in peft's names); use the object-store refit, which sends the merged weights"
-)
 
 _POLICY = "model."
 """The policy's prefix in the module's state dict."""

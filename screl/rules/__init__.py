@@ -24,6 +24,7 @@ from screl.rules.context import (
 from screl.rules.distill_rules import distill_rules
 from screl.rules.engine_rules import engine_rules
 from screl.rules.hub_rules import model_source_rules, system_prompt_rules
+from screl.rules.lora_rules import lora_rules
 from screl.rules.model_rules import model_memory_rules, precision_rules
 from screl.rules.moe_rules import routing_replay_rules
 from screl.rules.moved_rules import moved_path_rules
@@ -56,6 +57,7 @@ RULES = (
     distributed_optimizer_rules,
     precision_rules,
     model_source_rules,
+    lora_rules,
     system_prompt_rules,
     model_memory_rules,
     sampler_block_rules,
