@@ -345,3 +345,19 @@ def test_the_module_computes_advantages_with_the_named_estimator() -> None:
     assert advantages("tests.estimator_plugins:mean_baseline") == pytest.approx(
         [0.1 - 0.2025, 0.1 - 0.2025, 0.11 - 0.2025, 0.5 - 0.2025], abs=1e-6)  # mean = 0.81 / 4
     assert max(advantages("grpo")) > 10  # the default divides by the near-tied siblings' std
+
+
+def test_the_policy_entropy_over_the_trained_tokens_is_logged() -> None:
+    """``train/entropy``: the mean over the chunk's trained tokens of the full distribution's entropy at the step's
+    weights (one micro-batch here), from the chunked head's own softmax."""
+    meta, data = _rollouts(4, temperature=1.0, version=0)
+    batch = collate_chunk(meta, data, pad_id=0)
+    with torch.no_grad():
+        logits = SPEC.build_model()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    full = -(logp.exp() * logp).sum(-1)
+    mask = batch["token_mask"].float()
+    expected = float((full * mask).sum() / mask.sum())
+    cap = _fit(_module(), [batch])
+    assert abs(cap.metrics[0]["train/entropy"] - expected) < 2e-5, (cap.metrics[0]["train/entropy"], expected)
+    assert 0.5 < expected < 4.0  # a spread distribution: the figure says something

@@ -134,6 +134,10 @@ class ChunkedPolicyGradient(PolicyGradientModule):
         loss, metrics = self._objective(batch, chunk, sl, curr, prev, gen, ref)
         if not self.loss_fn.token_level_loss:
             loss = loss * (sl.stop - sl.start) / chunk.chunk_rows
+        entropy = self.compute.last_entropy
+        if entropy is not None:  # the policy's entropy over the trained tokens (no gradient: a figure)
+            mask = chunk.token_mask[sl].to(entropy.dtype)
+            metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1.0)
         on_mask = whole_row_on_policy(batch["token_versions"][sl], chunk.token_mask[sl], int(batch["trainer_version"]))
         if on_mask.any():
             metrics["logprob_mismatch"] = (batch["generation_logprobs"][sl].float() - prev).abs()[on_mask].max()

@@ -26,7 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from screl.models.lora import hf_state_items
-from screl.modules.logprobs import token_logprobs
+from screl.modules.logprobs import chunked_token_logprobs, token_logprobs
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout.engines.buckets import iter_buckets
@@ -47,6 +47,9 @@ class PolicyCompute(ABC):
     one of its models (:data:`POLICY`, :data:`CRITIC`); ``batch`` is the chunk, whose ``dp_shards`` says over how
     many data-parallel replicas its rows are spread.
     """
+
+    last_entropy: Tensor | None = None
+    """The policy's entropy per position of the last :meth:`chunk_logprobs` call, where the path computes it."""
 
     @property
     def sharded(self) -> bool:
@@ -182,10 +185,17 @@ class HFCompute(PolicyCompute):
 
     @override
     def chunk_logprobs(self, module: Any, batch: dict[str, Any], sl: slice) -> Tensor:
+        """The rows' logprobs; through the chunked head, the policy's entropy per position too (no gradient, from
+        the same softmax), kept in ``last_entropy`` for the step's ``train/entropy``."""
         ids, attention = batch["input_ids"][sl], batch["attention_mask"][sl]
+        inputs = vision_forward_inputs(module.model, batch, sl)
         with replayed(module.routing_replay, module.model, batch, sl):
-            return token_logprobs(module.model, ids, attention, module.temperature, module.logprob_chunk_tokens,
-                                  vision_forward_inputs(module.model, batch, sl))
+            if module.logprob_chunk_tokens == 0:
+                self.last_entropy = None
+                return token_logprobs(module.model, ids, attention, module.temperature, 0, inputs)
+            logp, self.last_entropy = chunked_token_logprobs(module.model, ids, attention, module.temperature,
+                                                             module.logprob_chunk_tokens, True, inputs)
+            return logp
 
     @override
     def row_logprobs(self, module: Any, ids: Tensor, attention: Tensor) -> Tensor:
