@@ -17,18 +17,19 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from screl.export.record import ExportError, spec_from_dict
+from screl.models.lora import LoRASettings, save_peft_adapter
 from screl.models.spec import PolicySpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DTYPES", "EXPORT_INFO", "write_hf_folder"]
+__all__ = ["DTYPES", "EXPORT_INFO", "write_adapter_folder", "write_hf_folder"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}
 EXPORT_INFO = "screl_export.json"
@@ -166,17 +167,45 @@ def write_hf_folder(record: Mapping[str, Any], policy: Mapping[str, Tensor], out
     ``critic`` (``ValueModel``'s names) under ``critic/`` when given. Returns ``out_dir``."""
     torch_dtype = _dtype(dtype)
     spec = spec_from_dict(record.get("policy"), "the run's policy spec (model.init_args.policy)")
-    _check_target(out_dir)
-    tmp = f"{out_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+
+    def fill(tmp: str) -> dict[str, Any]:
         with torch.no_grad():
             note = _save_policy(spec, policy, tmp, torch_dtype, record.get("generation") or {}, max_shard_size)
             if critic:
                 value = spec_from_dict(record.get("value"), "the run's critic spec (model.init_args.value)")
                 _save_critic(value, critic, os.path.join(tmp, CRITIC_DIR), torch_dtype, max_shard_size)
-        info = {"policy": record.get("policy"), "value": record.get("value") if critic else None,
+        return {"policy": record.get("policy"), "value": record.get("value") if critic else None,
                 "generation": record.get("generation"), "dtype": dtype, **dict(provenance or {}),
                 **({"tokenizer_note": note} if note else {})}
+
+    return _write_atomically(out_dir, fill)
+
+
+def write_adapter_folder(record: Mapping[str, Any], settings: LoRASettings, adapters: Mapping[str, Tensor],
+                         out_dir: str, *, dtype: str = "bf16", provenance: Mapping[str, Any] | None = None) -> str:
+    """Write a LoRA run's adapters (:func:`screl.models.lora.adapter_state`'s keys) as a PEFT adapter folder at
+    ``out_dir`` (``adapter_config.json``, ``adapter_model.safetensors``): what ``peft.PeftModel.from_pretrained(base,
+    out_dir)`` loads onto the base the policy spec builds. Returns ``out_dir``."""
+    torch_dtype = _dtype(dtype)
+    spec = spec_from_dict(record.get("policy"), "the run's policy spec (model.init_args.policy)")
+    base = getattr(spec, "path", None)
+
+    def fill(tmp: str) -> dict[str, Any]:
+        save_peft_adapter(tmp, settings, {k: v.detach().to(torch_dtype) for k, v in adapters.items()},
+                          base if isinstance(base, str) else None)
+        return {"policy": record.get("policy"), "form": "adapter", "lora": settings.to_json(), "dtype": dtype,
+                **dict(provenance or {})}
+
+    return _write_atomically(out_dir, fill)
+
+
+def _write_atomically(out_dir: str, fill: Callable[[str], Mapping[str, Any]]) -> str:
+    """``fill(tmp)`` writes the folder under ``DIR.tmp-<id>`` and returns ``screl_export.json``'s content; the folder
+    then replaces ``out_dir`` (a failure leaves nothing half written)."""
+    _check_target(out_dir)
+    tmp = f"{out_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        info = fill(tmp)
         with open(os.path.join(tmp, EXPORT_INFO), "w") as f:
             json.dump(info, f, indent=2, sort_keys=True, default=str)
         if os.path.isdir(out_dir):

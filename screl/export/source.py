@@ -17,7 +17,8 @@ from torch import Tensor
 from screl.checkpoint.layout import CorruptPartError, IncompleteError
 from screl.checkpoint.resume import LIGHTNING_CKPT
 from screl.checkpoint.store import BundleInfo, CheckpointStore, safe_torch_load
-from screl.export.record import RECORD_KEY, ExportError, record_from_config
+from screl.export.record import RECORD_KEY, ExportError, record_from_config, spec_from_dict
+from screl.models.lora import BaseMismatchError, LoRASettings, bundle_adapters, merged_policy_weights
 from screl.models.value import critic_state
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class BundleWeights:
     critic: dict[str, Tensor] | None
     layout: str
     """``single`` (one ``lightning.ckpt``: one process or ``DDPStrategy``) or ``megatron`` (sharded)."""
+    lora: tuple[LoRASettings, dict[str, Tensor]] | None = None
+    """A LoRA run's bundle: its settings and adapters (``policy`` is then the merged model); None otherwise."""
 
 
 def open_bundle(source: str, storage_options: Mapping[str, Any] | None = None) -> tuple[CheckpointStore, BundleInfo]:
@@ -82,9 +85,9 @@ def read_bundle(source: str, storage_options: Mapping[str, Any] | None = None,
         ckpt = safe_torch_load(store.read_bytes(bundle, LIGHTNING_CKPT), f"{LIGHTNING_CKPT} of {bundle.url}")
         record = _record(ckpt, config, bundle.url)
         state = ckpt.get("state_dict") or {}
-        policy = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        policy, lora = _policy(ckpt, record, bundle.url)
         critic = critic_state(state) or None
-        return BundleWeights(bundle.url, bundle.step, record, policy, critic, "single")
+        return BundleWeights(bundle.url, bundle.step, record, policy, critic, "single", lora)
     with tempfile.TemporaryDirectory(prefix="screl-export-") as tmp:
         local = os.path.join(tmp, LIGHTNING_CKPT)
         store.download_dir(bundle, LIGHTNING_CKPT, local)
@@ -97,6 +100,24 @@ def read_bundle(source: str, storage_options: Mapping[str, Any] | None = None,
         log.warning("screl export: %s is a MegatronStrategy PPO bundle; its critic is not exported (the policy is)",
                     bundle.url)
     return BundleWeights(bundle.url, bundle.step, record, policy, None, "megatron")
+
+
+def _policy(ckpt: Mapping[str, Any], record: Mapping[str, Any],
+            url: str) -> tuple[dict[str, Tensor], tuple[LoRASettings, dict[str, Tensor]] | None]:
+    """The policy's weights in Hugging Face names, and a LoRA run's settings and adapters: its ``state_dict`` holds
+    the adapters only, so the policy is the base the spec builds (checked against the run's fingerprint) merged."""
+    found = bundle_adapters(ckpt)
+    if found is None:
+        state = ckpt.get("state_dict") or {}
+        return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}, None
+    spec = spec_from_dict(record.get("policy"), "the run's policy spec (model.init_args.policy)")
+    try:
+        return merged_policy_weights(ckpt, spec), found
+    except BaseMismatchError as err:
+        raise ExportError(f"refusing to export {url}: {err}. The export rebuilds the base from the policy spec: make "
+                          "the base's files the run trained on available (the same path or hub revision)") from err
+    except ValueError as err:
+        raise ExportError(f"{url}: a LoRA bundle whose adapters cannot be loaded onto its base: {err}") from err
 
 
 def _read(path: str, url: str) -> bytes:
