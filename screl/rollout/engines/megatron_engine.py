@@ -23,13 +23,14 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from screl.models.spec import PolicySpec, resolve_dtype
 from screl.rollout.engines.buckets import WeightBuckets
+from screl.rollout.engines.loop_engine import LoopEngine
 from screl.rollout.engines.megatron_decode import (
     DecodeLink,
     MegatronDecoder,
@@ -42,8 +43,6 @@ from screl.rollout.engines.protocol import (
     EngineCapabilities,
     EngineOptions,
     GenerationRequest,
-    GenerationResult,
-    PauseMode,
 )
 from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.stop_tokens import StopTokens, load_generation_config, stop_tokens
@@ -96,7 +95,7 @@ def build_engine_model(policy: PolicySpec, device: str, seed: int | None) -> tup
     return model, config, generation_config
 
 
-class MegatronGenerationEngine:
+class MegatronGenerationEngine(LoopEngine):
     """:class:`~screl.rollout.engines.protocol.GenerationEngine` on a Megatron ``GPTModel`` (see the module docstring).
 
     Args:
@@ -194,40 +193,6 @@ class MegatronGenerationEngine:
     def set_version(self, version: int) -> None:
         """Set the weight version label (between decode steps)."""
         self.loop.set_version(version)
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Generate all requests, ``max_batch_size`` at a time; results in request order."""
-        return self.loop.generate(requests)
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Finish these in-flight requests at the next step with their partial tokens."""
-        self.loop.abort(request_ids)
-
-    def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
-        """Stop generating until :meth:`resume`; returns when no batch is decoding (``TimeoutError`` after
-        ``timeout`` seconds)."""
-        self.loop.pause(mode, timeout)
-
-    def resume(self) -> None:
-        """Let waiting and parked ``generate`` calls continue."""
-        self.loop.resume()
-
-    @property
-    def paused(self) -> bool:
-        return self.loop.paused
-
-    def stand_down(self, timeout: float | None = None, drain: bool = False) -> None:
-        """Pause with the parked batches' KV caches freed (colocated, while the trainer trains the module);
-        ``drain``: the requests in flight finish first."""
-        self.loop.stand_down(timeout, drain)
-
-    def wake(self) -> None:
-        """End a :meth:`stand_down`: parked batches re-prefill and decode on."""
-        self.loop.wake()
-
-    @property
-    def stood_down(self) -> bool:
-        return self.loop.stood_down
 
     def end_followers(self) -> None:
         """Colocated under tensor parallelism: send the other ranks back to training (between forward passes)."""

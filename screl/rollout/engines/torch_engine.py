@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,13 +32,12 @@ from screl.models.spec import PolicySpec
 from screl.models.vision import is_vision_model
 from screl.rollout.engines.buckets import WeightBuckets
 from screl.rollout.engines.continuous import CONTINUOUS_DEFAULTS, ContinuousDecoder
+from screl.rollout.engines.loop_engine import LoopEngine
 from screl.rollout.engines.protocol import (
     BackendArgs,
     EngineCapabilities,
     EngineOptions,
     GenerationRequest,
-    GenerationResult,
-    PauseMode,
 )
 from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.routing import RoutingRecorder
@@ -58,7 +57,7 @@ from screl.rollout.engines.torch_sampling import Batch, Row, refuse_images, samp
 log = logging.getLogger(__name__)
 
 
-class TorchGenerationEngine:
+class TorchGenerationEngine(LoopEngine):
     """The torch implementation of :class:`~screl.rollout.engines.protocol.GenerationEngine`.
 
     Args:
@@ -209,50 +208,17 @@ class TorchGenerationEngine:
         tensors = ModelTensors(self.model)
         self.loop.refit(weights, version, tensors.load, tensors.missing)
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Finish these in-flight requests at the next step with their partial tokens."""
-        self.loop.abort(request_ids)
-
-    def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
-        """Stop generating until :meth:`resume` (see the protocol); returns when no batch is decoding.
-
-        Raises:
-            TimeoutError: the engine did not become quiet within ``timeout`` seconds (it stays paused).
-        """
-        self.loop.pause(mode, timeout)
-
-    def resume(self) -> None:
-        """Let waiting and parked ``generate`` calls continue."""
-        self.loop.resume()
-
-    @property
-    def paused(self) -> bool:
-        """Whether the engine is paused."""
-        return self.loop.paused
-
     def stand_down(self, timeout: float | None = None, drain: bool = False) -> None:
-        """Pause in ``keep`` mode and free the KV caches of the parked batches (colocated generation, while the
-        trainer trains the module this engine decodes with); returns when no forward pass runs. The parked
-        requests re-prefill under the weights of the :meth:`wake` (their tokens after it carry its version).
-        ``drain``: pause in ``wait`` mode instead (the drain gate): the requests in flight finish first."""
-        self.loop.stand_down(timeout, drain)
+        """:meth:`LoopEngine.stand_down`, and the continuous path's KV cache handed back while the trainer trains."""
+        super().stand_down(timeout, drain)
         if self.continuous is not None:
-            self.continuous.release()  # the engine's KV cache is handed back while the trainer trains
+            self.continuous.release()
 
     def wake(self) -> None:
-        """End a :meth:`stand_down`: parked batches re-prefill and decode on (the continuous path's KV cache is
-        re-made first)."""
+        """:meth:`LoopEngine.wake`, the continuous path's KV cache re-made first."""
         if self.continuous is not None:
             self.continuous.make()
-        self.loop.wake()
-
-    @property
-    def stood_down(self) -> bool:
-        return self.loop.stood_down
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Generate all requests, ``max_batch_size`` at a time; results in request order."""
-        return self.loop.generate(requests)
+        super().wake()
 
     # ----------------------------------------------------------- the request loop's decode steps
 
