@@ -219,15 +219,23 @@ class GenerationWorker:
             raise RuntimeError(f"asked to validate version {version} but the worker serves {self.engine.version}")
         task, tok = self.val_task, self._tokenizer
         records = [task.prompt(pid) for pid, _, _ in samples]
-        requests = [GenerationRequest(f"val-{version}-{pid}-{k}", self._policy.prompt_token_ids(tok, r.text),
-                                      dataclasses.replace(sampling, seed=seed), version)
-                    for r, (pid, k, seed) in zip(records, samples, strict=True)]
+        prompts = [self._val_prompt(task, r) for r in records]
+        requests = [GenerationRequest(f"val-{version}-{pid}-{k}", ids, dataclasses.replace(sampling, seed=seed),
+                                      version, vision)
+                    for (ids, vision), (pid, k, seed) in zip(prompts, samples, strict=True)]
         results = await self.generate(requests)
         completions = [decode_completion(tok, r.token_ids) for r in results]
         rewards = await asyncio.get_running_loop().run_in_executor(None, task.rewards, records, completions)
         return [{"prompt_id": pid, "sample": k, "reward": float(reward), "response_len": len(res.token_ids),
                  "finish_reason": res.finish_reason, "versions": sorted(set(res.weight_versions))}
                 for (pid, k, _), res, reward in zip(samples, results, rewards, strict=True)]
+
+    def _val_prompt(self, task: Any, record: Any) -> tuple[list[int], VisionInputs | None]:
+        """A held-out prompt's token ids and, for a vision-language policy, its images (as rollouts see them)."""
+        if self._policy.is_vlm:
+            ids, vision = self._policy.prompt_inputs(self._tokenizer, record.text, task.images(record))  # type: ignore[attr-defined]
+            return ids, vision
+        return self._policy.prompt_token_ids(self._tokenizer, record.text), None
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -178,3 +178,28 @@ def test_hf_vision_lm_puts_its_system_prompt_in_the_system_turn_and_the_images_i
     system, user = text.index("system count them "), text.index("user ")
     first_image = text.index("<|vision_start|>")
     assert system < user < first_image < text.index(record.text) < text.index("assistant")
+
+
+def test_validation_of_a_vision_policy_generates_from_the_prompts_images() -> None:
+    """A held-out prompt is generated with its images, as its rollouts are: the same tokens as the engine given the
+    prompt's processed images (and not the text-only prompt's)."""
+    import asyncio
+
+    from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
+    from screl.rollout.worker import GenerationWorker
+
+    worker = GenerationWorker(SPEC, val_task=TASK, batch_window_s=0.0)
+    record = TASK.prompt(TASK.prompts()[3].prompt_id)
+    sampling = SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
+    [got] = asyncio.run(worker.validate(0, [(record.prompt_id, 0, 11)], sampling))
+    tok, engine = SPEC.build_tokenizer(), TorchGenerationEngine(SPEC, seed=0)
+    ids, vision = SPEC.prompt_inputs(tok, record.text, TASK.images(record))
+    seeded = SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=1.0, seed=11)
+    [with_images] = engine.generate([GenerationRequest("a", ids, seeded, 0, vision)])
+    assert vision is not None and got["response_len"] == 6
+    val_ids, val_vision = worker._val_prompt(TASK, record)  # what validate sent the engine: the images too
+    assert val_ids == ids and val_vision is not None and torch.equal(val_vision.pixel_values, vision.pixel_values)
+    assert len(ids) > len(SPEC.prompt_token_ids(tok, record.text))  # the image placeholders are in the prompt
+    completion = tok.decode(with_images.token_ids, skip_special_tokens=True)
+    assert got["reward"] == TASK.reward(record, completion)
