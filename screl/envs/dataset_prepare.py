@@ -30,9 +30,30 @@ def context_positions(policy: PolicySpec) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def token_counts(policy: PolicySpec, tokenizer: Any, batches: Iterable[list[str]], total: int) -> np.ndarray:
+def token_bound(text: str) -> int:
+    """At most this many tokens, for any tokenizer whose every token covers at least one byte of the text or is a
+    lone word-start marker (byte-level BPE, SentencePiece with byte fallback, WordPiece, characters): two per byte."""
+    return 2 * len(text.encode("utf-8")) + 1
+
+
+def _as_is_counts(tokenizer: Any, texts: list[str], bound: int | None) -> list[int]:
+    """Token counts of texts read as they are; a text whose :func:`token_bound` is within ``bound`` is not
+    tokenized (it cannot be over any limit that matters): its bound stands for its count."""
+    counts = [token_bound(t) for t in texts]
+    todo = [i for i, c in enumerate(counts) if bound is None or c > bound]
+    if todo:
+        encoded = tokenizer([texts[i] for i in todo], add_special_tokens=False)["input_ids"]
+        for i, ids in zip(todo, encoded, strict=True):
+            counts[i] = len(ids)
+    return counts
+
+
+def token_counts(policy: PolicySpec, tokenizer: Any, batches: Iterable[list[str]], total: int,
+                 bound: int | None = None) -> np.ndarray:
     """Each prompt's length in tokens as the model sees it (``policy.prompt_token_ids``), counted once; a policy
-    that reads the text as is (the default) is counted a batch at a time by the tokenizer."""
+    that reads the text as is (the default) is counted a batch at a time by the tokenizer, skipping the texts too
+    short to matter: with ``bound`` (the smallest limit checked), a text whose :func:`token_bound` is within it
+    gets that bound as its count (an over-estimate, still within every limit)."""
     from screl.models.spec import PolicySpec
 
     as_is = type(policy).prompt_token_ids is PolicySpec.prompt_token_ids
@@ -40,7 +61,7 @@ def token_counts(policy: PolicySpec, tokenizer: Any, batches: Iterable[list[str]
     done = 0
     for texts in batches:
         if as_is:
-            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            lengths = _as_is_counts(tokenizer, texts, bound)
         else:
             lengths = [len(policy.prompt_token_ids(tokenizer, text)) for text in texts]
         counts[done:done + len(texts)] = lengths

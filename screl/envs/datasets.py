@@ -321,7 +321,8 @@ class DatasetTask(Task):
             name, mask = self._roles[role]
             rows, split = self.selected(role), self._split(name)
             where = f"{self.path!r} (split {name!r}"
-            counts = token_counts(policy, self._tokenizer, self._texts(role), len(rows))
+            bound = min(x for x in (self.max_prompt_tokens, None if limit is None else limit - 1) if x is not None)
+            counts = token_counts(policy, self._tokenizer, self._texts(role), len(rows), bound)
             ids = split.ids_of(rows)
             if self.max_prompt_tokens is not None:
                 keep, report[role] = within_limit(counts, ids, self.max_prompt_tokens, where, role == _VAL)
