@@ -88,7 +88,7 @@ class TorchGenerationEngine(LoopEngine):
     @classmethod
     def from_options(cls, policy: PolicySpec, options: EngineOptions) -> TorchGenerationEngine:
         """The engine a worker builds (``generation.backend: torch``); its one ``backend_args`` key is ``decode``."""
-        args = cls.capabilities.backend_args.resolve(options.args, "torch")
+        args = TorchGenerationEngine.capabilities.backend_args.resolve(options.args, "torch")  # a subclass may declare less
         return cls(
             policy,
             device=options.device,
@@ -105,7 +105,7 @@ class TorchGenerationEngine(LoopEngine):
     def on_trainer_module(cls, policy: PolicySpec, options: EngineOptions, *, model: Any,
                           autocast: torch.dtype | None, link: Any = None) -> TorchGenerationEngine:
         """The colocated engine: it decodes with ``model`` (the trainer's module) in the trainer's threads."""
-        args = cls.capabilities.backend_args.resolve(options.args, "torch")
+        args = TorchGenerationEngine.capabilities.backend_args.resolve(options.args, "torch")  # a subclass may declare less
         return cls(policy, num_threads=None, max_batch_size=options.max_batch_size, seed=options.seed,
                    recompute_kv_cache_after_weight_updates=options.recompute_kv_cache_after_weight_updates,
                    model=model, autocast=autocast, decode=str(args["decode"]), continuous=args)
