@@ -108,3 +108,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (the longest ones) starting last and running side by side at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: _file_rank(item.path, slow_files))  # stable: files stay whole and in order
+
+
+@pytest.fixture(autouse=True)
+def _no_wandb_run_outlives_its_test() -> Iterator[None]:
+    """Lightning's WandbLogger leaves its run open after `fit`; a later test's logger in the same worker would
+    reuse it (and log into the earlier test's folder). Each test's run ends with the test."""
+    yield
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
