@@ -8,7 +8,8 @@ controller all start inside the timed window), P=8 G=4 L=16, ``--steps`` steps. 
 (``$SCREL_TRL_PEER`` or ``bench/trl_peer.py``) at the same shape; its launch -> first step is the
 subprocess's wall time less its ``trainer.train()`` wall time plus its first step (what follows the last step,
 writing one JSON file, is left in: a few milliseconds). Writes ``bench/results/startup.json`` (``ratio``, also
-under ``first_step_over_trl``: screl's median / TRL's).
+under ``first_step_over_trl``: screl's median / TRL's; ``cpu_s_to_first_step``: the median CPU-seconds each kind of
+process, the driver, Ray's services and each actor class, spent from the launch to the first step).
 """
 
 from __future__ import annotations
@@ -22,13 +23,40 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def screl_first_step(steps: int, work: Path) -> float:
+def _kind(cmdline: list[str]) -> str:
+    """A process's kind: a Ray actor's class (``ray::GenerationWorker.update_weights`` -> ``GenerationWorker``), a
+    Ray service's program, or ``driver``."""
+    title = cmdline[0] if cmdline else "?"
+    if title.startswith("ray::"):
+        return title[5:].split(".")[0].strip()
+    args = " ".join(cmdline)
+    for part in ("gcs_server", "raylet", "dashboard_agent", "dashboard.py", "log_monitor", "monitor.py",
+                 "runtime_env_agent"):
+        if part in args:
+            return part
+    return "driver" if "screl.cli" in args else Path(title).name
+
+
+def _first_step_time(work: Path) -> float | None:
+    for events in work.rglob("events.jsonl"):
+        for line in events.read_text().splitlines():
+            if '"train_step"' in line:
+                return float(json.loads(line)["time"])
+    return None
+
+
+def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], int]:
+    """Launch -> first ``train_step`` event; and the CPU-seconds each kind of process spent until then (sampled
+    every 0.1 s over the ``screl fit`` process and everything it started: Ray's services, the actors)."""
+    import psutil
+
     cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
     cfg["trainer"].update(max_steps=steps, default_root_dir=str(work), enable_progress_bar=False)
     cfg["grpo"]["max_num_steps"] = steps
@@ -36,13 +64,33 @@ def screl_first_step(steps: int, work: Path) -> float:
     work.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)], capture_output=True,
-                          text=True, check=False)
+    proc = psutil.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cpu: dict[int, tuple[str, float]] = {}
+    first: float | None = None
+    while proc.poll() is None and first is None:
+        try:
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            break
+        for p in family:
+            try:
+                times = p.cpu_times()
+                cpu[p.pid] = (_kind(p.cmdline()), times.user + times.system)
+            except psutil.Error:
+                pass
+        first = _first_step_time(work)
+        time.sleep(0.1)
+    _, err = proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"screl fit failed:\n{proc.stderr[-3000:]}")
-    events = next(work.rglob("events.jsonl"))
-    first = next(json.loads(line) for line in events.read_text().splitlines() if '"train_step"' in line)
-    return float(first["time"]) - t0
+        raise RuntimeError(f"screl fit failed:\n{err[-3000:]}")
+    first = first if first is not None else _first_step_time(work)
+    if first is None:
+        raise RuntimeError(f"screl fit logged no train_step under {work}")
+    per_kind: dict[str, float] = {}
+    for kind, seconds in cpu.values():
+        per_kind[kind] = round(per_kind.get(kind, 0.0) + seconds, 2)
+    return first - t0, dict(sorted(per_kind.items(), key=lambda kv: -kv[1])), len(cpu)
 
 
 def trl_first_step(peer: Path, steps: int, out: Path) -> float:
@@ -68,14 +116,22 @@ def main() -> int:
     peer = Path(env_peer) if env_peer else REPO / "bench" / "trl_peer.py"
     if not peer.is_file():
         raise SystemExit(f"startup: the TRL peer is missing at {peer} (set $SCREL_TRL_PEER)")
-    screl, trl = [], []
+    screl, trl, breakdowns, counts = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="screl-startup-") as tmp:
         for rep in range(args.reps):  # alternated, so drift hits both sides alike
-            screl.append(screl_first_step(args.steps, Path(tmp) / f"screl{rep}"))
+            seconds, per_kind, processes = screl_first_step(args.steps, Path(tmp) / f"screl{rep}")
+            screl.append(seconds)
+            counts.append(processes)
+            breakdowns.append(per_kind)
             trl.append(trl_first_step(peer, args.steps, Path(tmp) / f"trl{rep}.json"))
-            print(f"rep {rep}: screl {screl[-1]:.1f} s, TRL {trl[-1]:.1f} s", flush=True)
-    res = {"screl_s": screl, "trl_s": trl, "screl_median_s": statistics.median(screl),
-           "trl_median_s": statistics.median(trl)}
+            print(f"rep {rep}: screl {screl[-1]:.1f} s, TRL {trl[-1]:.1f} s; CPU-s to the first step: {per_kind}",
+                  flush=True)
+    kinds = sorted({k for b in breakdowns for k in b})
+    res: dict[str, Any] = {"screl_s": screl, "trl_s": trl, "screl_median_s": statistics.median(screl),
+           "trl_median_s": statistics.median(trl),
+           "cpu_s_to_first_step": {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in kinds},
+           "processes_to_first_step": statistics.median(counts)}
+    res["cpu_s_to_first_step_total"] = round(sum(res["cpu_s_to_first_step"].values()), 2)
     res["ratio"] = res["screl_median_s"] / res["trl_median_s"]
     res["first_step_over_trl"] = res["ratio"]  # the key issue 19's targets name (target <= 1.0)
     out = REPO / "bench" / "results" / "startup.json"

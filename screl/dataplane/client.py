@@ -9,7 +9,9 @@ How TQ is used (transferqueue 0.1.11, SimpleStorage backend):
 
 * One TQ per Ray cluster: the controller is the named actor ``TransferQueueController`` in namespace
   ``transfer_queue``; the storage units are named ``TransferQueueStorageUnit#<i>`` in the starter's
-  namespace; each is a ``num_cpus=1`` actor, so the cluster needs ``1 + num_storage_units`` free CPUs.
+  namespace; each is a ``num_cpus=1`` actor, so the cluster needs ``1 + num_storage_units`` free CPUs. One unit
+  placed anywhere (screl's default) lives inside the controller's actor instead: one process
+  (:mod:`screl.dataplane.tq_host`, same names, same CPUs).
 * One TQ client per process (module globals in ``transfer_queue.interface``). Another process attaches
   by looking the controller up by name and reading its stored config (``transfer_queue.init()`` does
   this when a controller exists). A :class:`DataPlane` pickles to its :class:`DataPlaneHandle` and

@@ -27,6 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 from transfer_queue import interface as _tqi  # noqa: E402
 
 from screl.dataplane.errors import DataPlaneError, DataPlaneLostError, DataPlaneTimeoutError  # noqa: E402
+from screl.dataplane.tq_host import hosts_storage, start_hosted  # noqa: E402
 
 T = TypeVar("T")
 
@@ -83,11 +84,12 @@ def tq_actors_alive() -> list[str]:
     return sorted(f"{ns}/{name}" for ns, name in _tq_named_actors())
 
 
-def describe_tq_actor(name: str) -> str:
-    """``transfer_queue/TransferQueueController`` -> "the TransferQueue controller (...)"; a storage unit likewise."""
+def describe_tq_actor(name: str, hosts_unit: bool = False) -> str:
+    """``transfer_queue/TransferQueueController`` -> "the TransferQueue controller (...)" (``hosts_unit``: "... and
+    the storage unit it holds"); a storage unit likewise."""
     short = name.split("/", 1)[-1]
     if short == CONTROLLER_NAME:
-        return f"the TransferQueue controller ({name})"
+        return f"the TransferQueue controller{' with the storage unit it holds' if hosts_unit else ''} ({name})"
     if short.startswith(STORAGE_UNIT_PREFIX):
         return f"the TransferQueue storage unit {short[len(STORAGE_UNIT_PREFIX):]} ({name})"
     return name
@@ -105,9 +107,10 @@ def lost_tq_actors() -> list[str]:
 
 
 def lost_error(lost: list[str], what: str) -> DataPlaneLostError:
+    hosted = not any(n.split("/", 1)[-1].startswith(STORAGE_UNIT_PREFIX) for n in _expected)  # one-process TQ
     return DataPlaneLostError(
-        f"{what} failed: {', '.join(describe_tq_actor(n) for n in lost)} died (the rows it held are gone; Ray does "
-        "not restart TransferQueue's actors). Run the same command again: it resumes from the last checkpoint bundle."
+        f"{what} failed: {', '.join(describe_tq_actor(n, hosted) for n in lost)} died (the rows it held are gone; "
+        "Ray does not restart TransferQueue's actors). Run the same command again: it resumes from the last checkpoint bundle."
     )
 
 
@@ -257,7 +260,8 @@ def check_can_start(num_storage_units: int) -> None:
 
 
 def start_tq(conf: DictConfig, timeout_s: float, what: str) -> str:
-    """Start TQ with ``conf`` from this process and connect to it; returns the controller's actor id.
+    """Start TQ with ``conf`` from this process and connect to it; returns the controller's actor id. One storage
+    unit placed anywhere (the default) lives inside the controller's actor (:mod:`screl.dataplane.tq_host`).
 
     On a failed or timed-out start every TQ actor is killed and the client dropped.
     """
@@ -265,7 +269,10 @@ def start_tq(conf: DictConfig, timeout_s: float, what: str) -> str:
     with _LOCK:
         drop_client()
         _tqi._TQ_STORAGE = None  # storage handles of an earlier TQ started (and lost) by this process
-        fut = in_daemon_thread(lambda: tq.init(conf))
+        if hosts_storage(conf):  # one process: the unit inside the controller (tq_host.py)
+            fut = in_daemon_thread(lambda: start_hosted(conf, CONTROLLER_NAME, CONTROLLER_NAMESPACE))
+        else:
+            fut = in_daemon_thread(lambda: tq.init(conf))
         try:
             bounded_wait(fut, timeout_s, what)
         except BaseException:

@@ -12,7 +12,7 @@ from ray._private import state as ray_state
 
 from screl.dataplane import DataPlane, DataPlaneError, DataPlaneHandle, tq_actors_alive
 
-TQ_CLASSES = {"TransferQueueController", "SimpleStorageUnit"}
+TQ_CLASSES = {"TransferQueueController", "SimpleStorageUnit", "TransferQueueHost"}
 Rows = dict[str, list[torch.Tensor]]
 
 
@@ -23,6 +23,24 @@ def alive_tq_actor_classes() -> list[str]:
         for a in ray_state.actors().values()
         if a["ActorClassName"] in TQ_CLASSES and a["State"] != "DEAD"
     )
+
+
+def cluster_processes(title: str | tuple[str, ...]) -> list[psutil.Process]:
+    """The processes of this test's Ray cluster (it descends from this process) whose proctitle starts with
+    ``title`` (another test process's cluster on the machine is not counted)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if (p.cmdline() or [""])[0].startswith(title):
+                found.append(p)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def tq_processes() -> list[str]:
+    """The proctitles of this cluster's TransferQueue processes."""
+    return sorted(p.cmdline()[0] for p in cluster_processes(("ray::TransferQueue", "ray::SimpleStorage")))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +60,9 @@ def saved(
     plane.put(keys, data, tags=[{"weight_version": i} for i in range(4)])
     path = tmp_path_factory.mktemp("tq") / "dp"
     plane.save(path, metadata={"step": 7})
-    assert len(tq_actors_alive()) == 2  # controller + 1 storage unit
+    # one storage unit placed anywhere: one process, TQ's controller holding the unit (screl.dataplane.tq_host)
+    assert tq_actors_alive() == ["transfer_queue/TransferQueueController"]
+    assert alive_tq_actor_classes() == ["TransferQueueHost"] and tq_processes() == ["ray::TransferQueueHost"]
     plane.shutdown()
     plane.shutdown()  # idempotent
     assert tq_actors_alive() == [] and alive_tq_actor_classes() == []
@@ -73,7 +93,9 @@ def test_load_needs_the_same_number_of_storage_units(
     saved: tuple[Path, list[str], Rows, DataPlaneHandle],
 ) -> None:
     plane = DataPlane.start(num_storage_units=2, timeout_s=30.0)
-    try:
+    try:  # several units: TransferQueue's own actors, one process each
+        assert len(tq_actors_alive()) == 3 and tq_processes() == ["ray::SimpleStorageUnit"] * 2 + [
+            "ray::TransferQueueController"]
         with pytest.raises(ValueError, match=r"(?i)storage unit"):
             plane.load(saved[0])
     finally:
@@ -96,39 +118,54 @@ def test_a_real_snapshot_passes_the_pickle_scan(saved: tuple[Path, list[str], Ro
     assert any(g.startswith("torch.") for g in imported), imported  # the rows' tensors are in there
 
 
-def test_a_killed_storage_unit_fails_the_next_call_at_once_naming_it(ray_cluster: None) -> None:
+def _kill_and_wait(names: list[str], title: str) -> None:
+    """``ray.kill`` the TQ actors ``names`` and wait until their processes (proctitle ``title``) are gone and Ray says
+    so: ray.kill is asynchronous, and a get while the process still runs is served (CI)."""
+    import time
+
+    processes = cluster_processes(title)
+    assert len(processes) == len(names), (processes, names)
+    for full in names:
+        namespace, name = full.split("/", 1)
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    deadline = time.monotonic() + 10
+    while set(names) & set(tq_actors_alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive and not set(names) & set(tq_actors_alive()), f"{names} still alive after 10 s"
+
+
+@pytest.mark.parametrize("units", [1, 2], ids=["one-process", "unit-actors"])
+def test_a_killed_storage_unit_fails_the_next_call_at_once_naming_it(ray_cluster: None, units: int) -> None:
     """TransferQueue talks to its storage units over ZMQ: a call to a dead one would wait out its whole timeout
     (twice 60 s in a run, then blamed on the object store). Each wait checks that the actors live: the call fails
-    within about a second, sync and async, naming the unit (the chaos matrix, tests/recovery/test_chaos.py, kills
-    them in a real run)."""
+    within about a second, sync and async, naming what died: the controller and the unit it holds (one unit), or
+    the unit actors (several; both are killed, as the row may be in either). The chaos matrix,
+    tests/recovery/test_chaos.py, kills them in a real run."""
     import asyncio
     import time
 
     from screl.dataplane import DataPlaneLostError
 
-    plane = DataPlane.start(num_storage_units=1, timeout_s=30.0)
+    plane = DataPlane.start(num_storage_units=units, timeout_s=30.0)
     try:
         plane.put(["lost_g0"], {"reward": [torch.zeros(())]})
-        [unit] = [n for n in tq_actors_alive() if "StorageUnit" in n]
-        namespace, name = unit.split("/", 1)
-        [process] = [p for p in psutil.process_iter(["cmdline"])
-                     if (p.info["cmdline"] or [""])[0].startswith("ray::SimpleStorageUnit")]
-        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        # ray.kill is asynchronous: a get while the unit's process still runs is served (CI), so wait until the
-        # process is gone and Ray says so
-        _, alive = psutil.wait_procs([process], timeout=10)
-        deadline = time.monotonic() + 10
-        while unit in tq_actors_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive and unit not in tq_actors_alive(), "the killed storage unit is still alive after 10 s"
+        if units == 1:
+            lost = ["transfer_queue/TransferQueueController"]
+            _kill_and_wait(lost, "ray::TransferQueueHost")
+            said = rf"the TransferQueue controller with the storage unit it holds \({lost[0]}\) died"
+        else:
+            lost = [n for n in tq_actors_alive() if "StorageUnit" in n]
+            _kill_and_wait(lost, "ray::SimpleStorageUnit")
+            said = rf"the TransferQueue storage unit 0 \({lost[0]}\), the TransferQueue storage unit 1 .* died"
         t0 = time.monotonic()
-        with pytest.raises(DataPlaneLostError, match=rf"get of 1 rows failed: the TransferQueue storage unit 0 "
-                                                     rf"\({unit}\) died .* resumes from the last checkpoint bundle"):
+        with pytest.raises(DataPlaneLostError,
+                           match=rf"get of 1 rows failed: {said} .* resumes from the last checkpoint bundle"):
             plane.get(["lost_g0"], ["reward"])
-        with pytest.raises(DataPlaneLostError, match=r"put of 1 rows failed: the TransferQueue storage unit 0"):
+        with pytest.raises(DataPlaneLostError, match=rf"put of 1 rows failed: {said}"):
             asyncio.run(plane.aput(["lost_g1"], {"reward": [torch.zeros(())]}))
         assert time.monotonic() - t0 < 15, "waited for the timeout (30 s) instead"
-        assert plane.lost_actors() == [unit]
+        assert plane.lost_actors() == sorted(lost)
     finally:
         plane.shutdown()
     assert tq_actors_alive() == []

@@ -69,6 +69,4 @@ def test_the_nodes_of_a_running_data_plane(dp: object) -> None:
     here = ray.get_runtime_context().get_node_id()
     found = tq_nodes()
     assert list(found) == [here]
-    names = sorted(found[here])
-    assert names[0] == "TransferQueueController" and len(names) == 2, names
-    assert names[1].startswith("TransferQueueStorageUnit#"), names
+    assert found[here] == ["TransferQueueController"]  # one storage unit: it lives in the controller's process

@@ -6,8 +6,11 @@ the other across one lineage of resumes:
   row replaced the e2e test of a killed worker's retry: the lineage's audit also proves nothing was dropped);
 * the policy server: Ray does not restart it, so the agents' calls cannot succeed on a retry: the controller's health
   check fails the run naming it (not data failures);
-* the TransferQueue storage unit, then the TransferQueue controller: the run fails within seconds naming the actor
-  (every data-plane wait checks that TransferQueue's actors live, and so does the controller's health check);
+* TransferQueue (one process: its controller holds the run's one storage unit, ``screl.dataplane.tq_host``; the unit
+  as an actor of its own, placed by ``data_plane.storage_node_resource``, is killed in
+  ``tests/dataplane/test_lifecycle.py`` and lost with its node in ``tests/recovery/test_multinode.py``): the run fails
+  within seconds naming it (every data-plane wait checks that TransferQueue's actors live, and so does the
+  controller's health check);
 * the rollout controller actor: the trainer fails at its next call naming it;
 * after each failure the next incarnation resumes from the newest bundle; the last one finishes.
 
@@ -165,12 +168,12 @@ def _audit(run_dir: Path, steps: int) -> None:
 
 def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_nothing(tmp_path: Path) -> None:
     """One lineage of ``configs/grpo_agent_tiny.yaml`` (the tiny agent config: it runs every kind of process, the
-    policy server too), five incarnations, one kind of process SIGKILLed at a time at a seeded point after a bundle:
-    a generation worker (recovers), then the policy server, the TransferQueue storage unit, the TransferQueue
-    controller and the rollout controller (each fails the run naming it; the next incarnation resumes from the
-    newest bundle); the last one finishes."""
+    policy server too), four incarnations, one kind of process SIGKILLed at a time at a seeded point after a bundle:
+    a generation worker (recovers), then the policy server, TransferQueue (its controller with the storage unit it
+    holds) and the rollout controller (each fails the run naming it; the next incarnation resumes from the newest
+    bundle); the last one finishes."""
     rng = random.Random(40)
-    steps = 16  # room for five kill points, each in the step after a bundle of its incarnation
+    steps = 14  # room for four kill points, each in the step after a bundle of its incarnation
     config = _config(tmp_path, steps, source="grpo_agent_tiny.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "fit.log"
     store = CheckpointStore(str(tmp_path / "bundles"))
@@ -197,8 +200,7 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     # the policy server (same incarnation), then one kind per resumed incarnation: each run fails naming what died
     kills = [("PolicyServer", "RuntimeError: the controller's health check stopped the run: PolicyServerLostError(",
               "policy server"),
-             ("SimpleStorageUnit", "the TransferQueue storage unit 0 (", "storage unit"),
-             ("TransferQueueController", "the TransferQueue controller (", "TQ controller"),
+             ("TransferQueueHost", "the TransferQueue controller with the storage unit it holds (", "TransferQueue"),
              ("RolloutController", "class_name: RolloutController", "rollout controller")]
     for cls, names, row in kills:
         if cls != "PolicyServer":
@@ -214,7 +216,7 @@ def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_
     # a last resume finishes the run
     proc = start_fit(config, log)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-    assert log.read_text().count("screl: resumed the rollout side") == 4, "every failed incarnation was resumed"
+    assert log.read_text().count("screl: resumed the rollout side") == 3, "every failed incarnation was resumed"
     latest = store.latest()
     assert latest is not None and latest.step == steps
     _audit(run_dir, steps)
