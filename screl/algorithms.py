@@ -57,6 +57,9 @@ class Algorithm:
     block: type[Any] | None = None
     """The dataclass of its run block (``GRPOConfig``): the type of the CLI's ``--<config_key>``; of the entries
     sharing a block, the first registered gives it."""
+    rules: tuple[str, ...] = ()
+    """Its own config rules, as ``package.module:function`` paths (each takes a ``screl.rules.RuleContext``); they
+    run when the run's block or its model is this algorithm, after the rules every algorithm shares."""
 
 
 _REGISTRY: dict[str, Algorithm] = {}

@@ -167,6 +167,7 @@ register_algorithm(Algorithm(
 register_algorithm(Algorithm(
     name="ppo", title="PPO", config_key="ppo", module="screl.modules.ppo.PPO", block=PPOConfig,
     step_may_shrink=False, needs_critic=True, default_adv_estimator="gae", samplers=("in_order",),
+    rules=("screl.rules.critic_rules:critic_rules",),
     multi_process_strategies=("DDPStrategy", "MegatronStrategy"),
     vision_refusal="PPO's critic (screl.models.ValueModel) reads token ids only: it cannot take {policy}'s images, "
                    "so its values would ignore what the policy sees",

@@ -149,6 +149,7 @@ def distill_plan_name(raw: Mapping[str, Any]) -> str:
 register_algorithm(Algorithm(
     name="distill", title="Distill", config_key="grpo", module="screl.modules.distill.Distill", block=GRPOConfig,
     step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo", min_generations_per_prompt=2,
+    rules=("screl.rules.distill_rules:distill_rules",),
     megatron_context_parallel=False,
     vision_refusal="distillation rows carry the teachers' logprobs, not {policy}'s images (the teachers would "
                    "score the completions without them)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,6 +77,34 @@ def test_a_name_or_a_module_is_registered_once() -> None:
         algorithm("nope")
 
 
+def _toy_rule(c: Any) -> None:
+    c.bad("grpo.num_prompts_per_step", c.P, "the toy algorithm's own rule ran", "nothing: it always runs")
+
+
+def test_an_algorithms_own_rules_run_for_its_runs_and_no_other() -> None:
+    """``Algorithm.rules``: each algorithm's rules live beside it and run only when its block or its model is the
+    run's (PPO's critic rules, Distill's teacher rules, and a toy algorithm's, registered here for the test)."""
+    from screl import algorithms
+    from screl.rules import config_problems
+
+    assert algorithm("ppo").rules == ("screl.rules.critic_rules:critic_rules",)
+    assert algorithm("distill").rules == ("screl.rules.distill_rules:distill_rules",)
+    assert algorithm("grpo").rules == ()
+    toy = Algorithm(name="toy", title="Toy", config_key="grpo", module="tests.test_algorithms.Toy",
+                    step_may_shrink=True, needs_critic=False, default_adv_estimator="grpo",
+                    rules=("tests.test_algorithms:_toy_rule",))
+    grpo = {"model": {"class_path": "screl.GRPO"}, "grpo": {"num_prompts_per_step": 3}}
+    ppo = {"model": {"class_path": "screl.PPO"}, "ppo": {"num_prompts_per_step": 3}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(algorithms._REGISTRY, "toy", toy)
+        own = [p for p in config_problems({**grpo, "model": {"class_path": toy.module}}) if "toy" in p.message]
+        assert [(p.key, p.value) for p in own] == [("grpo.num_prompts_per_step", 3)]  # once, for the toy's model
+        assert not [p for p in config_problems(grpo) if "toy" in p.message]
+    critic = [p.key for p in config_problems(ppo) if "needs a critic" in p.message or "needs a value loss" in p.message]
+    assert critic == ["model.init_args.value", "model.init_args.value_loss_fn"]
+    assert not [p for p in config_problems(grpo) if "needs a critic" in p.message]
+
+
 # what a test of the algorithm's identity looks like, outside the algorithm's own files
 _NAME_TESTS = re.compile(
     r"\.(ppo|grpo) is (not )?None|[=!]= \"(ppo|grpo|PPO|GRPO|Distill|distill)\"|endswith\(\"PPO\"\)"
@@ -84,7 +113,8 @@ _NAME_TESTS = re.compile(
 _OWN_FILES = {
     "screl/algorithms.py",  # the registry itself
     "screl/modules/grpo.py", "screl/modules/ppo.py", "screl/modules/distill.py",
-    "screl/rules/distill_rules.py",  # the distillation block's own rules
+    "screl/rules/distill_rules.py",  # Distill's own rules (Algorithm.rules)
+    "screl/rules/critic_rules.py",  # PPO's own rules
 }
 
 

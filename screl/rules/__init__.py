@@ -21,7 +21,6 @@ from screl.rules.context import (
     to_mapping,
     workflow_problem,
 )
-from screl.rules.distill_rules import distill_rules
 from screl.rules.engine_rules import engine_rules
 from screl.rules.hub_rules import model_source_rules, system_prompt_rules
 from screl.rules.lora_rules import lora_rules
@@ -32,6 +31,7 @@ from screl.rules.optimizer_rules import distributed_optimizer_rules
 from screl.rules.placement_rules import placement_rules
 from screl.rules.rollout_rules import deadline_rules, refit_rules, worker_health_rules
 from screl.rules.run_rules import (
+    algorithm_own_rules,
     algorithm_pairing_rules,
     algorithm_rules,
     batch_rules,
@@ -49,7 +49,8 @@ from screl.rules.storage_rules import (
 from screl.rules.trainer_rules import strategy_rules
 from screl.rules.vlm_rules import vlm_rules
 
-#: Every rule, one per config block, in the order their problems are listed.
+#: Every rule, one per config block, in the order their problems are listed (an algorithm's own rules,
+#: ``Algorithm.rules``, come after the rules every algorithm shares).
 RULES = (
     moved_path_rules,
     algorithm_rules,
@@ -76,11 +77,11 @@ RULES = (
     refit_rules,
     worker_health_rules,
     algorithm_pairing_rules,
+    algorithm_own_rules,
     custom_sampler_rules,
     checkpoint_rules,
     snapshot_rules,
     recovery_rules,
-    distill_rules,
 )
 
 

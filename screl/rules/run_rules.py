@@ -360,21 +360,22 @@ def algorithm_pairing_rules(c: RuleContext) -> None:
             if get(c.cfg, f"model.init_args.{knob}") is not None:
                 c.bad(f"model.init_args.{knob}", "<set>", f"a {algo.title} run has no critic", "remove it, or run PPO")
         return
-    if get(c.cfg, "model.init_args.value") is None:
-        c.bad("model.init_args.value", None, f"a {algo.title} run needs a critic", "add model.init_args.value")
-    if get(c.cfg, "model.init_args.value_loss_fn") is None:
-        c.bad("model.init_args.value_loss_fn", None, f"a {algo.title} run needs a value loss",
-              "add model.init_args.value_loss_fn (screl.algos.ClippedValueLoss)")
     if algo.samplers is not None and c.sampler is not None and c.sampler.name not in algo.samplers:
         c.bad("async_rl.sampler.name", c.sampler.name, f"{algo.title} runs support only the "
               f"{' or '.join(algo.samplers)} sampler", f"set async_rl.sampler.name: {algo.samplers[0]}")
     if not algo.step_may_shrink:
         _full_step_rules(c)
-    offload = get(c.cfg, "model.init_args.offload_optimizer_for_logprob")
-    if offload is not None and not offload:
-        c.bad("model.init_args.offload_optimizer_for_logprob", False, f"{algo.title} keeps the policy optimizer off "
-              "the device while the critic runs", "set it to true")
-    _critic_epoch_rules(c)
+
+
+def algorithm_own_rules(c: RuleContext) -> None:
+    """The rules the run's algorithm registers as its own (``Algorithm.rules``): those of its block's algorithm and
+    of its model's when that trains on the same block (a ``Distill`` model on ``grpo``), each once. A model of
+    another block's algorithm is already refused (``algorithm_rules``): its rules would read the wrong block."""
+    model = model_algorithm(c.cfg)
+    own = [c.algorithm, *([model] if model is not None and model.config_key == c.algo_key else [])]
+    for path in dict.fromkeys(r for a in own for r in a.rules):
+        module, _, name = path.partition(":")
+        getattr(importlib.import_module(module), name)(c)
 
 
 def _adv_estimator_rule(c: RuleContext) -> None:
@@ -409,18 +410,3 @@ def _full_step_rules(c: RuleContext) -> None:
         if getattr(c.rf_cfg, knob) != 0:
             c.bad(f"async_rl.rollout_failure.{knob}", getattr(c.rf_cfg, knob), f"a drop would shorten a {title} step that "
                   "the critic shards against its configured batch size", "set it to 0")
-
-
-def _critic_epoch_rules(c: RuleContext) -> None:
-    key = c.algo_key
-    knobs = {k: getattr(c.algo_cfg, k) for k in ("ppo_epochs", "critic_ppo_epochs", "num_minibatches")}
-    for knob in ("ppo_epochs", "critic_ppo_epochs"):
-        if knobs[knob] < 1:
-            c.bad(f"{key}.{knob}", knobs[knob], "must be >= 1", f"set {key}.{knob} >= 1")
-    minibatches, rows = knobs["num_minibatches"], c.P * c.G
-    if not isinstance(minibatches, int) or minibatches < 1 or rows % minibatches:
-        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-        c.bad(f"{key}.num_minibatches", minibatches, f"must be >= 1 and divide the step's num_prompts_per_step x "
-              f"num_generations_per_prompt = {c.P} x {c.G} = {rows} rows (each epoch splits them into equal "
-              "minibatches)", f"set it to one of {divisors}")
-
