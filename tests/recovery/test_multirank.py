@@ -4,7 +4,8 @@ shards (its half of the optimizer state) into the unpublished bundle, and rank 0
 SIGKILLed at a seeded point after a bundle, then resumed at TP=2 from its bundles (the optimizer state resharded).
 This is also GRPO's DP=2 end-to-end run under Megatron (the groups sharded over the replicas): in sync mode its
 workers' logprobs equal the trainer's. Under screl's ``DDPStrategy`` rank 0 writes the one Lightning checkpoint, and
-the killed job resumes, at 2 ranks and as one process. In sync mode every resume reproduces the uninterrupted run's
+the killed job resumes, at 2 ranks and as one process; ``screl export`` of its last bundle gives the one-process
+run's model. In sync mode every resume reproduces the uninterrupted run's
 losses, and the event checker finds nothing lost or trained twice."""
 
 from __future__ import annotations
@@ -262,3 +263,28 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     assert max(reference[s][2] for s in range(STEPS)) > 0.0  # the steps really moved the weights
     for step in range(bundle.step, STEPS):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-8), step
+
+    # `screl export` of the 2-rank job's last bundle (rank 0's one Lightning checkpoint) is the model the uninterrupted
+    # one-process run trained: its exported folder reloads with transformers and gives that run's logits
+    _exports_agree(cut, tmp_path / "ref", tmp_path / "exports")
+
+
+def _exports_agree(ddp_run: Path, one_run: Path, out: Path) -> None:
+    """Each run's newest bundle exported (its config given: the runs have no ``HFExport`` record in their bundles);
+    both folders give the same logits."""
+    import json
+
+    from export._export_helpers import load_folder, logits_of, probe_ids
+
+    from screl.export import main as export_main
+
+    logits = []
+    for name, run in (("ddp", ddp_run), ("one", one_run)):
+        assert export_main([str(run / "bundles"), "--out", str(out / name), "--dtype", "fp32",
+                            "--config", str(run / "config.yaml")]) == 0
+        info = json.loads((out / name / "screl_export.json").read_text())
+        assert (info["step"], info["layout"]) == (STEPS, "single"), info
+        model, tokenizer = load_folder(str(out / name))
+        logits.append(logits_of(model, probe_ids(tokenizer)))
+    assert float(logits[1].abs().max()) > 0.1  # not a trivially zero model
+    assert float((logits[0] - logits[1]).abs().max()) <= 1e-4  # the same training, summed over 2 shards
