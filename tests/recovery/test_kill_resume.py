@@ -1,7 +1,8 @@
 """Fault injection: SIGKILL `screl fit` at seeded points in a row (every kind of point), resume each time, and
 check nothing was lost or trained twice (the kill chain itself is in kill_chain.py). The run's prompts are a
 DatasetTask with string ids scored by TRL-style reward functions: the ids survive every kill, each admitted prompt id
-maps back to its dataset string."""
+maps back to its dataset string. The policy trains LoRA adapters: its bundles hold the adapters, every resume loads
+them onto the base, and the last bundle exports as the merged model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 from screl.checkpoint.store import CheckpointStore
 from screl.data.events import parse_event, read_events
 from screl.envs.dataset_columns import string_prompt_id
+from screl.export.source import read_bundle
 
 from .conftest import recovery_config, with_snapshots
 from .kill_chain import IN_ORDER, final_outcome, kill_chain
@@ -34,6 +36,9 @@ def test_kill9_at_seeded_points_of_every_kind_loses_no_group(seed: int, tmp_path
     steps = 30  # long enough that every incarnation reaches its kill point
     config = with_snapshots(recovery_config(tmp_path, str(ck_root), steps=steps, sampler=IN_ORDER))
     uids = _string_id_task(config, tmp_path / "data.parquet")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"]["init_args"]["lora"] = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    config.write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     points = list(KINDS)
     rng.shuffle(points)
@@ -54,6 +59,9 @@ def test_kill9_at_seeded_points_of_every_kind_loses_no_group(seed: int, tmp_path
             assert keys is not None, f"{event.name} without prompt_keys: {line}"
             seen.update(zip(event.prompt_ids, keys, strict=True))  # type: ignore[attr-defined]
     assert len(seen) > 8 and all(by_id[pid] == key for pid, key in seen.items())  # each id maps back to its string
+    weights = read_bundle(str(ck_root), config=str(config))  # LoRA: adapters in the bundle, the base merged in
+    assert weights.step == steps and weights.lora is not None and weights.lora[0].r == 4
+    assert weights.lora[1] and all("lora_" in name for name in weights.lora[1]), sorted(weights.lora[1])[:4]
 
 
 def _string_id_task(config: Path, parquet: Path) -> list[str]:
