@@ -5,6 +5,7 @@ completion, rewards, advantage, version, staleness) in ``completions.jsonl`` and
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -114,8 +115,9 @@ def sample_rows(batch: dict[str, Any], tokenizer: Any, num_rows: int, advantages
             "finish_reason": ("stop", "length", "abort")[int(batch["finish_reason"][i])],
             "completion_tokens": int(batch["token_mask"][i].sum()),
         }
-        for key in sorted(k for k in batch if k.startswith("rewards/")):
-            row[key] = float(batch[key][i])
+        for key in sorted(k for k in batch if k.startswith("rewards/")):  # each reward function's value
+            value = float(batch[key][i])
+            row[key] = None if math.isnan(value) else value
         if advantages is not None and i < advantages.shape[0]:
             adv = advantages[i]
             mask = batch["token_mask"][i].to(adv.device).float()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -55,7 +56,14 @@ def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad
     same way.
     """
     base: dict[str, Any] = {k: meta[k] for k in CHUNK_META if k in meta}
-    return {**base, **schema.collate(meta, data, pad_id)}
+    parts = {f"{REWARD_PART}{name}": torch.tensor([math.nan if v is None else v for v in values])
+             for name, values in (meta.get("reward_parts") or {}).items()}  # NaN: that row's function gave none
+    return {**base, **schema.collate(meta, data, pad_id), **parts}
+
+
+REWARD_PART = "rewards/"
+"""A collated chunk's ``rewards/<name>``: each reward function's value per row (``screl.rewards``), NaN where a row
+has none (a function that returned None, a row restored from a snapshot)."""
 
 
 #: Per-row tensors of a collated chunk (what a data-parallel shard slices).
@@ -76,7 +84,7 @@ def shard_groups(batch: dict[str, Any], group_size: int, num_shards: int, shard:
     groups = rows // group_size
     lo, hi = shard * groups // num_shards * group_size, (shard + 1) * groups // num_shards * group_size
     row_keys = schema.collated_keys
-    out = {k: (v[lo:hi] if k in row_keys else v) for k, v in batch.items()}
+    out = {k: (v[lo:hi] if k in row_keys or k.startswith(REWARD_PART) else v) for k, v in batch.items()}
     valid = (batch["token_mask"].float() * batch["sample_mask"].float()[:, None]).sum()
     out.update(chunk_rows=rows, chunk_valid_tokens=float(valid), dp_shards=num_shards)
     return out

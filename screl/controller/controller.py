@@ -38,7 +38,7 @@ from screl.data.events import CommitEvent, Event, EventLogWriter, RestoreEvent, 
 from screl.data.watchdog import StallWatchdog
 from screl.dataplane.snapshot import RemoteTree
 from screl.envs import Task
-from screl.rewards.stats import RewardStats
+from screl.rewards.stats import RewardStats, RowRewardParts
 from screl.rollout.colocated import Mailbox, with_mailboxes
 from screl.rollout.rows import ROW_FIELDS
 
@@ -77,6 +77,7 @@ class RolloutController(Refits):
         self.latest_weights: list[Any] | None = None
         self.external_refit = False
         self.reward_stats = RewardStats()  # each reward function's figures until the next step (refits)
+        self.row_rewards = RowRewardParts()  # each row's values, until its chunk goes to the trainer
         self.pump_error: BaseException | None = None  # the first failure that stops the run (set by fail())
         self.pump_error_by = PUMP
         self.shutting_down = False
@@ -222,6 +223,7 @@ class RolloutController(Refits):
         assert not isinstance(reports, str), "a refreshed worker answered STALE"
         for rep in reports:
             self.reward_stats.add(rep.reward_parts)
+            self.row_rewards.add(rep.attempt, rep.reward_parts)
             await self._execute(self.core.report(rep, time.perf_counter()))
 
     # ------------------------------------------------------------------ lifecycle
@@ -359,7 +361,8 @@ class RolloutController(Refits):
                         "trainer_version": plan.trainer_version, "step_groups": plan.step_groups,
                         "last_chunk": plan.last_chunk, "buffer_fill": b.num_buffered, "inflight": b.num_inflight,
                         "generation_s": self.core.metrics.get("generation_s", 0.0),
-                        "filtered": self.core.metrics["filtered"], "replaced": self.core.metrics["replaced"]}
+                        "filtered": self.core.metrics["filtered"], "replaced": self.core.metrics["replaced"],
+                        "reward_parts": self.row_rewards.take(list(plan.keys))}
             idle = self.watchdog.stalled_for(waiting_since)
             if idle is not None:
                 b = self.core.buffer

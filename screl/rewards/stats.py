@@ -36,3 +36,32 @@ class RewardStats:
             out[f"rewards/{name}/std"] = math.sqrt(var)
         self._sums.clear()
         return out
+
+
+class RowRewardParts:
+    """Each sealed row's per-function values, kept by its key until its chunk is handed to the trainer, which writes
+    them beside the row's reward (``rewards/<name>`` in ``completions.jsonl``). At most ``capacity`` rows are kept
+    (the oldest go first: rows dropped or filtered before training are never taken); a row restored from a snapshot
+    has none."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._rows: dict[str, Mapping[str, float]] = {}  # insertion order: the oldest first
+
+    def add(self, key: str, parts: Mapping[str, float] | None) -> None:
+        if not parts:
+            return
+        self._rows[key] = parts
+        while len(self._rows) > self.capacity:
+            del self._rows[next(iter(self._rows))]
+
+    def take(self, keys: list[str]) -> dict[str, list[float | None]]:
+        """``name -> value per key`` (None where a row has no value for it) for the rows ``keys``, forgotten here; {}
+        when none of them has any."""
+        found = [self._rows.pop(k, None) for k in keys]
+        names = sorted({name for parts in found if parts for name in parts})
+        return {name: [None if parts is None or parts.get(name) is None else float(parts[name]) for parts in found]
+                for name in names}
+
+    def __len__(self) -> int:
+        return len(self._rows)

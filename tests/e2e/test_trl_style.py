@@ -46,6 +46,12 @@ def test_the_trl_style_config_learns_and_logs_what_it_writes(tmp_path: Path) -> 
     samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 5, 10, 15, 20, 25, 30, 35} and len(samples) == 32
     assert all(s["prompt"].startswith("<bos>") and "assistant" in s["prompt"] for s in samples)  # chat-rendered
+    # each reward function's own value beside the row's reward, which is their weighted sum (a None counts 0, as in TRL)
+    for s in samples:
+        share, starts = s["rewards/letter_share"], s["rewards/starts_with_letter"]
+        assert share is not None and (starts is None) == (s["completion"] == ""), s
+        assert s["raw_reward"] == pytest.approx(1.0 * share + 0.2 * (starts or 0.0), abs=1e-6), s
+    assert len({s["rewards/letter_share"] for s in samples}) > 1  # the values differ row to row
     _check_wandb(tmp_path / "wandb")
 
 
