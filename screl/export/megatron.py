@@ -1,4 +1,4 @@
-"""A ``MegatronStrategy`` bundle's policy merged back to Hugging Face names, in this one process.
+"""A ``MegatronStrategy`` bundle's policy (and a PPO run's critic) merged back to Hugging Face names, in one process.
 
 Its Lightning checkpoint is a ``dist_checkpointing`` directory whose shards are keyed by their place in the full
 tensor, so it loads at any layout: here the policy is built at tensor- and pipeline-parallel size 1 under a
@@ -23,6 +23,8 @@ __all__ = ["megatron_policy_weights"]
 
 POLICY_PATH = "model"
 """Where ``MegatronStrategy`` checkpoints the policy (the LightningModule's ``model``)."""
+CRITIC_PATH = "critic"
+"""Where it checkpoints a PPO run's critic (the LightningModule's ``critic``)."""
 
 
 @contextlib.contextmanager
@@ -44,11 +46,12 @@ def _one_process_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _provider(record: Mapping[str, Any]) -> Any:
-    """The policy's ``GPTModelProvider``, as ``MegatronStrategy`` derived it from the spec (fp32 master weights)."""
+def _provider(record: Mapping[str, Any], key: str = "policy") -> Any:
+    """The ``GPTModelProvider`` of the record's policy (or critic: ``key="value"``) spec, as ``MegatronStrategy``
+    derived it (fp32 master weights)."""
     from screl.strategies import GPTModelProvider
 
-    spec = spec_from_dict(record.get("policy"), "the run's policy spec (model.init_args.policy)")
+    spec = spec_from_dict(record.get(key), f"the run's {key} spec (model.init_args.{key})")
     config = spec.build_config()
     if config is None:
         config = spec.build_model().config
@@ -58,10 +61,11 @@ def _provider(record: Mapping[str, Any]) -> Any:
         raise ExportError(f"the policy spec does not map onto Megatron ({err})") from err
 
 
-def megatron_policy_weights(ckpt_dir: str, record: Mapping[str, Any]) -> tuple[dict[str, Tensor], bool]:
-    """The policy's full weights in Hugging Face names out of the ``dist_checkpointing`` directory ``ckpt_dir``,
-    and whether it holds a critic too (PPO)."""
-    from megatron.core import dist_checkpointing
+def megatron_policy_weights(ckpt_dir: str,
+                            record: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+    """The policy's full weights in Hugging Face names out of the ``dist_checkpointing`` directory ``ckpt_dir``, and a
+    PPO run's critic (``screl.strategies.MegatronValueModel`` under ``critic.``) in ``screl.models.ValueModel``'s
+    names (None without one)."""
 
     from screl.strategies.parallel import ParallelismConfig, destroy_model_parallel, initialize_model_parallel
     from screl.strategies.weights import export_weights
@@ -71,15 +75,33 @@ def megatron_policy_weights(ckpt_dir: str, record: Mapping[str, Any]) -> tuple[d
         initialize_model_parallel(ParallelismConfig(), seed=0, cpu=not torch.cuda.is_available())
         try:
             module = provider(pre_process=True, post_process=True)
-            prefix = f"{POLICY_PATH}."
-            loaded = dist_checkpointing.load({"state_dict": module.sharded_state_dict(prefix=prefix)}, ckpt_dir)
-            state = {k[len(prefix):]: v for k, v in loaded["state_dict"].items() if k.startswith(prefix)}
-            missing, unexpected = module.load_state_dict(state, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise ExportError(f"{ckpt_dir}: the policy's shards do not fit the spec's architecture (missing "
-                                  f"{missing[:4]}, unexpected {unexpected[:4]})")
-            weights = export_weights(module, naming="hf")
+            _load(module, POLICY_PATH, ckpt_dir, "the policy")
+            weights = {k: v.detach().cpu() for k, v in export_weights(module, naming="hf").items()}
+            critic = _critic_weights(ckpt_dir, record) if record.get("value") is not None else None
         finally:
             destroy_model_parallel()
-    return {k: v.detach().cpu() for k, v in weights.items()}, record.get("value") is not None
+    return weights, critic
+
+
+def _load(module: Any, path: str, ckpt_dir: str, what: str) -> None:
+    """``module``'s shards at ``path.`` in the checkpoint, read at this (one-process) layout."""
+    from megatron.core import dist_checkpointing
+
+    prefix = f"{path}."
+    loaded = dist_checkpointing.load({"state_dict": module.sharded_state_dict(prefix=prefix)}, ckpt_dir)
+    state = {k[len(prefix):]: v for k, v in loaded["state_dict"].items() if k.startswith(prefix)}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ExportError(f"{ckpt_dir}: {what}'s shards do not fit the spec's architecture (missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]})")
+
+
+def _critic_weights(ckpt_dir: str, record: Mapping[str, Any]) -> dict[str, Tensor]:
+    """PPO's critic: its ``GPTModel`` trunk (the value spec's architecture) and its replicated head, merged."""
+    from screl.strategies import MegatronValueModel
+
+    trunk = _provider(record, "value")(pre_process=True, post_process=True)
+    critic = MegatronValueModel(trunk, torch.nn.Linear(trunk.config.hidden_size, 1))
+    _load(critic, CRITIC_PATH, ckpt_dir, "the critic")
+    return critic.export_hf_state()

@@ -4,7 +4,6 @@ and its weights taken out of the Lightning checkpoint. Read-only: nothing in the
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import tempfile
@@ -20,8 +19,6 @@ from screl.checkpoint.store import BundleInfo, CheckpointStore, safe_torch_load
 from screl.export.record import RECORD_KEY, ExportError, record_from_config, spec_from_dict
 from screl.models.lora import BaseMismatchError, LoRASettings, bundle_adapters, merged_policy_weights
 from screl.models.value import critic_state
-
-log = logging.getLogger(__name__)
 
 __all__ = ["BundleWeights", "open_bundle", "read_bundle"]
 
@@ -95,11 +92,8 @@ def read_bundle(source: str, storage_options: Mapping[str, Any] | None = None,
         record = _record(common, config, bundle.url)
         from screl.export.megatron import megatron_policy_weights
 
-        policy, has_critic = megatron_policy_weights(local, record)
-    if has_critic:
-        log.warning("screl export: %s is a MegatronStrategy PPO bundle; its critic is not exported (the policy is)",
-                    bundle.url)
-    return BundleWeights(bundle.url, bundle.step, record, policy, None, "megatron")
+        policy, critic = megatron_policy_weights(local, record)
+    return BundleWeights(bundle.url, bundle.step, record, policy, critic, "megatron")
 
 
 def _policy(ckpt: Mapping[str, Any], record: Mapping[str, Any],

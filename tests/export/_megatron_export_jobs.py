@@ -1,6 +1,7 @@
-"""A ``MegatronStrategy`` checkpoint at TP=2 written by 2 spawned gloo ranks (file:// rendezvous, loopback only):
-the tiny policy with perturbed weights, saved as the strategy saves it (``dist_checkpointing``, the policy under
-``model.``, HFExport's record in the common part)."""
+"""A ``MegatronStrategy`` PPO checkpoint at TP=2 written by 2 spawned gloo ranks (file:// rendezvous, loopback only):
+the tiny policy and a critic on the tiny trunk, with perturbed weights, saved as the strategy saves them
+(``dist_checkpointing``, the policy under ``model.``, the ``MegatronValueModel`` under ``critic.``, HFExport's record
+in the common part)."""
 
 from __future__ import annotations
 
@@ -24,21 +25,38 @@ def perturbed_policy() -> Any:
     return model
 
 
+def perturbed_critic() -> Any:
+    """PPO's critic (``screl.models.ValueModel``) on the tiny trunk, every weight perturbed (the head too: it starts
+    at zero)."""
+    from screl.models import TinyCausalLM, ValueModel
+
+    critic = ValueModel(TinyCausalLM())
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return critic
+
+
 def save_job(rank: int, ckpt_dir: str) -> None:
-    from screl.strategies import GPTModelProvider, load_hf_weights
+    from screl.strategies import GPTModelProvider, MegatronValueModel, load_hf_weights
     from screl.strategies import checkpoint as ckpt
     from screl.strategies.parallel import ParallelismConfig, destroy_model_parallel, initialize_model_parallel
 
     from screl.export.record import spec_to_dict
     from screl.models import TinyCausalLM
 
-    hf = perturbed_policy()
+    hf, hf_critic = perturbed_policy(), perturbed_critic()
     initialize_model_parallel(ParallelismConfig(tensor_model_parallel_size=2), seed=0, cpu=True)
-    module = GPTModelProvider.from_hf_config(hf.config, params_dtype="float32")(pre_process=True, post_process=True)
+    provider = GPTModelProvider.from_hf_config(hf.config, params_dtype="float32")
+    module = provider(pre_process=True, post_process=True)
     load_hf_weights(module, hf.state_dict())
-    record = {"format": 1, "policy": spec_to_dict(TinyCausalLM()), "value": None, "generation": {"temperature": 1.0}}
-    ckpt.save_checkpoint({"state_dict": module.sharded_state_dict(prefix="model."), "callbacks": {"HFExport": record},
-                          "global_step": 3}, ckpt_dir)
+    critic = MegatronValueModel.from_hf(provider(pre_process=True, post_process=True), hf_critic.trunk.state_dict(),
+                                        hf_critic.head)
+    record = {"format": 1, "policy": spec_to_dict(TinyCausalLM()), "value": spec_to_dict(TinyCausalLM()),
+              "generation": {"temperature": 1.0}}
+    state = {**module.sharded_state_dict(prefix="model."), **critic.sharded_state_dict(prefix="critic.")}
+    ckpt.save_checkpoint({"state_dict": state, "callbacks": {"HFExport": record}, "global_step": 3}, ckpt_dir)
     destroy_model_parallel()
 
 
