@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from screl.rewards.stats import REWARD_PART
 from screl.samples import COMPLETIONS_FILE
 
 FINISH_LENGTH = 1  # FINISH_CODES: 0 stop, 1 length, 2 abort
@@ -115,7 +116,7 @@ def sample_rows(batch: dict[str, Any], tokenizer: Any, num_rows: int, advantages
             "finish_reason": ("stop", "length", "abort")[int(batch["finish_reason"][i])],
             "completion_tokens": int(batch["token_mask"][i].sum()),
         }
-        for key in sorted(k for k in batch if k.startswith("rewards/")):  # each reward function's value
+        for key in sorted(k for k in batch if k.startswith(REWARD_PART)):  # each reward function's value
             value = float(batch[key][i])
             row[key] = None if math.isnan(value) else value
         if advantages is not None and i < advantages.shape[0]:

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from screl.config import SHADOW_MODE_NOTE, GenerationConfig, RunConfig
 from screl.envs import Task
+from screl.rewards.stats import REWARD_PART
 from screl.rollout.engines.protocol import EngineCapabilities, RankLink
 from screl.rollout.engines.registry import engine_capabilities, resolve_backend
 from screl.rollout.rows import ROW_SCHEMA, RowSchema
@@ -59,11 +60,6 @@ def collate_chunk(meta: dict[str, Any], data: dict[str, list[torch.Tensor]], pad
     parts = {f"{REWARD_PART}{name}": torch.tensor([math.nan if v is None else v for v in values])
              for name, values in (meta.get("reward_parts") or {}).items()}  # NaN: that row's function gave none
     return {**base, **schema.collate(meta, data, pad_id), **parts}
-
-
-REWARD_PART = "rewards/"
-"""A collated chunk's ``rewards/<name>``: each reward function's value per row (``screl.rewards``), NaN where a row
-has none (a function that returned None, a row restored from a snapshot)."""
 
 
 #: Per-row tensors of a collated chunk (what a data-parallel shard slices).

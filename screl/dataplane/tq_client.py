@@ -110,7 +110,8 @@ def lost_error(lost: list[str], what: str) -> DataPlaneLostError:
     hosted = not any(n.split("/", 1)[-1].startswith(STORAGE_UNIT_PREFIX) for n in _expected)  # one-process TQ
     return DataPlaneLostError(
         f"{what} failed: {', '.join(describe_tq_actor(n, hosted) for n in lost)} died (the rows it held are gone; "
-        "Ray does not restart TransferQueue's actors). Run the same command again: it resumes from the last checkpoint bundle."
+        "Ray does not restart TransferQueue's actors). Run the same command again: it resumes from the last "
+        "checkpoint bundle."
     )
 
 

@@ -58,7 +58,7 @@ def _provider(record: Mapping[str, Any], key: str = "policy") -> Any:
     try:
         return GPTModelProvider.from_hf_config(config, params_dtype="float32")
     except ValueError as err:
-        raise ExportError(f"the policy spec does not map onto Megatron ({err})") from err
+        raise ExportError(f"the {key} spec does not map onto Megatron ({err})") from err
 
 
 def megatron_policy_weights(ckpt_dir: str,
@@ -66,7 +66,6 @@ def megatron_policy_weights(ckpt_dir: str,
     """The policy's full weights in Hugging Face names out of the ``dist_checkpointing`` directory ``ckpt_dir``, and a
     PPO run's critic (``screl.strategies.MegatronValueModel`` under ``critic.``) in ``screl.models.ValueModel``'s
     names (None without one)."""
-
     from screl.strategies.parallel import ParallelismConfig, destroy_model_parallel, initialize_model_parallel
     from screl.strategies.weights import export_weights
 

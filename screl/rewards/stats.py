@@ -38,6 +38,11 @@ class RewardStats:
         return out
 
 
+REWARD_PART = "rewards/"
+"""A collated chunk's ``rewards/<name>``: each reward function's value per row, NaN where a row has none (a function
+that returned None, a row restored from a snapshot); ``completions.jsonl`` writes them under the same names."""
+
+
 class RowRewardParts:
     """Each sealed row's per-function values, kept by its key until its chunk is handed to the trainer, which writes
     them beside the row's reward (``rewards/<name>`` in ``completions.jsonl``). At most ``capacity`` rows are kept

@@ -97,6 +97,12 @@ def import_target(target: str) -> type | None:
         return None
 
 
+def rule_at(path: str) -> Any:
+    """The config rule a ``package.module:function`` path names (an engine's or an algorithm's own rules)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def workflow_problem(target: str) -> str | None:
     """Why ``generation.workflow`` cannot be used (not importable, no ``run``), or None."""
     from screl.rollout.workflows.workflow import load_workflow

@@ -3,11 +3,7 @@ the rules of one engine run only for it and no rule tests an engine's name."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import Any
-
-from screl.rules.context import RuleContext
+from screl.rules.context import RuleContext, rule_at
 
 __all__ = ["engine_rules"]
 
@@ -17,10 +13,4 @@ def engine_rules(c: RuleContext) -> None:
     if c.engine is None:
         return
     for path in c.engine.config_rules:
-        _rule(path)(c)
-
-
-def _rule(path: str) -> Callable[[RuleContext], Any]:
-    module, _, name = path.partition(":")
-    rule: Callable[[RuleContext], Any] = getattr(importlib.import_module(module), name)
-    return rule
+        rule_at(path)(c)

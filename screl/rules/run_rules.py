@@ -19,6 +19,7 @@ from screl.rules.context import (
     construct_problem,
     get,
     model_algorithm,
+    rule_at,
     workflow_problem,
 )
 
@@ -374,8 +375,7 @@ def algorithm_own_rules(c: RuleContext) -> None:
     model = model_algorithm(c.cfg)
     own = [c.algorithm, *([model] if model is not None and model.config_key == c.algo_key else [])]
     for path in dict.fromkeys(r for a in own for r in a.rules):
-        module, _, name = path.partition(":")
-        getattr(importlib.import_module(module), name)(c)
+        rule_at(path)(c)
 
 
 def _adv_estimator_rule(c: RuleContext) -> None:
