@@ -221,9 +221,9 @@ def measure_step_time(scale: str, P: int, G: int, L: int, steps: int, work: Path
     fetch_s: list[float] = []
     orig = rt.RolloutRuntime.fetch
 
-    def fetch(self: Any, keys: list[str]) -> Any:
+    def fetch(self: Any, keys: list[str], fields: Any = None) -> Any:
         t0 = time.perf_counter()
-        out = orig(self, keys)
+        out = orig(self, keys, fields)
         fetch_s.append(time.perf_counter() - t0)
         return out
 
