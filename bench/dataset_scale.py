@@ -12,6 +12,8 @@ a string ``id``, a ``source``, an integer ``level`` and a struct ``meta`` column
   reads of each record (id, ``task_source``, ``dataset_id``). ``startup_s`` is all of it; its parts are listed.
 * a worker: a new process that unpickles the prepared task (the pickle's size is reported) and looks up 1000
   prompts by id (the first opens the dataset again from the ``datasets`` cache).
+* the rollout controller: a new process that unpickles the task, builds the core's table of the training prompts
+  (``screl.controller.settings.core_prompts``: ids and routing keys) and starts a ``RolloutCore`` over it.
 
 RSS is ``VmRSS`` (``rss_mb``) with its anonymous part (``anon_mb``: the process's own memory) and its file-backed
 part (``file_mb``: pages of the memory-mapped Arrow cache, shared and reclaimable), each less the same process's
@@ -155,6 +157,30 @@ def worker(blob: str) -> dict[str, Any]:
     return {"unpickle_s": round(t1 - t0, 2), "lookups_1000_s": round(t2 - t1, 2), "rss_growth": _growth(_status(), base)}
 
 
+def controller(blob: str) -> dict[str, Any]:
+    """The rollout controller's share: unpickle the task, build the core's prompt table from it and start the core
+    over it (what ``RolloutController`` does when it starts)."""
+    from screl.controller.settings import core_prompts
+    from screl.data.core import RolloutCore
+    from screl.data.core_types import CoreSettings
+    from screl.data.ledger import RecoveryPolicy
+    from screl.data.samplers import InOrderSampler
+    from screl.envs import DatasetTask
+
+    assert DatasetTask
+    data = Path(blob).read_bytes()
+    base = _status()
+    t0 = time.perf_counter()
+    task = pickle.loads(data)
+    prompts = core_prompts(task)
+    t1 = time.perf_counter()
+    core = RolloutCore(CoreSettings(prompts=prompts, groups_per_step=8, generations_per_prompt=4, max_num_epochs=1),
+                       InOrderSampler(), RecoveryPolicy())
+    t2 = time.perf_counter()
+    assert core.batches_per_epoch == len(prompts) // 8
+    return {"prompt_table_s": round(t1 - t0, 2), "core_s": round(t2 - t1, 2), "rss_growth": _growth(_status(), base)}
+
+
 def _child(*args: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, check=False)
@@ -173,7 +199,7 @@ def main() -> None:
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         role, *rest = args.child
         sys.path.insert(0, str(REPO))
-        print(json.dumps(driver(*rest) if role == "driver" else worker(*rest)))
+        print(json.dumps({"driver": driver, "worker": worker, "controller": controller}[role](*rest)))
         return
     results: dict[str, Any] = {"cpus": os.cpu_count(), "sizes": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,14 +212,15 @@ def main() -> None:
             blob = str(Path(tmp) / f"task_{rows}.pkl")
             entry = {"parquet_mb": round(parquet.stat().st_size / 2**20, 1), "write_s": round(time.perf_counter() - t, 1),
                      "driver": _child("--child", "driver", str(parquet), str(Path(tmp) / "tok"), blob),
-                     "worker": _child("--child", "worker", blob)}
+                     "worker": _child("--child", "worker", blob),
+                     "controller": _child("--child", "controller", blob)}
             results["sizes"][str(rows)] = entry
             print(rows, json.dumps(entry), flush=True)
     small, large = (results["sizes"].get(str(n)) for n in (min(args.sizes), max(args.sizes)))
     if small and large and small is not large:
         results["growth_mb_smallest_to_largest"] = {
             role: {k: round(large[role]["rss_growth"][k] - small[role]["rss_growth"][k], 1)
-                   for k in ("rss_mb", "anon_mb", "file_mb")} for role in ("driver", "worker")}
+                   for k in ("rss_mb", "anon_mb", "file_mb")} for role in ("driver", "worker", "controller")}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))

@@ -6,22 +6,19 @@ from __future__ import annotations
 from screl.config import RunConfig
 from screl.data.core_types import CorePrompt, CoreSettings, FailureBudget
 from screl.data.ledger import RecoveryPolicy
+from screl.data.prompt_table import PromptTable
 from screl.data.reserve import ReservePolicy
 from screl.envs import Task
 
-__all__ = ["core_settings", "recovery_policy"]
+__all__ = ["core_prompts", "core_settings", "recovery_policy"]
 
 
 def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_prefix: str = "") -> CoreSettings:
     """The core's settings from the run config (prompt routing keys from each prompt's metadata)."""
     algo, f = run.algo, run.async_rl.rollout_failure
     warmup = getattr(algo, "policy_training_start_step", 0) if run.algorithm.needs_critic else None
-    prompts = tuple(
-        CorePrompt(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent"), p.metadata.get("dataset_id"))
-        for p in task.prompts()
-    )
     return CoreSettings(
-        prompts=prompts, groups_per_step=algo.num_prompts_per_step,
+        prompts=core_prompts(task), groups_per_step=algo.num_prompts_per_step,
         generations_per_prompt=algo.num_generations_per_prompt, max_num_epochs=algo.max_num_epochs,
         max_num_steps=algo.max_num_steps, min_groups=run.min_groups,
         max_buffered_rollouts=run.max_buffered_rollouts, max_inflight_prompts=run.max_inflight_prompts,
@@ -33,6 +30,12 @@ def core_settings(run: RunConfig, task: Task, num_workers: int, seed: int, id_pr
         reserve=ReservePolicy(enabled=f.on_dropped_prompt == "replace", size=f.replacement_reserve_prompts,
                               max_per_slot=f.max_replacement_attempts),
     )
+
+
+def core_prompts(task: Task) -> PromptTable:
+    """The core's table of the task's training prompts: ids and the keys recovery granularity is routed by, read
+    one prompt at a time (a million-prompt task is not held as records here)."""
+    return PromptTable(CorePrompt(*keys) for keys in task.prompt_index())
 
 
 def recovery_policy(run: RunConfig) -> RecoveryPolicy:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import numpy as np
+
 from screl.data import core_admission, core_drops, core_state
 from screl.data.buffer import ReplayBuffer
 from screl.data.core_types import (
@@ -56,6 +58,7 @@ from screl.data.events import (
     WindowEvent,
 )
 from screl.data.ledger import RecoveryPolicy, RolloutLedger, SiblingState
+from screl.data.prompt_table import PromptTable
 from screl.data.reserve import ReplacementReserve
 from screl.data.samplers import PromptGroupSampler
 
@@ -70,10 +73,11 @@ class RolloutCore:
         self.policy = policy
         self.buffer = ReplayBuffer(s.max_buffered_rollouts, s.max_inflight_prompts, id_prefix=s.id_prefix)
         self.ledger = RolloutLedger(policy)
-        self.prompts = {p.prompt_id: p for p in s.prompts}
-        self.batches_per_epoch = len(s.prompts) // self.P
+        self.prompts = s.prompts if isinstance(s.prompts, PromptTable) else PromptTable(s.prompts)
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its order): shuffled once an epoch
+        self.batches_per_epoch = len(self.prompts) // self.P
         if self.batches_per_epoch == 0:
-            raise ValueError(f"the task has {len(s.prompts)} prompts, fewer than num_prompts_per_step={self.P}: "
+            raise ValueError(f"the task has {len(self.prompts)} prompts, fewer than num_prompts_per_step={self.P}: "
                              "no full step can be formed")
         limit = s.max_num_epochs * self.batches_per_epoch
         self.max_steps = min(limit, s.max_num_steps) if s.max_num_steps else limit
@@ -140,7 +144,13 @@ class RolloutCore:
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The prompt ids of ``epoch`` in the order the dataloader serves them."""
-        return core_admission.epoch_order(self, epoch)
+        return self.epoch_slice(epoch, 0, len(self.prompts))
+
+    def epoch_slice(self, epoch: int, start: int, stop: int) -> list[int]:
+        """``epoch_order(epoch)[start:stop]``, the epoch's order shuffled once (not for every batch)."""
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.asarray(core_admission.epoch_order(self, epoch), dtype=np.int64))
+        return [int(i) for i in self._order[1][start:stop]]
 
     def _reserve_next(self, now: float) -> Effects:
         prompt_id, stamp, epoch, replacements = self.admitted.popleft()

@@ -13,8 +13,9 @@ import dataclasses
 import random
 from typing import Protocol, TypeVar
 
-from screl.data.core_types import CorePrompt, CoreSettings, Effects, seed_for
+from screl.data.core_types import CoreSettings, Effects, seed_for
 from screl.data.events import AdmitEvent, Event
+from screl.data.prompt_table import PromptTable
 from screl.data.reserve import ReplacementReserve
 from screl.data.samplers import PromptGroupSampler, call_admit
 
@@ -26,7 +27,7 @@ class AdmissionState(Protocol):
 
     settings: CoreSettings
     P: int
-    prompts: dict[int, CorePrompt]
+    prompts: PromptTable
     batches_per_epoch: int
     epoch: int
     batch_index: int
@@ -38,6 +39,8 @@ class AdmissionState(Protocol):
 
     @property
     def outstanding(self) -> int: ...
+
+    def epoch_slice(self, epoch: int, start: int, stop: int) -> list[int]: ...
 
 
 def epoch_order(state: AdmissionState, epoch: int) -> list[int]:
@@ -55,7 +58,7 @@ def _loader_open(state: AdmissionState) -> bool:
 
 
 def _loader_batch(state: AdmissionState) -> list[int]:
-    batch = epoch_order(state, state.epoch)[state.batch_index * state.P:(state.batch_index + 1) * state.P]
+    batch = state.epoch_slice(state.epoch, state.batch_index * state.P, (state.batch_index + 1) * state.P)
     state.batch_index += 1
     return batch
 

@@ -11,10 +11,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from screl.data.events import Event
 from screl.data.reserve import ReservePolicy
+
+if TYPE_CHECKING:
+    from screl.data.prompt_table import PromptTable
 
 STATE_SCHEMA = 2
 """Version of :class:`ControllerState`'s dict form (2: row keys carry the attempt, ``<group>_g<i>_a<n>``)."""
@@ -73,7 +76,8 @@ class FailureBudget:
 class CoreSettings:
     """Everything the core is configured with (the controller builds it from the run config)."""
 
-    prompts: tuple[CorePrompt, ...]
+    prompts: tuple[CorePrompt, ...] | PromptTable
+    """The training prompts (a :class:`~screl.data.prompt_table.PromptTable`, or the prompts themselves)."""
     groups_per_step: int
     generations_per_prompt: int
     max_num_epochs: int

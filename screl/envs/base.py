@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only: screl.envs stays importable without transformers
     from screl.models.spec import PolicySpec
+
+
+PromptKeys = tuple[int, Any, Any, Any]
+"""``(prompt_id, task_source, agent, dataset_id)`` of a prompt (:meth:`Task.prompt_index`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,13 @@ class Task(ABC):
         controller (a record carries ids and metadata only). A vision-language policy's prompts carry them
         (:mod:`screl.models.vision`). Default: none (a text task)."""
         return []
+
+    def prompt_index(self) -> Iterator[PromptKeys]:
+        """``(prompt_id, task_source, agent, dataset_id)`` of each training prompt, in order: what the rollout core
+        keeps of it (its metadata's keys, None where absent). Default: read from :meth:`prompts`; a task that holds
+        its prompts column-wise reads the columns alone (:class:`screl.envs.DatasetTask`)."""
+        for p in self.prompts():
+            yield p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent"), p.metadata.get("dataset_id")
 
     def val_prompts(self) -> Sequence[PromptRecord]:
         """Held-out prompts for validation during training (``grpo.val_period``, ``val_at_start``,
@@ -206,6 +217,10 @@ class CustomReward(Task):
         """The wrapped task's prompts."""
         return self.task.prompts()
 
+    def prompt_index(self) -> Iterator[PromptKeys]:
+        """The wrapped task's."""
+        return self.task.prompt_index()
+
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """The user function's score."""
         return float(self._fn(prompt, completion))
@@ -231,6 +246,10 @@ class SlowReward(Task):
     def prompts(self) -> Sequence[PromptRecord]:
         """The wrapped task's prompts."""
         return self.task.prompts()
+
+    def prompt_index(self) -> Iterator[PromptKeys]:
+        """The wrapped task's."""
+        return self.task.prompt_index()
 
     def reward(self, prompt: PromptRecord, completion: str) -> float:
         """The wrapped task's reward, after ``delay_s``."""

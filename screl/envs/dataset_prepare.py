@@ -5,10 +5,13 @@ prompt's tokens once (batched through the tokenizer when the policy reads the te
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from screl.envs.dataset_columns import KEY
 
@@ -36,16 +39,142 @@ def token_bound(text: str) -> int:
     return 2 * len(text.encode("utf-8")) + 1
 
 
-def _as_is_counts(tokenizer: Any, texts: list[str], bound: int | None) -> list[int]:
-    """Token counts of texts read as they are; a text whose :func:`token_bound` is within ``bound`` is not
-    tokenized (it cannot be over any limit that matters): its bound stands for its count."""
-    counts = [token_bound(t) for t in texts]
-    todo = [i for i, c in enumerate(counts) if bound is None or c > bound]
-    if todo:
-        encoded = tokenizer([texts[i] for i in todo], add_special_tokens=False)["input_ids"]
-        for i, ids in zip(todo, encoded, strict=True):
-            counts[i] = len(ids)
+_KEEPS_ASCII = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents"}
+"""Normalizers that never lengthen an ASCII text (ASCII is a fixed point of Unicode normalization)."""
+_SPLITS_ONLY = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
+"""Pre-tokenizers that split the text without adding to it (ByteLevel's optional prefix space aside)."""
+
+
+def _parts(component: Any) -> list[dict[str, Any]]:
+    if not component:
+        return []
+    if component.get("type") == "Sequence":
+        return [p for c in component.get("normalizers") or component.get("pretokenizers") or [] for p in _parts(c)]
+    return [component]
+
+
+def ascii_bound_slack(tokenizer: Any) -> int | None:
+    """For a fast tokenizer that adds nothing to an ASCII text (its normalizers keep ASCII as it is, its
+    pre-tokenizers only split it, each token covers at least one byte): the tokens it can make of an ASCII text
+    beyond one a byte (ByteLevel's prefix space: 1, else 0). None: not known, :func:`token_bound` applies."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()) if backend is not None else None
+    except Exception:  # noqa: BLE001 - a backend that cannot describe itself: the general bound
+        return None
+    if not isinstance(spec, dict):
+        return None
+    normalizers, splits = _parts(spec.get("normalizer")), _parts(spec.get("pre_tokenizer"))
+    if any(n.get("type") not in _KEEPS_ASCII for n in normalizers):
+        return None
+    if any(p.get("type") not in _SPLITS_ONLY for p in splits):
+        return None
+    return int(any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in splits))
+
+
+def token_bounds(texts: pa.ChunkedArray, ascii_slack: int | None = None) -> np.ndarray:
+    """:func:`token_bound` of every text of a column, computed in Arrow (no Python strings); a null counts 0. With
+    ``ascii_slack`` (:func:`ascii_bound_slack`), an ASCII text's bound is its bytes plus that slack."""
+    nbytes = np.asarray(pc.fill_null(pc.binary_length(texts), 0).to_numpy(), dtype=np.int64)
+    bounds = 2 * nbytes + 1
+    if ascii_slack is not None:
+        ascii_ = np.asarray(pc.fill_null(pc.equal(pc.utf8_length(texts), pc.binary_length(texts)), True)
+                            .to_numpy(zero_copy_only=False), dtype=bool)
+        bounds[ascii_] = nbytes[ascii_] + ascii_slack
+    return bounds
+
+
+def bounds_hold(tokenizer: Any, texts: list[str], bounds: np.ndarray) -> bool:
+    """Whether a sample confirms :func:`ascii_bound_slack`'s reading of the tokenizer: the tokenizer counts what
+    its backend counts (a wrapper that adds to the text does not) and within ``bounds``."""
+    if not texts:
+        return True
+    counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    backend = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    if counts == [len(e) for e in backend] and all(c <= b for c, b in zip(counts, bounds.tolist(), strict=True)):
+        return True
+    log.warning("DatasetTask: %s does not count as its backend reads (one token a byte of an ASCII prompt at most);"
+                " every prompt is bounded by two tokens a byte instead", type(tokenizer).__name__)
+    return False
+
+
+def column_token_counts(tokenizer: Any, texts: pa.ChunkedArray, rows: np.ndarray, bound: int,
+                        read: Callable[[np.ndarray], Iterable[list[str]]]) -> np.ndarray:
+    """The token counts of the ``rows`` of a text column read as is: bounded column-wide first
+    (:func:`token_bounds`; the ASCII bound checked on up to 256 rows spread over them); only the rows whose bound is
+    over ``bound`` are read (``read(rows)``: their texts, in batches) and counted (:class:`TextCounter`)."""
+    slack = ascii_bound_slack(tokenizer)
+    counts = token_bounds(texts, slack)[rows]
+    sample = np.unique(np.linspace(0, len(rows) - 1, num=min(256, len(rows))).astype(np.int64))
+    if slack is not None and not bounds_hold(tokenizer, [t for b in read(rows[sample]) for t in b], counts[sample]):
+        counts = token_bounds(texts)[rows]
+    over = np.flatnonzero(counts > bound)
+    if over.size:
+        counts[over] = TextCounter(tokenizer).counts(read(rows[over]))
     return counts
+
+
+def reads_as_is(policy: PolicySpec) -> bool:
+    """Whether the policy reads a prompt's text as it is (``PolicySpec.prompt_token_ids`` not overridden)."""
+    from screl.models.spec import PolicySpec
+
+    return type(policy).prompt_token_ids is PolicySpec.prompt_token_ids
+
+
+class TextCounter:
+    """Token counts of texts read as they are, as ``tokenizer(texts, add_special_tokens=False)`` counts them.
+
+    A fast tokenizer is counted through its Rust backend (``encode_batch_fast``: no offsets, no Python lists of
+    ids), in a thread per core (the backend releases the GIL; ``TOKENIZERS_PARALLELISM=false``, which ``screl fit``
+    sets, keeps each call on one thread). The first batch is counted both ways: a backend whose counts differ from
+    the tokenizer's (a wrapper that adds to the text, say) is not used."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._backend: Any = None
+        self._checked = False
+
+    def _slow(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _fast(self, texts: list[str]) -> list[int]:
+        return [len(e) for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def _first(self, texts: list[str]) -> list[int]:
+        """Counted by the tokenizer (which sets its backend as it encodes); its backend kept if it agrees."""
+        counts = self._slow(texts)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if hasattr(backend, "encode_batch_fast"):
+            self._backend = backend
+            if self._fast(texts) != counts:
+                self._backend = None
+        self._checked = True
+        return counts
+
+    def counts(self, batches: Iterable[list[str]]) -> list[int]:
+        """The counts of every text of ``batches``, in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from screl.threads import available_cores
+
+        out: list[int] = []
+        workers = available_cores()
+        pending: deque[Any] = deque()  # at most two batches a thread read ahead: the texts are not all held
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for texts in batches:
+                if not self._checked:
+                    out.extend(self._first(texts))
+                elif self._backend is None:
+                    out.extend(self._slow(texts))
+                else:
+                    pending.append(pool.submit(self._fast, texts))
+                    if len(pending) > 2 * workers:
+                        out.extend(pending.popleft().result())
+            while pending:
+                out.extend(pending.popleft().result())
+        return out
 
 
 def token_counts(policy: PolicySpec, tokenizer: Any, batches: Iterable[list[str]], total: int,
@@ -54,19 +183,31 @@ def token_counts(policy: PolicySpec, tokenizer: Any, batches: Iterable[list[str]
     that reads the text as is (the default) is counted a batch at a time by the tokenizer, skipping the texts too
     short to matter: with ``bound`` (the smallest limit checked), a text whose :func:`token_bound` is within it
     gets that bound as its count (an over-estimate, still within every limit)."""
-    from screl.models.spec import PolicySpec
-
-    as_is = type(policy).prompt_token_ids is PolicySpec.prompt_token_ids
     counts = np.empty(total, dtype=np.int64)
+    if not reads_as_is(policy):
+        done = 0
+        for texts in batches:
+            counts[done:done + len(texts)] = [len(policy.prompt_token_ids(tokenizer, text)) for text in texts]
+            done += len(texts)
+        assert done == total, f"counted {done} prompts of {total}"
+        return counts
+    todo: list[int] = []
     done = 0
-    for texts in batches:
-        if as_is:
-            lengths = _as_is_counts(tokenizer, texts, bound)
-        else:
-            lengths = [len(policy.prompt_token_ids(tokenizer, text)) for text in texts]
-        counts[done:done + len(texts)] = lengths
-        done += len(texts)
+
+    def over_bound() -> Iterable[list[str]]:
+        nonlocal done
+        for texts in batches:
+            bounds = [token_bound(t) for t in texts]
+            counts[done:done + len(texts)] = bounds
+            keep = [i for i, b in enumerate(bounds) if bound is None or b > bound]
+            todo.extend(done + i for i in keep)
+            done += len(texts)
+            if keep:
+                yield [texts[i] for i in keep]
+
+    counted = TextCounter(tokenizer).counts(over_bound())
     assert done == total, f"counted {done} prompts of {total}"
+    counts[todo] = counted
     return counts
 
 

@@ -23,11 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from screl.envs.base import PromptRecord, Scored, Task, Verifier, load_reward_fn
+from screl.envs.base import PromptKeys, PromptRecord, Scored, Task, Verifier, load_reward_fn
 from screl.envs.dataset_columns import KEY, column
 from screl.envs.dataset_images import ROW_REF, check_images, decode_images, image_base_dir
-from screl.envs.dataset_load import load_table
-from screl.envs.dataset_prepare import check_context, context_positions, token_counts, within_limit
+from screl.envs.dataset_load import load_table, release_arrow_memory
+from screl.envs.dataset_prepare import (
+    check_context,
+    column_token_counts,
+    context_positions,
+    reads_as_is,
+    token_counts,
+    within_limit,
+)
 from screl.envs.dataset_records import (
     BATCH,
     Columns,
@@ -37,6 +44,7 @@ from screl.envs.dataset_records import (
     build_record,
     iter_rows,
     open_split,
+    prompt_keys,
     prompt_text,
     text_columns,
 )
@@ -202,6 +210,7 @@ class DatasetTask(Task):
         self._tokenizer: Any = None
         self._prepared_for: Any = None
         self._roles = self._choose(self._open(split, "split"))
+        release_arrow_memory()
 
     # -- reading ---------------------------------------------------------------------------------------
     def _choose(self, train: Split) -> dict[str, tuple[str, np.ndarray]]:
@@ -276,11 +285,13 @@ class DatasetTask(Task):
             yield build_record(split, self._cols, row, index,
                                prompt_text(split, self._cols, row, index, render, self.chat_template))
 
-    def _texts(self, role: str) -> Iterator[list[str]]:
-        """The prompt texts of the role's rows, ``BATCH`` at a time (reading only the columns they are made of)."""
+    def _texts(self, role: str, rows: np.ndarray | None = None) -> Iterator[list[str]]:
+        """The prompt texts of the role's rows (or of these of them), ``BATCH`` at a time (reading only the columns
+        they are made of)."""
         split, render = self._split(self._roles[role][0]), self._renderer()
         batch: list[str] = []
-        for index, row in iter_rows(split.table, self.selected(role), text_columns(split, self._cols)):
+        chosen = self.selected(role) if rows is None else rows
+        for index, row in iter_rows(split.table, chosen, text_columns(split, self._cols)):
             batch.append(prompt_text(split, self._cols, row, index, render, self.chat_template))
             if len(batch) == BATCH:
                 yield batch
@@ -313,6 +324,7 @@ class DatasetTask(Task):
         self._policy = policy if renders else None
         if self.max_prompt_tokens is not None or limit is not None:
             self._filter(policy, run_dir, limit)
+            release_arrow_memory()
         self._prepared_for = policy
 
     def _filter(self, policy: PolicySpec, run_dir: str, limit: int | None) -> None:
@@ -322,7 +334,7 @@ class DatasetTask(Task):
             rows, split = self.selected(role), self._split(name)
             where = f"{self.path!r} (split {name!r}"
             bound = min(x for x in (self.max_prompt_tokens, None if limit is None else limit - 1) if x is not None)
-            counts = token_counts(policy, self._tokenizer, self._texts(role), len(rows), bound)
+            counts = self._token_counts(policy, role, bound)
             ids = split.ids_of(rows)
             if self.max_prompt_tokens is not None:
                 keep, report[role] = within_limit(counts, ids, self.max_prompt_tokens, where, role == _VAL)
@@ -339,11 +351,26 @@ class DatasetTask(Task):
             with open(os.path.join(run_dir, FILTER_REPORT), "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=1)
 
+    def _token_counts(self, policy: PolicySpec, role: str, bound: int) -> np.ndarray:
+        """Each prompt's token count (:func:`~screl.envs.dataset_prepare.token_counts`). A text column the policy
+        reads as is is bounded column-wide first (in Arrow; an ASCII text by one token a byte where the tokenizer
+        allows it, checked on a sample): only the texts that could be over ``bound`` are read and tokenized."""
+        split, rows = self._split(self._roles[role][0]), self.selected(role)
+        if split.kind != "text" or split.prompt is None or self.chat_template or not reads_as_is(policy):
+            return token_counts(policy, self._tokenizer, self._texts(role), len(rows), bound)
+        return column_token_counts(self._tokenizer, column(split.table, split.prompt), rows, bound,
+                                   lambda some: self._texts(role, some))
+
     # -- the task ---------------------------------------------------------------------------------------
     def prompts(self) -> Records:
         """The training prompts (less the held-out ones, and after ``prepare``, the ones too long), each built
         from its row as it is read."""
         return Records(self, _TRAIN)
+
+    def prompt_index(self) -> Iterator[PromptKeys]:
+        """What :meth:`prompts` gives of each training prompt's id and keys, read from those columns alone."""
+        yield from prompt_keys(self._split(self._roles[_TRAIN][0]), self._cols, self.selected(_TRAIN))
+        release_arrow_memory()
 
     def val_prompts(self) -> Records:
         """The ``val_split`` rows, or the ``holdout`` prompts kept back from the training split."""

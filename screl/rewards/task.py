@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from screl.envs.base import PromptRecord, Scored, Task
+from screl.envs.base import PromptKeys, PromptRecord, Scored, Task
 from screl.rewards.funcs import RewardFunc, RewardFuncs
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ class WithRewardFuncs(Task):
     def prompts(self) -> Sequence[PromptRecord]:
         """The wrapped task's prompts."""
         return self.task.prompts()
+
+    def prompt_index(self) -> Iterator[PromptKeys]:
+        """The wrapped task's."""
+        return self.task.prompt_index()
 
     def prompt(self, prompt_id: int) -> PromptRecord:
         """The wrapped task's own lookup (a lazily built dataset's too)."""

@@ -208,3 +208,36 @@ def test_reward_funcs_score_conversational_rows_as_trl_does(tmp_path: Path) -> N
         DatasetTask(write(tmp_path, rows), reward_funcs=funcs, reward_fn=FN)
     with pytest.raises(ValueError, match=r"reward_weights=\[1.0\] weigh reward_funcs, which is not set"):
         DatasetTask(write(tmp_path, rows), reward_fn=FN, reward_weights=[1.0])
+
+
+def _index_of_records(task: DatasetTask) -> list[tuple[Any, ...]]:
+    return [(p.prompt_id, p.metadata.get("task_source"), p.metadata.get("agent"), p.metadata.get("dataset_id"))
+            for p in task.prompts()]
+
+
+@pytest.mark.parametrize("layout", ["string ids and a source", "verl struct ids", "row index, own columns", "chat"])
+def test_the_prompt_index_is_what_the_records_say_read_from_the_key_columns_alone(tmp_path: Path,
+                                                                                   layout: str) -> None:
+    n = 40
+    if layout == "string ids and a source":
+        rows = [{"id": f"train/{i:03d}", "question": f"{i}+1=", "answer": str(i + 1), "src": ["a", "b"][i % 2],
+                 "agent": None if i % 3 else "calc"} for i in range(n)]
+        args: dict[str, Any] = {"prompt_column": "question", "id_column": "id", "task_source_column": "src"}
+    elif layout == "verl struct ids":
+        rows = [{"prompt": f"{i}+1=", "data_source": "gsm8k", "answer": str(i + 1),
+                 "extra_info": {"index": 1000 + i, "split": "train"}} for i in range(n)]
+        args = {"id_column": "extra_info.index", "task_source_column": "data_source"}
+    elif layout == "row index, own columns":  # columns named as the keys: the metadata carries them as they are
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "task_source": f"s{i % 4}", "dataset_id": f"d{i}",
+                 "agent": "calc"} for i in range(n)]
+        args = {}
+    else:
+        rows = [{"prompt": chat(i), "answer": str(i + 1), "id": f"c/{i}"} for i in range(n)]
+        args = {"id_column": "id"}
+    task = DatasetTask(write(tmp_path, rows), reward_fn=FN, holdout=5, **args)
+    index = list(task.prompt_index())
+    assert len(index) == n - 5 and index == _index_of_records(task)
+    columns = dict(zip(("id", "source", "agent", "key"), zip(*index, strict=True), strict=True))
+    carried = {name for name in ("source", "agent", "key") if any(v is not None for v in columns[name])}
+    assert carried == {"string ids and a source": {"source", "agent", "key"}, "verl struct ids": {"source"},
+                       "row index, own columns": {"source", "agent", "key"}, "chat": {"key"}}[layout]
