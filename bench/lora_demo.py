@@ -12,7 +12,7 @@ Then the last LoRA run's final bundle is exported twice with ``screl export``: m
 PEFT adapter (``--adapter``). Both answer the held-out prompts greedily through ``transformers`` (the prompt ids the
 policy spec builds, the run's 16-token cap): the adapter on its base is the trained policy as the trainer holds it,
 and the merged folder must give the same completions. Their accuracy (``MathVerify``) is reported beside the run's own
-last validation. Writes ``bench/results/lora_demo.json``. About 35 minutes on 2 cores (four runs of ~8 minutes).
+last validation. Writes ``bench/results/lora_demo.json``. About 25 minutes on 2 cores (four runs of ~5 minutes).
 """
 
 from __future__ import annotations
