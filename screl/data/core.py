@@ -150,7 +150,7 @@ class RolloutCore:
         """``epoch_order(epoch)[start:stop]``, the epoch's order shuffled once (not for every batch)."""
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, np.asarray(core_admission.epoch_order(self, epoch), dtype=np.int64))
-        return [int(i) for i in self._order[1][start:stop]]
+        return list(self._order[1][start:stop].tolist())
 
     def _reserve_next(self, now: float) -> Effects:
         prompt_id, stamp, epoch, replacements = self.admitted.popleft()

@@ -77,42 +77,34 @@ def ascii_bound_slack(tokenizer: Any) -> int | None:
 def token_bounds(texts: pa.ChunkedArray, ascii_slack: int | None = None) -> np.ndarray:
     """:func:`token_bound` of every text of a column, computed in Arrow (no Python strings); a null counts 0. With
     ``ascii_slack`` (:func:`ascii_bound_slack`), an ASCII text's bound is its bytes plus that slack."""
-    nbytes = np.asarray(pc.fill_null(pc.binary_length(texts), 0).to_numpy(), dtype=np.int64)
+    lengths = pc.binary_length(texts)
+    nbytes = np.asarray(pc.fill_null(lengths, 0).to_numpy(), dtype=np.int64)
     bounds = 2 * nbytes + 1
-    if ascii_slack is not None:
-        ascii_ = np.asarray(pc.fill_null(pc.equal(pc.utf8_length(texts), pc.binary_length(texts)), True)
+    if ascii_slack is not None:  # as many characters as bytes: ASCII
+        ascii_ = np.asarray(pc.fill_null(pc.equal(pc.utf8_length(texts), lengths), True)
                             .to_numpy(zero_copy_only=False), dtype=bool)
         bounds[ascii_] = nbytes[ascii_] + ascii_slack
     return bounds
 
 
-def bounds_hold(tokenizer: Any, texts: list[str], bounds: np.ndarray) -> bool:
-    """Whether a sample confirms :func:`ascii_bound_slack`'s reading of the tokenizer: the tokenizer counts what
-    its backend counts (a wrapper that adds to the text does not) and within ``bounds``."""
-    if not texts:
-        return True
-    counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    backend = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    if counts == [len(e) for e in backend] and all(c <= b for c, b in zip(counts, bounds.tolist(), strict=True)):
-        return True
-    log.warning("DatasetTask: %s does not count as its backend reads (one token a byte of an ASCII prompt at most);"
-                " every prompt is bounded by two tokens a byte instead", type(tokenizer).__name__)
-    return False
-
-
 def column_token_counts(tokenizer: Any, texts: pa.ChunkedArray, rows: np.ndarray, bound: int,
                         read: Callable[[np.ndarray], Iterable[list[str]]]) -> np.ndarray:
     """The token counts of the ``rows`` of a text column read as is: bounded column-wide first
-    (:func:`token_bounds`; the ASCII bound checked on up to 256 rows spread over them); only the rows whose bound is
+    (:func:`token_bounds`; the ASCII bound checked on up to 256 rows spread over them, whose counts also check the
+    tokenizer's backend, :class:`TextCounter`); only the rows whose bound is
     over ``bound`` are read (``read(rows)``: their texts, in batches) and counted (:class:`TextCounter`)."""
-    slack = ascii_bound_slack(tokenizer)
+    slack, counter = ascii_bound_slack(tokenizer), TextCounter(tokenizer)
     counts = token_bounds(texts, slack)[rows]
     sample = np.unique(np.linspace(0, len(rows) - 1, num=min(256, len(rows))).astype(np.int64))
-    if slack is not None and not bounds_hold(tokenizer, [t for b in read(rows[sample]) for t in b], counts[sample]):
-        counts = token_bounds(texts)[rows]
+    if slack is not None and sample.size:  # the tokenizer counts as its backend reads, within the bounds
+        exact = counter.counts([[t for b in read(rows[sample]) for t in b]])
+        if counter.backend is None or any(c > b for c, b in zip(exact, counts[sample].tolist(), strict=True)):
+            log.warning("DatasetTask: %s does not count as its backend reads (one token a byte of an ASCII prompt at"
+                        " most); every prompt is bounded by two tokens a byte instead", type(tokenizer).__name__)
+            counts = token_bounds(texts)[rows]
     over = np.flatnonzero(counts > bound)
     if over.size:
-        counts[over] = TextCounter(tokenizer).counts(read(rows[over]))
+        counts[over] = counter.counts(read(rows[over]))
     return counts
 
 
@@ -133,23 +125,23 @@ class TextCounter:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._backend: Any = None
+        self.backend: Any = None  # the Rust backend, once the first batch showed it counts as the tokenizer does
         self._checked = False
 
     def _slow(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def _fast(self, texts: list[str]) -> list[int]:
-        return [len(e) for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return [len(e) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def _first(self, texts: list[str]) -> list[int]:
         """Counted by the tokenizer (which sets its backend as it encodes); its backend kept if it agrees."""
         counts = self._slow(texts)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if hasattr(backend, "encode_batch_fast"):
-            self._backend = backend
+            self.backend = backend
             if self._fast(texts) != counts:
-                self._backend = None
+                self.backend = None
         self._checked = True
         return counts
 
@@ -166,7 +158,7 @@ class TextCounter:
             for texts in batches:
                 if not self._checked:
                     out.extend(self._first(texts))
-                elif self._backend is None:
+                elif self.backend is None:
                     out.extend(self._slow(texts))
                 else:
                     pending.append(pool.submit(self._fast, texts))

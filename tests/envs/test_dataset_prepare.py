@@ -74,7 +74,7 @@ def test_the_backend_counts_what_the_tokenizer_counts_in_every_batch_in_order() 
     counter = TextCounter(tok)
     batches = [TEXTS[i:i + 7] for i in range(0, len(TEXTS), 7)]  # 29 batches: the thread pool's queue fills
     assert counter.counts(batches) == expected
-    assert counter._backend is tok.backend_tokenizer  # the Rust backend counted the batches after the first
+    assert counter.backend is tok.backend_tokenizer  # the Rust backend counted the batches after the first
 
 
 class _Prefixing:
@@ -91,7 +91,7 @@ def test_a_backend_that_counts_otherwise_than_its_tokenizer_is_not_used() -> Non
     tok = _Prefixing(_bpe_tokenizer())
     counter = TextCounter(tok)
     counts = counter.counts([TEXTS[:10], TEXTS[10:30]])
-    assert counter._backend is None
+    assert counter.backend is None
     assert counts == [len(ids) for ids in tok(TEXTS[:30])["input_ids"]]
 
 
