@@ -10,7 +10,8 @@ template, and the model's calls come back as ``tool_calls`` (the character token
   ``tool`` messages with their ``tool_call_id``);
 * :func:`sdk_chat_agent` and :func:`sdk_responses_agent`: the OpenAI Agents SDK (``pip install -e '.[agents]'``)
   with a ``function_tool`` calculator, over ``OpenAIChatCompletionsModel`` or ``OpenAIResponsesModel``. Tracing is
-  disabled: the SDK would upload traces to OpenAI otherwise. ``configs/grpo_agent_sdk_tiny.yaml`` trains with it.
+  disabled: the SDK would upload traces to OpenAI otherwise. ``configs/grpo_agent_sdk_tiny.yaml`` trains with it;
+* :func:`sdk_streamed_agent`: the same SDK agent's streamed run (``Runner.run_streamed``, the Responses model).
 
 Every reply is sent back as the client got it, so the server splices the conversation's tokens verbatim.
 """
@@ -79,7 +80,7 @@ def function_calling_agent(client: Any, prompt: PromptRecord, env: Environment |
 
 
 async def _sdk_agent(client: Any, prompt: PromptRecord, env: Environment | None, responses: bool,
-                     max_turns: int, max_tokens: int) -> float:
+                     max_turns: int, max_tokens: int, streamed: bool = False) -> float:
     from agents import (
         Agent,
         MaxTurnsExceeded,
@@ -108,8 +109,14 @@ async def _sdk_agent(client: Any, prompt: PromptRecord, env: Environment | None,
     agent = Agent(name="calculator", model=model_cls(model="screl-policy", openai_client=client),
                   tools=[calculator], model_settings=ModelSettings(max_tokens=max_tokens))
     try:
-        result = await Runner.run(agent, episode.question, max_turns=max_turns)
-        episode.answer(str(result.final_output or ""))
+        if streamed:  # the server streams the Responses API's events; the SDK assembles each turn from them
+            run = Runner.run_streamed(agent, episode.question, max_turns=max_turns)
+            async for _ in run.stream_events():
+                pass
+            episode.answer(str(run.final_output or ""))
+        else:
+            result = await Runner.run(agent, episode.question, max_turns=max_turns)
+            episode.answer(str(result.final_output or ""))
     except MaxTurnsExceeded:  # it kept calling the tool: the calls' rewards stand
         pass
     except ModelBehaviorError as err:  # the Responses model refuses a reply max_output_tokens cut (incomplete)
@@ -128,3 +135,9 @@ async def sdk_responses_agent(client: Any, prompt: PromptRecord, env: Environmen
                               max_tokens: int = 4) -> float:
     """The Agents SDK over the Responses API (``OpenAIResponsesModel``, the SDK's default)."""
     return await _sdk_agent(client, prompt, env, True, max_turns, max_tokens)
+
+
+async def sdk_streamed_agent(client: Any, prompt: PromptRecord, env: Environment | None, max_turns: int = 3,
+                             max_tokens: int = 4) -> float:
+    """The Agents SDK's streamed run (``Runner.run_streamed``) over the Responses API."""
+    return await _sdk_agent(client, prompt, env, True, max_turns, max_tokens, streamed=True)

@@ -261,6 +261,14 @@ class GenerationWorker:
             await asyncio.sleep(self._rng.uniform(0.0, self.injected_latency_s))
         return results
 
+    async def partial_tokens(self, request_ids: list[str]) -> dict[str, list[int]] | None:
+        """Each in-flight request's tokens so far (those still queued are left out); None when the engine cannot
+        tell (its capabilities do not declare ``streams_tokens``)."""
+        if not self.capabilities.streams_tokens:
+            return None
+        tokens: dict[str, list[int]] = self.engine.partial_tokens(request_ids)
+        return tokens
+
     async def abort(self, request_ids: list[str]) -> None:
         """Finish these requests early: running ones return partial tokens (finish_reason ``abort``),
         queued ones are dropped before they start (their callers see a cancellation)."""

@@ -36,7 +36,8 @@ def served() -> Iterator[tuple[Any, str]]:
         ray.kill(actor)
 
 
-@pytest.mark.parametrize("agent", ["sdk_chat_agent", "sdk_responses_agent", "function_calling_agent"])
+@pytest.mark.parametrize("agent", ["sdk_chat_agent", "sdk_responses_agent", "sdk_streamed_agent",
+                                   "function_calling_agent"])
 def test_an_agent_calls_the_tool_answers_and_becomes_one_row(served: Any, agent: str) -> None:
     server, url = served
     tok = POLICY.build_tokenizer()

@@ -65,6 +65,56 @@ def test_a_streamed_chat_gives_the_same_tokens_as_a_plain_one(served: Any) -> No
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_long_reply_streams_its_text_while_it_is_generated(served: Any) -> None:
+    """Chunks leave as the engine produces tokens: the first text of a long reply arrives before half the reply's
+    time, many chunks carry it, and joined they are the plain reply's text (same seed)."""
+    client = served[1]
+    kwargs: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "tell"}], "max_tokens": 900,
+                              "seed": 11, "temperature": 1.0, "extra_body": {"min_tokens": 900}}
+    plain = client.chat.completions.create(**kwargs)
+    start = time.monotonic()
+    arrivals: list[tuple[float, str]] = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append((time.monotonic() - start, chunk.choices[0].delta.content))
+    total = time.monotonic() - start
+    assert "".join(t for _, t in arrivals) == plain.choices[0].message.content
+    assert len(arrivals) >= 5
+    assert arrivals[0][0] < 0.5 * total, (arrivals[0][0], total)
+
+
+def test_a_streamed_response_sends_the_responses_api_events(served: Any) -> None:
+    client = served[1]
+    kwargs: dict[str, Any] = {"model": "m", "input": "tell", "max_output_tokens": 900,
+                              "extra_body": {"seed": 2}}  # a 322-token reply
+    plain = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if plain.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == plain.output_text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.id == events[0].response.id
+    assert final.model_extra["token_ids"] == plain.model_extra["token_ids"]
+    assert final.output[0].id == events[2].item.id
+
+
+def test_a_streamed_response_with_tool_calls_ends_with_the_whole_response(served: Any) -> None:
+    client = served[1]
+    events = list(client.responses.create(model="m", input=[{"role": "user", "content": "@two"}], tools=[ADD, MUL],
+                                          max_output_tokens=200, stream=True))
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [o.type for o in final.response.output] == ["message", "function_call", "function_call"]
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in args] == [{"a": 1, "b": 2}, {"a": 5, "b": 6}]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Both."
+
+
 def test_streamed_tool_calls_arrive_keyed_by_index(served: Any) -> None:
     stream = served[1].chat.completions.create(model="m", messages=[{"role": "user", "content": "@two"}],
                                                tools=CHAT_TOOLS, max_tokens=200, stream=True)

@@ -1,5 +1,5 @@
 """What an engine built on :class:`~screl.rollout.engines.request_loop.RequestLoop` answers by asking its loop: the
-protocol's request control (generate, abort, pause, resume, stand-down, wake). One copy for every such engine; an
+protocol's request control (generate, partial tokens, abort, pause, resume, stand-down, wake). One copy for every such engine; an
 engine adds to a method (the torch engine's continuous KV cache at stand-down) by overriding it."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class LoopEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Generate all requests, ``max_batch_size`` at a time; results in request order."""
         return self.loop.generate(requests)
+
+    def partial_tokens(self, request_ids: Sequence[str]) -> dict[str, list[int]]:
+        """Each in-flight request's tokens so far (``EngineCapabilities.streams_tokens``)."""
+        return self.loop.partial_tokens(request_ids)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these in-flight requests at the next step with their partial tokens."""

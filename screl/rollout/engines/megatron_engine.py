@@ -108,7 +108,8 @@ class MegatronGenerationEngine(LoopEngine):
     """
 
     capabilities = EngineCapabilities(
-        streams_weight_buckets=True, weight_naming="megatron", colocated=True, colocated_tensor_parallel=True,
+        streams_weight_buckets=True, streams_tokens=True, weight_naming="megatron", colocated=True,
+        colocated_tensor_parallel=True,
         backend_args=BackendArgs(open=False, note="its model is the policy's GPTModel at tensor parallel size 1"),
         config_rules=("screl.rules.megatron_generation_rules:megatron_backend_rules",),
         why_not=(("vision_inputs", "the megatron engine takes token ids only"),),

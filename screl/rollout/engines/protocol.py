@@ -217,6 +217,9 @@ class EngineCapabilities:
     """It runs where ``generation.device`` says (else it places itself, e.g. on the GPUs Ray gives it)."""
     claims_gpu_memory_share: bool = False
     """It preallocates a share of a GPU's memory (``backend_args.gpu_memory_utilization``; placement checks it)."""
+    streams_tokens: bool = False
+    """``partial_tokens(request_ids)`` gives each in-flight request's tokens so far (the policy server streams a
+    reply's text as it is generated); else a streamed reply's text comes when it is done."""
     eos_masked_logprobs: bool = False
     """Its logprobs of the first ``min_new_tokens`` tokens are of the EOS-masked distribution (the trainer's are not)."""
     backend_args: BackendArgs = field(default_factory=BackendArgs)

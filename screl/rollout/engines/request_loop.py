@@ -100,6 +100,7 @@ class RequestLoop:
         self.lock = threading.Lock()  # one forward pass or one weight load at a time
         self._cond = threading.Condition()  # guards everything below
         self._inflight: set[str] = set()
+        self._rows: dict[str, Row] = {}  # the rows of the requests in flight, by request id (partial_tokens)
         self._aborted: set[str] = set()
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
@@ -201,6 +202,8 @@ class RequestLoop:
         rows = [self._new_row(r) for r in requests]
         ids = [r.request_id for r in requests]
         self._enter(ids)
+        with self._cond:
+            self._rows.update(zip(ids, rows, strict=True))
         try:
             if self.continuous is not None:
                 self.continuous(self, rows)
@@ -231,7 +234,16 @@ class RequestLoop:
             self._active -= 1
             self._inflight.difference_update(ids)
             self._aborted.difference_update(ids)
+            for i in ids:
+                self._rows.pop(i, None)
             self._cond.notify_all()
+
+    def partial_tokens(self, request_ids: Sequence[str]) -> dict[str, list[int]]:
+        """The tokens each of these in-flight requests has on the host so far (every decode step on the batched
+        paths; every ``sync_every`` steps on the continuous one); ids not in flight are left out."""
+        with self._cond:
+            rows = [(i, self._rows[i]) for i in request_ids if i in self._rows]
+        return {i: list(r.tokens) for i, r in rows}  # a copy: the decode thread appends to the row's list
 
     def gate_pending(self) -> bool:
         """Whether an abort or a pause waits for the next checkpoint (the continuous path reads its tokens first)."""

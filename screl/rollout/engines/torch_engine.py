@@ -79,9 +79,10 @@ class TorchGenerationEngine(LoopEngine):
     """
 
     capabilities = EngineCapabilities(
-        whole_call_batches=True, streams_weight_buckets=True, colocated=True, vision_inputs=True,
-        routing_records=True, backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS},
-                                                       choices={"decode": DECODE_PATHS}, open=False),
+        whole_call_batches=True, streams_weight_buckets=True, streams_tokens=True, colocated=True,
+        vision_inputs=True, routing_records=True,
+        backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS}, choices={"decode": DECODE_PATHS},
+                                 open=False),
         config_rules=("screl.rules.rollout_rules:torch_backend_rules",),
     )
 

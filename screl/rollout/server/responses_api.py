@@ -3,9 +3,10 @@ OpenAI Agents SDK's default model class, NeMo-Gym); field by field in docs/agent
 
 The subset: ``input`` as a string or as items (``user``, ``system``, ``developer`` and ``assistant`` text messages,
 ``function_call``, ``function_call_output``), ``instructions``, flat function ``tools``, ``tool_choice``,
-``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``; output items ``message`` and
-``function_call``; ``previous_response_id`` continues a response of the same session (or, without a session, one
-made without one), and another session's is refused.
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``, ``stream`` (the events of
+:mod:`screl.rollout.server.responses_stream`); output items ``message`` and ``function_call``;
+``previous_response_id`` continues a response of the same session (or, without a session, one made without one),
+and another session's is refused.
 
 Invariant: the input becomes a chat conversation (a ``function_call`` item joins the assistant message before it, a
 ``function_call_output`` is a ``tool`` message) served exactly as ``/v1/chat/completions`` serves one (template,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -24,7 +26,7 @@ from pydantic import Field, field_validator
 from screl.rollout.server.openai_api import SEED_MAX, SEED_MIN, Reply, RequestError, ScrelRequest
 from screl.rollout.server.tool_calls import ToolChoice
 
-__all__ = ["ResponsesRequest", "input_messages", "response_object"]
+__all__ = ["ResponseIds", "ResponsesRequest", "input_messages", "response_head", "response_object"]
 
 
 class ResponsesRequest(ScrelRequest):
@@ -44,14 +46,6 @@ class ResponsesRequest(ScrelRequest):
     truncation: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported on /v1/responses: send stream=false (chat and text "
-                             "completions stream)")
-        return v
 
     @field_validator("include")
     @classmethod
@@ -146,14 +140,37 @@ def _choice_echo(choice: ToolChoice) -> Any:
     return {"type": "function", "name": choice.name} if choice.name else choice.mode
 
 
-def response_object(model: str, body: ResponsesRequest, prompt: list[int], reply: Reply,
-                    choice: ToolChoice) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ResponseIds:
+    """A response's id, its message item's id and its creation time (a stream names them before the reply is
+    done)."""
+
+    response: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    message: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    created_at: float = field(default_factory=time.time)
+
+
+def response_head(model: str, body: ResponsesRequest, choice: ToolChoice, ids: ResponseIds) -> dict[str, Any]:
+    """The ``response`` object before its output (a stream's ``response.created`` carries it, ``in_progress``)."""
+    return {
+        "id": ids.response, "object": "response", "created_at": ids.created_at, "model": model,
+        "status": "in_progress", "incomplete_details": None, "error": None, "instructions": body.instructions,
+        "output": [], "tools": [{"strict": None, **t} for t in body.tools or []], "tool_choice": _choice_echo(choice),
+        "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+        "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+        "previous_response_id": body.previous_response_id, "usage": None,
+    }
+
+
+def response_object(model: str, body: ResponsesRequest, prompt: list[int], reply: Reply, choice: ToolChoice,
+                    ids: ResponseIds | None = None) -> dict[str, Any]:
     """The ``response`` object (with the RL fields: ``prompt_token_ids``, ``token_ids``, ``weight_versions``)."""
+    ids = ids or ResponseIds()
     output: list[dict[str, Any]] = []
     done = reply.result.finish_reason != "length" or reply.tool_calls
     status = "completed" if done else "incomplete"
     if reply.content:
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": status,
+        output.append({"type": "message", "id": ids.message, "role": "assistant", "status": status,
                        "content": [{"type": "output_text", "text": reply.content, "annotations": []}]})
     for call in reply.tool_calls:
         output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
@@ -161,13 +178,8 @@ def response_object(model: str, body: ResponsesRequest, prompt: list[int], reply
                        "status": "completed"})
     n_out = len(reply.result.token_ids)
     return {
-        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": time.time(), "model": model,
-        "status": status, "incomplete_details": None if done else {"reason": "max_output_tokens"},
-        "error": None, "instructions": body.instructions, "output": output,
-        "tools": [{"strict": None, **t} for t in body.tools or []], "tool_choice": _choice_echo(choice),
-        "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
-        "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
-        "previous_response_id": body.previous_response_id,
+        **response_head(model, body, choice, ids), "status": status,
+        "incomplete_details": None if done else {"reason": "max_output_tokens"}, "output": output,
         "usage": {"input_tokens": len(prompt), "output_tokens": n_out, "total_tokens": len(prompt) + n_out,
                   "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
         "prompt_token_ids": list(prompt), **reply.extras(),

@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,9 +37,10 @@ from fastapi.responses import StreamingResponse
 from screl.config_generation import HttpServerConfig, bind_problem, server_limit_problems
 from screl.rollout.engines.protocol import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.server import server_requests, server_routes
+from screl.rollout.server.live_text import LiveText
 from screl.rollout.server.openai_api import Reply
 from screl.rollout.server.openai_schema import max_request_tokens, model_context, model_vocab_size
-from screl.rollout.server.openai_stream import DONE, sse
+from screl.rollout.server.openai_stream import StreamFormat, sse
 from screl.rollout.server.server_failures import EngineFailure
 from screl.rollout.server.server_limits import HOUSEKEEPING_S, Tokenizing, max_token_chars, release_memory
 from screl.rollout.server.server_sessions import MAX_ABORTED_NOTES, forget_idle, forget_session, record_reply
@@ -274,7 +275,7 @@ class PolicyServer:
         return replies
 
     def _parse(self, job: server_requests.Job, text: str) -> ParsedReply | None:
-        if not job.tools or job.choice.mode == "none":
+        if not job.may_call_tools:
             return None
         parsed = self.parser.parse(job.opener + text, job.tools)
         if job.choice.name is not None and any(c.name != job.choice.name for c in parsed.calls):
@@ -315,18 +316,23 @@ class PolicyServer:
         else:
             self._note_aborted(generating.result())
 
-    def stream_replies(self, job: server_requests.Job, opening: str,
-                       chunks: Callable[[list[Reply]], Iterator[dict[str, Any]]]) -> Any:
-        """A server-sent event stream (:mod:`screl.rollout.server.openai_stream`); a client that goes away mid-stream
+    def stream_replies(self, job: server_requests.Job, form: StreamFormat) -> Any:
+        """A server-sent event stream in ``form``: the replies' text as the engine produces it
+        (:mod:`screl.rollout.server.live_text`), then the closing events; a client that goes away mid-stream
         cancels it, and its requests are aborted in the engine."""
         index = self._route(job.session)
         worker = self.workers[index]
+        ids = [r.request_id for r in job.requests]
 
         async def events() -> AsyncIterator[str]:
-            yield opening
+            yield form.opening
             self._inflight(job, True)
+            live = LiveText(self.tokenizer, len(ids), job.stops, form.live)
             generating = asyncio.ensure_future(_await(worker.generate.remote(job.requests)))
             try:
+                async for i, text in live.follow(worker, ids, generating):
+                    for event in form.delta(i, text):
+                        yield sse(event)
                 results = await asyncio.shield(generating)
             except asyncio.CancelledError:  # the client went away (Starlette cancels the stream on disconnect)
                 self.stats["disconnect_aborts"] += 1
@@ -336,14 +342,15 @@ class PolicyServer:
                 raise
             except Exception as err:  # the engine failed it: the stream's last event says so
                 self.stats["engine_errors"] += 1
-                yield sse(EngineFailure(err).event())
-                yield DONE
+                for event in form.failure(EngineFailure(err).event()):
+                    yield sse(event)
+                yield form.done
                 return
             finally:
                 self._inflight(job, False)
-            for chunk in chunks(self._finish(job, results)):
+            for chunk in form.closing(self._finish(job, results), live.sent):
                 yield sse(chunk)
-            yield DONE
+            yield form.done
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -53,6 +53,11 @@ class Job:
     parallel: bool = True
     rollout: dict[str, Any] | None = None
 
+    @property
+    def may_call_tools(self) -> bool:
+        """Whether its replies may hold tool calls (tools given, ``tool_choice`` not ``none``)."""
+        return bool(self.tools) and self.choice.mode != "none"
+
 
 class SessionAborted(Exception):
     """A request of a session that was aborted (``PolicyServer.abort_sessions``): a 409."""

@@ -10,6 +10,7 @@ failure on one request is that request's 500 or 503 alone (``server_failures.py`
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -34,8 +35,18 @@ from screl.rollout.server.openai_api import (
     parse_tools,
 )
 from screl.rollout.server.openai_schema import route_responses, validation_error_message
-from screl.rollout.server.openai_stream import OPEN, chat_chunks, completion_chunks, role_chunk, sse
+from screl.rollout.server.openai_stream import (
+    OPEN,
+    ChunkStream,
+    chat_chunks,
+    chat_delta,
+    completion_chunks,
+    completion_delta,
+    role_chunk,
+    sse,
+)
 from screl.rollout.server.responses_api import ResponsesRequest, input_messages, response_object
+from screl.rollout.server.responses_stream import ResponsesStream
 from screl.rollout.server.server_failures import EngineFailure
 from screl.rollout.server.server_limits import (
     LimitsMiddleware,
@@ -82,7 +93,7 @@ def build_app(server: PolicyServer) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _guard(server, completions_route(server, body, request), "prompt")
 
-    @app.post("/v1/responses", dependencies=[Depends(auth)], responses=route_responses("responses"))
+    @app.post("/v1/responses", dependencies=[Depends(auth)], responses=route_responses("responses", stream=True))
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         return await _guard(server, responses_route(server, body, request), "input")
 
@@ -154,14 +165,15 @@ async def chat_route(server: PolicyServer, body: ChatRequest, request: Request) 
                                          body.top_k, body.min_tokens, body.seed)
     [prompt] = job.prompts
     if body.stream:
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name
 
-        def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
-            return chat_chunks(rid, created, server.model_name, server.tokenizer, prompt, replies, body.logprobs,
-                               body.include_usage)
+        def chunks(replies: list[Reply], sent: list[str]) -> Iterator[dict[str, Any]]:
+            return chat_chunks(rid, created, name, server.tokenizer, prompt, replies, body.logprobs,
+                               body.include_usage, sent)
 
-        return server.stream_replies(job, sse(role_chunk(rid, created, server.model_name, body.n,
-                                                         body.include_usage)), chunks)
+        opening = sse(role_chunk(rid, created, name, body.n, body.include_usage))
+        delta = functools.partial(chat_delta, rid, created, name, body.include_usage)
+        return server.stream_replies(job, ChunkStream(opening, delta, chunks, live=not job.may_call_tools))
     replies = await server.generate_replies(job, request)
     if replies is None:
         return Response(status_code=499)
@@ -182,13 +194,14 @@ async def completions_route(server: PolicyServer, body: CompletionRequest, reque
                               body.n, body.stops, rollout=body.rollout)
     logprobs = body.logprobs is not None
     if body.stream:
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), server.model_name
 
-        def chunks(replies: list[Reply]) -> Iterator[dict[str, Any]]:
-            return completion_chunks(rid, created, server.model_name, server.tokenizer, prompts, replies, body.n,
-                                     logprobs, body.include_usage)
+        def chunks(replies: list[Reply], sent: list[str]) -> Iterator[dict[str, Any]]:
+            return completion_chunks(rid, created, name, server.tokenizer, prompts, replies, body.n, logprobs,
+                                     body.include_usage, sent)
 
-        return server.stream_replies(job, OPEN, chunks)
+        delta = functools.partial(completion_delta, rid, created, name, body.include_usage)
+        return server.stream_replies(job, ChunkStream(OPEN, delta, chunks, live=True))
     replies = await server.generate_replies(job, request)
     if replies is None:
         return Response(status_code=499)
@@ -219,12 +232,19 @@ async def responses_route(server: PolicyServer, body: ResponsesRequest, request:
                                          body.parallel_tool_calls, body.rollout, [],
                                          server_requests.max_tokens_of(server, body), body.temperature, body.top_p,
                                          None, 0, body.seed, param="input")
+
+    def keep(out: dict[str, Any], reply: Reply) -> None:
+        server.responses[out["id"]] = {"session": session, "messages": [*messages, assistant_message(reply)]}
+        while len(server.responses) > server.MAX_STORED_RESPONSES:
+            server.responses.popitem(last=False)
+
+    if body.stream:
+        return server.stream_replies(job, ResponsesStream(server.model_name, body, choice, job.prompts[0],
+                                                          not job.may_call_tools, keep))
     replies = await server.generate_replies(job, request)
     if replies is None:
         return Response(status_code=499)
     [reply] = replies
     out = response_object(server.model_name, body, job.prompts[0], reply, choice)
-    server.responses[out["id"]] = {"session": session, "messages": [*messages, assistant_message(reply)]}
-    while len(server.responses) > server.MAX_STORED_RESPONSES:
-        server.responses.popitem(last=False)
+    keep(out, reply)
     return out
