@@ -66,7 +66,7 @@ def held_out() -> tuple[list[Any], list[str]]:
     return records, [r.text for r in records]
 
 
-def greedy(model: Any, tokenizer: Any, spec: Any, texts: list[str]) -> list[str]:
+def greedy(model: Any, tokenizer: Any, spec: Any, texts: list[str], max_new_tokens: int = MAX_NEW_TOKENS) -> list[str]:
     """Each prompt's greedy completion (the ids the policy spec builds, one prompt at a time: no padding)."""
     import torch
 
@@ -75,7 +75,7 @@ def greedy(model: Any, tokenizer: Any, spec: Any, texts: list[str]) -> list[str]
     with torch.no_grad():
         for text in texts:
             ids = torch.tensor([spec.prompt_token_ids(tokenizer, text)])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
             out.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
