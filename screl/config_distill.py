@@ -16,6 +16,7 @@ from screl.config_algo import GRPOConfig
 from screl.models.spec import PolicySpec
 
 KEY = "model.init_args.distillation"
+TEACHER_DEVICES = ("cpu", "cuda")
 ESTIMATORS = ("sampled", "top_k")
 KL_DIRECTIONS = ("reverse", "forward")
 
@@ -68,6 +69,20 @@ class DistillationConfig:
     """Logical CPUs Ray reserves for each teacher worker."""
     teacher_threads: int = 1
     """Torch intra-op threads of each teacher worker."""
+    teacher_device: str = "cpu"
+    """Where each teacher worker runs its model: ``cpu`` or ``cuda`` (the GPU Ray gives it:
+    ``num_gpus_per_teacher`` > 0)."""
+    num_gpus_per_teacher: float = 0.0
+    """GPUs Ray reserves for each teacher worker (``teacher_device: cuda``; a fraction shares a GPU)."""
+    teacher_replicas: int = 1
+    """Workers per teacher, each with its own copy of the model; a teacher's rows of a call are split among them."""
+    teacher_batch_tokens: int = 16384
+    """Padded tokens (rows x width) of one teacher forward: a call's sequences go in forwards of at most this many,
+    longest first (at least one sequence each), which bounds the teacher's activations."""
+    teacher_chunk_tokens: int | None = None
+    """Completion positions whose logits a teacher computes at once (the trainer's chunked logprobs,
+    :mod:`screl.models.logprobs`: never ``[tokens, vocabulary]``); None sizes it from the vocabulary (128 MiB of
+    fp32 logits), 0 computes full logits (teachers whose output layer is not a plain linear head)."""
     max_teacher_restarts: int = -1
     """Times Ray restarts a teacher worker whose process died (-1: always); its calls fail meanwhile (a data failure
     each: the sibling is resampled within ``rollout_failure.max_data_attempts``)."""
@@ -130,9 +145,31 @@ class DistillationConfig:
         ):
             if not ok:
                 out.append((f"{KEY}.{key}", value, "out of range", fix))
+        out += self._placement_problems()
         if self.kl_direction == "forward" and self.estimator == "sampled":
             out.append((f"{KEY}.kl_direction", "forward", "the sampled estimator sees one token per position, so it "
                         "estimates the reverse KL only", "set estimator: top_k, or kl_direction: reverse"))
+        return out
+
+
+    def _placement_problems(self) -> list[tuple[str, Any, str, str]]:
+        """The teacher workers' placement and batching keys."""
+        out = [(f"{KEY}.{key}", value, "out of range", fix) for key, value, ok, fix in (
+            ("teacher_device", self.teacher_device, self.teacher_device in TEACHER_DEVICES,
+             f"use one of {list(TEACHER_DEVICES)}"),
+            ("num_gpus_per_teacher", self.num_gpus_per_teacher, self.num_gpus_per_teacher >= 0.0, "use e.g. 1"),
+            ("teacher_replicas", self.teacher_replicas, self.teacher_replicas >= 1, "use e.g. 1"),
+            ("teacher_batch_tokens", self.teacher_batch_tokens, self.teacher_batch_tokens >= 1, "use e.g. 16384"),
+            ("teacher_chunk_tokens", self.teacher_chunk_tokens,
+             self.teacher_chunk_tokens is None or self.teacher_chunk_tokens >= 0,
+             "use null (sized from the vocabulary), or 0 for full logits"),
+        ) if not ok]
+        if self.teacher_device == "cuda" and self.num_gpus_per_teacher <= 0.0:
+            out.append((f"{KEY}.num_gpus_per_teacher", self.num_gpus_per_teacher, "teacher_device: cuda needs a GPU "
+                        "share: Ray shows a worker no GPU it did not reserve", "set num_gpus_per_teacher, e.g. 1"))
+        if self.teacher_device == "cpu" and self.num_gpus_per_teacher > 0.0:
+            out.append((f"{KEY}.num_gpus_per_teacher", self.num_gpus_per_teacher, "reserves GPUs that teachers on "
+                        "the CPU never use", "set teacher_device: cuda, or num_gpus_per_teacher: 0"))
         return out
 
 

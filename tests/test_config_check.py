@@ -432,6 +432,11 @@ BAD: list[tuple[str, str, dict[str, Any], str, str]] = [
      "model.init_args.distillation.estimator", "MegatronStrategy shards over the tensor-parallel ranks"),
     ("distill_forward_kl_needs_top_k", "distill_tiny.yaml", {"model.init_args.distillation.kl_direction": "forward"},
      "model.init_args.distillation.kl_direction", "estimates the reverse KL only"),
+    ("distill_teacher_on_cuda_without_a_gpu", "distill_tiny.yaml",
+     {"model.init_args.distillation.teacher_device": "cuda"},
+     "model.init_args.distillation.num_gpus_per_teacher", "needs a GPU share"),
+    ("distill_teacher_replicas_zero", "distill_tiny.yaml", {"model.init_args.distillation.teacher_replicas": 0},
+     "model.init_args.distillation.teacher_replicas", "out of range"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Chunked logprobs (``screl.modules.logprobs``): the same values and gradients as full logits, and never a
+"""Chunked logprobs (``screl.models.logprobs``): the same values and gradients as full logits, and never a
 ``[tokens, vocabulary]`` tensor on the way."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from screl.modules.logprobs import (
+from screl.models.logprobs import (
     auto_chunk_tokens,
     chunked_logprobs_of_hidden,
     chunked_token_logprobs,

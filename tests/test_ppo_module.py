@@ -197,7 +197,7 @@ def _reference_step(module: PPO, batch: dict[str, Any], seed: int) -> dict[str, 
     full forward, the losses normalized by the part's own valid tokens (their default), the norm clipped and a
     plain ``torch.optim.AdamW`` step. Critic epochs first, then policy epochs, as PPO runs them."""
     from screl.algos import gae_advantages, terminal_token_rewards
-    from screl.modules.logprobs import token_logprobs
+    from screl.models.logprobs import token_logprobs
     from screl.modules.masks import behaviour, loss_sample_mask
     from screl.modules.ppo_step import minibatch_permutation
 

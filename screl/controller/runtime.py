@@ -130,7 +130,7 @@ class RolloutRuntime:
         self.record_routing = False  # the engines record MoE routing for the trainer's replay (set before start)
         self.link: Any = None  # a colocated Megatron engine's DecodeLink to the other tensor-parallel ranks
         self.distillation: Any = None  # screl.Distill's DistillationConfig: teacher workers score every row
-        self.teachers: dict[str, Any] = {}  # their actors, by name
+        self.teachers: dict[str, list[Any]] = {}  # their replicas' actors, by name
         self.row_fields: tuple[str, ...] = ROW_FIELDS
 
     def start(
@@ -208,7 +208,7 @@ class RolloutRuntime:
                      dpc.num_storage_units)
         actors = [self.controller] if self.colocated else [*self.workers, self.controller]
         attached = [a.set_data_plane.remote(self.dataplane) for a in actors]
-        teachers_up = [a.ping.remote() for a in self.teachers.values()]  # distillation: teachers built their models
+        teachers_up = [a.ping.remote() for replicas in self.teachers.values() for a in replicas]  # built their models
         self._wait(loaded + attached + teachers_up, "load the initial weights into the workers", self.timeout_s)
         if self.colocated:
             self.host = start_host(self.controller, policy, g, self.run, seed, model, autocast,
@@ -247,12 +247,14 @@ class RolloutRuntime:
         from screl.rollout.teachers import TeacherRouter, check_teachers_fit, distill_schema, spawn_teachers
 
         g, cfg = self.generation, self.distillation
-        check_teachers_fit(cfg, g.num_cpus_per_worker * g.num_workers, ray.cluster_resources())
+        need = {"CPU": g.num_cpus_per_worker * g.num_workers, "GPU": (g.num_gpus_per_worker or 0.0) * g.num_workers}
+        check_teachers_fit(cfg, need, ray.cluster_resources())
         t0 = time.perf_counter()
         self.teachers = spawn_teachers(cfg, g.temperature, self.run.ray.namespace)
         self.row_fields = distill_schema(cfg).names
-        startup.info("screl: %d teacher worker(s) started in %.1f s (%s)", len(self.teachers),
-                     time.perf_counter() - t0, ", ".join(self.teachers))
+        startup.info("screl: %d teacher worker(s) started in %.1f s (%s; %d replica(s) each on %s)",
+                     sum(map(len, self.teachers.values())), time.perf_counter() - t0, ", ".join(self.teachers),
+                     cfg.teacher_replicas, cfg.teacher_device)
         return TeacherRouter(dict(self.teachers), cfg)
 
     def _start_server(self, policy: PolicySpec, seed: int = 0) -> None:
@@ -391,7 +393,7 @@ class RolloutRuntime:
             if not isinstance(w, ColocatedSlot):
                 ray.kill(w, no_restart=True)
         self.workers = []
-        for teacher in self.teachers.values():
+        for teacher in (a for replicas in self.teachers.values() for a in replicas):
             ray.kill(teacher, no_restart=True)
         self.teachers = {}
         if self.dataplane is not None:

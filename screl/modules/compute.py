@@ -25,8 +25,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from screl.models.logprobs import chunked_token_logprobs, token_logprobs
 from screl.models.lora import hf_state_items
-from screl.modules.logprobs import chunked_token_logprobs, token_logprobs
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout.engines.buckets import iter_buckets

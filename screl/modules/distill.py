@@ -33,9 +33,9 @@ from screl.algos.stats import masked_mean, valid_mask
 from screl.config import GRPOConfig, from_dict
 from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
+from screl.models.logprobs import chunked_logprobs_of_hidden, output_head
 from screl.modules.chunk import Chunk
 from screl.modules.chunked import ChunkedPolicyGradient
-from screl.modules.logprobs import chunked_logprobs_of_hidden, output_head
 from screl.modules.optim import OptimSettings
 from screl.modules.routing_replay import replayed
 from screl.modules.vision_inputs import vision_forward_inputs

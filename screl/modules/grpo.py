@@ -15,13 +15,13 @@ from typing_extensions import override
 from screl.algos import PolicyLoss
 from screl.config import GRPOConfig, from_dict
 from screl.models import PolicySpec
+from screl.models.logprobs import token_logprobs
 from screl.modules.chunk import (  # noqa: F401  (the names tests and tools import from here)
     ACCELERATOR_MICRO_BATCH_TOKENS,
     CPU_MICRO_BATCH_TOKENS,
     Chunk,
 )
 from screl.modules.chunked import ChunkedPolicyGradient
-from screl.modules.logprobs import token_logprobs
 from screl.modules.masks import whole_row_on_policy
 from screl.modules.optim import OptimSettings
 from screl.modules.policy_gradient import HALF_DTYPES, master_copy
@@ -54,7 +54,7 @@ class GRPO(ChunkedPolicyGradient):
             68 tokens train in 4.3 s instead of 10.1 s, see ``bench/README.md``) and ``ACCELERATOR_MICRO_BATCH_TOKENS``
             on an accelerator; 0: the whole chunk.
         logprob_chunk_tokens: The output layer and log-softmax run over chunks of this many tokens, recomputed in
-            the backward pass, so no ``[tokens, vocabulary]`` logits are held (:mod:`screl.modules.logprobs`).
+            the backward pass, so no ``[tokens, vocabulary]`` logits are held (:mod:`screl.models.logprobs`).
             None: automatic (``2**25`` logits a chunk: 220 tokens at a 152k vocabulary); 0: full logits (for a
             model whose head is not a plain linear layer). Under ``MegatronStrategy`` the logits are
             vocabulary-parallel instead (never gathered).

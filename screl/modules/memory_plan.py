@@ -13,7 +13,7 @@ and ``P`` parameters:
   ``activation_checkpointing`` only each layer's input (``4h``) is kept, plus one layer's activations while it is
   recomputed. Attention scores are not counted: an accelerator's fused attention keeps none (a CPU's math
   kernel does, ``T x L`` per head);
-- **logits** of one logprob chunk of ``C`` tokens (:mod:`screl.modules.logprobs`): ``4 C V`` bytes (one fp32
+- **logits** of one logprob chunk of ``C`` tokens (:mod:`screl.models.logprobs`): ``4 C V`` bytes (one fp32
   buffer worked in place; ``+ 2 C V`` for the bf16 matmul output under autocast), the head's fp32 gradient
   accumulator ``4 V h``, and the final hidden states ``T h (4 + b)``.
   With ``logprob_chunk_tokens: 0`` the chunk is the whole micro-batch, about three fp32 ``T x V`` tensors.
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from screl.modules.logprobs import auto_chunk_tokens
+from screl.models.logprobs import auto_chunk_tokens
 
 GIB = 2**30
 

@@ -31,10 +31,10 @@ from typing_extensions import override
 from screl.algos import PolicyLoss, policy_loss
 from screl.config import GRPOConfig
 from screl.models import PolicySpec
+from screl.models.logprobs import token_logprobs
 from screl.models.lora import LoRASettings, adapters_disabled, apply_lora, lora_settings
 from screl.modules.chunk import chunk_logs, chunk_means
 from screl.modules.compute import HFCompute, PolicyCompute, enable_activation_checkpointing
-from screl.modules.logprobs import token_logprobs
 from screl.modules.lora import MEGATRON_REFUSAL, LoRAHooks
 from screl.modules.megatron_compute import compute_for
 from screl.modules.optim import OptimSettings

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
-from screl.config_distill import DistillationConfig
+from screl.config_distill import KEY, DistillationConfig
 from screl.models import PolicySpec
+from screl.models.logprobs import chunked_logprobs_of_hidden, chunked_top_k_of_hidden, output_head
 from screl.rollout.rows import ROW_SCHEMA, RowField, RowSchema
+
+TEACHER_CHUNK_KEY = f"{KEY}.teacher_chunk_tokens"
 
 TEACHER_LOGPROBS = RowField("teacher_logprobs", torch.float32, "the teacher's logprob of each completion token",
                             "per_completion_token", fill=0.0)
@@ -45,69 +48,126 @@ def distill_schema(config: DistillationConfig) -> RowSchema:
     return DISTILL_TOP_K_SCHEMA if config.estimator == "top_k" else DISTILL_SCHEMA
 
 
-def _next_token_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[Sequence[int], int]],
-                         temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log-softmax [N, width - 1, V], token ids [N, width])`` of one right-padded forward of ``sequences``."""
+Sequences = Sequence[tuple[Sequence[int], int]]
+
+
+def _padded(sequences: Sequences, pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(token ids, attention mask)`` ``[N, width]`` of ``sequences``."""
     width = max(len(ids) for ids, _ in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, (seq, _) in enumerate(sequences):
         ids[i, :len(seq)] = torch.tensor(list(seq), dtype=torch.long)
         attention[i, :len(seq)] = 1
+    return ids.to(device), attention.to(device)
+
+
+def _completion_states(model: torch.nn.Module, sequences: Sequences, pad_id: int,
+                       chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """``(final hidden states [T, H] of the positions that predict a completion token, those tokens [T], the output
+    layer's weight [V, H], completion lengths)``: the trunk once, no logits."""
+    try:
+        head = output_head(model)
+    except ValueError as err:
+        raise ValueError(f"{TEACHER_CHUNK_KEY}: {err}; for a teacher set {TEACHER_CHUNK_KEY}: 0 instead") from None
+    ids, attention = _padded(sequences, pad_id, head.weight.device)
+    trunk: Any = model.base_model
+    hidden = trunk(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+    pick = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+    for i, (seq, p) in enumerate(sequences):
+        pick[i, p - 1:len(seq) - 1] = True  # position t predicts token t + 1
+    return hidden[pick], ids[:, 1:][pick], head.weight, [len(seq) - p for seq, p in sequences]
+
+
+def _score_batch(model: torch.nn.Module, sequences: Sequences, temperature: float, pad_id: int, top_k: int,
+                 chunk_tokens: int | None) -> list[Scored]:
+    """One forward of ``sequences``: each one's completion logprobs (with ``top_k``, its top-k too)."""
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        return torch.log_softmax(logits / temperature, dim=-1), ids
+        if chunk_tokens == 0:  # full logits: models whose output layer is not a plain linear head
+            ids, attention = _padded(sequences, pad_id, next(model.parameters()).device)
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
+            logp = torch.log_softmax(logits, dim=-1)
+            pick = [(i, slice(p - 1, len(seq) - 1)) for i, (seq, p) in enumerate(sequences)]
+            tok = [logp[i, sl].gather(-1, ids[i, 1:][sl, None]).squeeze(-1) for i, sl in pick]
+            tops = [logp[i, sl].topk(min(top_k, logp.shape[-1]), dim=-1) for i, sl in pick] if top_k else []
+            if not top_k:
+                return [t.cpu().tolist() for t in tok]
+            return [(t.cpu().tolist(), ix.to(torch.int32).cpu(), lp.cpu())
+                    for t, (lp, ix) in zip(tok, tops, strict=True)]
+        hidden, labels, weight, lengths = _completion_states(model, sequences, pad_id, chunk_tokens)
+        lp_all = chunked_logprobs_of_hidden(hidden, weight, labels, temperature, chunk_tokens)[0].cpu()
+        per_row = list(lp_all.split(lengths))
+        if not top_k:
+            return [t.tolist() for t in per_row]
+        top_lp, top_ids = chunked_top_k_of_hidden(hidden, weight, top_k, temperature, chunk_tokens)
+        return [(t.tolist(), ix.to(torch.int32).contiguous(), lp.contiguous()) for t, ix, lp in
+                zip(per_row, top_ids.cpu().split(lengths), top_lp.cpu().split(lengths), strict=True)]
 
 
-def completion_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[Sequence[int], int]],
-                        temperature: float = 1.0, pad_id: int = 0) -> list[list[float]]:
-    """The logprob under ``model`` of each completion token of each ``(token ids, prompt length)``: one list of
-    ``len(ids) - prompt_len`` floats per sequence (one right-padded forward for all of them)."""
+def score_sequences(model: torch.nn.Module, sequences: Sequences, temperature: float = 1.0, pad_id: int = 0,
+                    top_k: int = 0, chunk_tokens: int | None = None,
+                    batch_tokens: int | None = None) -> list[Scored]:
+    """Each ``(token ids, prompt length)``'s completion-token logprobs under ``model`` (with ``top_k`` > 0 also the
+    ``k`` most likely next tokens and their logprobs at each completion position, ``[resp, k]`` each), through the
+    trainer's chunked path (:mod:`screl.models.logprobs`: the trunk once, the output layer and log-softmax over
+    ``chunk_tokens`` positions at a time, never ``[tokens, vocabulary]``; 0: full logits). The sequences go in
+    forwards of at most ``batch_tokens`` padded tokens (None: all in one), longest first; results in the given
+    order."""
     if not sequences:
         return []
-    logp, ids = _next_token_logprobs(model, sequences, temperature, pad_id)
-    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return [tok[i, p - 1:len(seq) - 1].tolist() for i, (seq, p) in enumerate(sequences)]
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
+    out: list[Scored | None] = [None] * len(sequences)
+    batch: list[int] = []
+    for i in [*order, -1]:
+        fits = i >= 0 and (not batch or batch_tokens is None
+                           or (len(batch) + 1) * len(sequences[batch[0]][0]) <= batch_tokens)
+        if batch and not fits:
+            scored = _score_batch(model, [sequences[j] for j in batch], temperature, pad_id, top_k, chunk_tokens)
+            for j, one in zip(batch, scored, strict=True):
+                out[j] = one
+            batch = []
+        if i >= 0:
+            batch.append(i)
+    return [o for o in out if o is not None]
 
 
-def completion_top_k(model: torch.nn.Module, sequences: Sequence[tuple[Sequence[int], int]], k: int,
-                     temperature: float = 1.0, pad_id: int = 0) -> list[tuple[list[float], torch.Tensor, torch.Tensor]]:
+def completion_logprobs(model: torch.nn.Module, sequences: Sequences, temperature: float = 1.0,
+                        pad_id: int = 0, chunk_tokens: int | None = None) -> list[list[float]]:
+    """The logprob under ``model`` of each completion token of each ``(token ids, prompt length)``: one list of
+    ``len(ids) - prompt_len`` floats per sequence (one right-padded forward, :func:`score_sequences`)."""
+    return score_sequences(model, sequences, temperature, pad_id, 0, chunk_tokens)  # type: ignore[return-value]
+
+
+def completion_top_k(model: torch.nn.Module, sequences: Sequences, k: int, temperature: float = 1.0,
+                     pad_id: int = 0, chunk_tokens: int | None = None,
+                     ) -> list[tuple[list[float], torch.Tensor, torch.Tensor]]:
     """:func:`completion_logprobs` and, at each completion position, the model's ``k`` most likely next tokens
     (``int32 [resp, k]``) with their logprobs (``float32 [resp, k]``); ``k`` is capped at the vocabulary."""
-    if not sequences:
-        return []
-    logp, ids = _next_token_logprobs(model, sequences, temperature, pad_id)
-    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    top_lp, top_ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [(tok[i, p - 1:len(seq) - 1].tolist(), top_ids[i, p - 1:len(seq) - 1].to(torch.int32).contiguous(),
-             top_lp[i, p - 1:len(seq) - 1].contiguous()) for i, (seq, p) in enumerate(sequences)]
+    return score_sequences(model, sequences, temperature, pad_id, k, chunk_tokens)  # type: ignore[return-value]
 
 
 class TeacherWorker:
-    """One teacher model in its own process, scoring only."""
+    """One teacher model (one replica) in its own process, scoring only."""
 
     def __init__(self, name: str, policy: PolicySpec, temperature: float = 1.0, num_threads: int = 1,
-                 top_k: int = 0) -> None:
+                 top_k: int = 0, device: str = "cpu", chunk_tokens: int | None = None,
+                 batch_tokens: int | None = None) -> None:
         torch.set_num_threads(num_threads)
         self.name = name
         self.temperature = temperature
         self.top_k = top_k  # > 0: also the top-k next tokens at each completion position (estimator: top_k)
-        self.model = policy.build_model().eval()
+        self.chunk_tokens, self.batch_tokens = chunk_tokens, batch_tokens
+        self.model = policy.build_model().eval().to(device)
         self.pad_id = int(policy.build_tokenizer().pad_token_id or 0)
         self.calls = 0
 
     async def score(self, sequences: list[tuple[list[int], int]]) -> list[Scored]:
         """Completion-token logprobs of each ``(token ids, prompt length)``, with ``top_k`` also the top-k tokens
-        and logprobs of each completion position (off the actor's event loop)."""
+        and logprobs of each completion position (:func:`score_sequences`, off the actor's event loop)."""
         self.calls += 1
-        loop = asyncio.get_running_loop()
-        if self.top_k > 0:
-            top: list[Scored] = list(await loop.run_in_executor(None, completion_top_k, self.model, sequences,
-                                                                self.top_k, self.temperature, self.pad_id))
-            return top
-        plain: list[Scored] = list(await loop.run_in_executor(None, completion_logprobs, self.model, sequences,
-                                                              self.temperature, self.pad_id))
-        return plain
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: score_sequences(self.model, sequences, self.temperature, self.pad_id, self.top_k,
+                                          self.chunk_tokens, self.batch_tokens))
 
     async def ping(self) -> str:
         return self.name
@@ -121,9 +181,9 @@ class TeacherWorker:
 
 @dataclass
 class TeacherRouter:
-    """What a generation worker holds: the teacher actors by name and the routing of prompts to them."""
+    """What a generation worker holds: each teacher's replica actors by name and the routing of prompts to them."""
 
-    actors: dict[str, Any]
+    actors: dict[str, list[Any]]
     config: DistillationConfig
 
     @property
@@ -132,18 +192,24 @@ class TeacherRouter:
         return distill_schema(self.config)
 
     async def score(self, rows: Sequence[tuple[str | None, Sequence[int], int]]) -> list[Scored | BaseException]:
-        """Teacher logprobs of each ``(task_source, token ids, prompt length)``: one call per teacher, all at once;
-        a failed call (the teacher raised, died or ran past ``score_timeout_s``) fails each of its rows."""
+        """Teacher logprobs of each ``(task_source, token ids, prompt length)``: each teacher's rows split evenly
+        among its replicas, one call per replica, all at once; a failed call (the teacher raised, died or ran past
+        ``score_timeout_s``) fails each of its rows."""
         out: list[Scored | BaseException] = [RuntimeError("not scored")] * len(rows)
+        parts: list[tuple[str, Any, list[int]]] = []
         by_teacher: dict[str, list[int]] = {}
         for i, (source, _, _) in enumerate(rows):
             try:
                 by_teacher.setdefault(self.config.teacher_for(source), []).append(i)
             except KeyError as err:
                 out[i] = err
+        for name, idx in by_teacher.items():
+            replicas = self.actors[name]
+            share = -(-len(idx) // len(replicas))
+            parts += [(name, replicas[j], idx[j * share:(j + 1) * share]) for j in range(len(replicas))
+                      if idx[j * share:(j + 1) * share]]
 
-        async def one(name: str, idx: list[int]) -> None:
-            actor = self.actors[name]
+        async def one(name: str, actor: Any, idx: list[int]) -> None:
             try:
                 scored = await asyncio.wait_for(
                     actor.score.remote([(list(rows[i][1]), int(rows[i][2])) for i in idx]),
@@ -155,31 +221,39 @@ class TeacherRouter:
             for i, lp in zip(idx, scored, strict=True):
                 out[i] = lp
 
-        await asyncio.gather(*(one(name, idx) for name, idx in by_teacher.items()))
+        await asyncio.gather(*(one(name, actor, idx) for name, actor, idx in parts))
         return out
 
 
-def spawn_teachers(config: DistillationConfig, temperature: float, namespace_prefix: str = "screl") -> dict[str, Any]:
-    """Start one :class:`TeacherWorker` actor per teacher (restarted by Ray up to ``max_teacher_restarts`` times)."""
+def spawn_teachers(config: DistillationConfig, temperature: float,
+                   namespace_prefix: str = "screl") -> dict[str, list[Any]]:
+    """Start ``teacher_replicas`` :class:`TeacherWorker` actors per teacher, each on ``teacher_device`` with its
+    CPUs and GPUs (restarted by Ray up to ``max_teacher_restarts`` times)."""
     import ray
 
     remote_cls = ray.remote(TeacherWorker)
+    c = config
     return {
-        t.name: remote_cls.options(  # type: ignore[attr-defined]
-            num_cpus=config.num_cpus_per_teacher, max_restarts=config.max_teacher_restarts, max_task_retries=0,
-            max_concurrency=16, name=f"{namespace_prefix}-teacher-{t.name}-{os.getpid()}",
-        ).remote(t.name, t.policy, temperature, config.teacher_threads,
-                 config.top_k if config.estimator == "top_k" else 0)
-        for t in config.teachers
+        t.name: [remote_cls.options(  # type: ignore[attr-defined]
+            num_cpus=c.num_cpus_per_teacher, num_gpus=c.num_gpus_per_teacher, max_restarts=c.max_teacher_restarts,
+            max_task_retries=0, max_concurrency=16, name=f"{namespace_prefix}-teacher-{t.name}-{r}-{os.getpid()}",
+        ).remote(t.name, t.policy, temperature, c.teacher_threads, c.top_k if c.estimator == "top_k" else 0,
+                 c.teacher_device, c.teacher_chunk_tokens, c.teacher_batch_tokens)
+            for r in range(c.teacher_replicas)]
+        for t in c.teachers
     }
 
 
-def check_teachers_fit(config: DistillationConfig, need_cpus: float, cluster: dict[str, float]) -> None:
-    """Fail before any actor starts when the teachers do not fit beside ``need_cpus`` of other actors."""
-    teachers = config.num_cpus_per_teacher * len(config.teachers)
-    have = float(cluster.get("CPU", 0.0))
-    if need_cpus + teachers > have:
-        raise RuntimeError(
-            f"the {len(config.teachers)} teacher worker(s) x {config.num_cpus_per_teacher:g} CPU do not fit beside the "
-            f"generation workers and the data plane ({need_cpus:g} CPU) in the Ray cluster's {have:g} CPU: raise "
-            "ray.num_cpus, or lower model.init_args.distillation.num_cpus_per_teacher")
+def check_teachers_fit(config: DistillationConfig, need: dict[str, float], cluster: dict[str, float]) -> None:
+    """Fail before any actor starts when the teachers' workers do not fit beside ``need`` (``CPU``, ``GPU``) of
+    other actors."""
+    workers = len(config.teachers) * config.teacher_replicas
+    for resource, each, key in (("CPU", config.num_cpus_per_teacher, "num_cpus_per_teacher"),
+                                ("GPU", config.num_gpus_per_teacher, "num_gpus_per_teacher")):
+        teachers, other, have = each * workers, need.get(resource, 0.0), float(cluster.get(resource, 0.0))
+        if teachers > 0 and other + teachers > have:
+            raise RuntimeError(
+                f"the {len(config.teachers)} teacher(s) x {config.teacher_replicas} replica(s) x {each:g} {resource} "
+                f"do not fit beside the generation workers and the data plane ({other:g} {resource}) in the Ray "
+                f"cluster's {have:g} {resource}: raise ray.num_{resource.lower()}s, or lower "
+                f"model.init_args.distillation.{key} or teacher_replicas")

@@ -73,8 +73,9 @@ def distill_rules(c: RuleContext) -> None:
         teachers=[Teacher(str(t.get("name")), t.get("policy")) for t in teachers],  # type: ignore[arg-type]
         teacher_map=dict(raw.get("teacher_map") or {}), default_teacher=raw.get("default_teacher"),
         **{k: raw[k] for k in ("reward_weight", "kl_coef", "num_cpus_per_teacher", "teacher_threads",
-                               "score_timeout_s", "top_k") if isinstance(raw.get(k), (int, float))},
-        **{k: raw[k] for k in ("estimator", "kl_direction") if k in raw},
+                               "score_timeout_s", "top_k", "num_gpus_per_teacher", "teacher_replicas",
+                               "teacher_batch_tokens", "teacher_chunk_tokens") if isinstance(raw.get(k), (int, float))},
+        **{k: raw[k] for k in ("estimator", "kl_direction", "teacher_device") if k in raw},
     )
     for key, value, why, fix in cfg.problems():
         c.bad(key, value, why, fix)

@@ -10,8 +10,8 @@ import torch
 
 from screl.envs import ShapesTask
 from screl.models import TinyCausalLM, TinyVisionLM, VisionInputs
+from screl.models.logprobs import token_logprobs
 from screl.models.vision import VISION_TOKENS, vision_token_ids
-from screl.modules.logprobs import token_logprobs
 from screl.modules.vision_inputs import vision_forward_inputs
 from screl.rollout import GenerationRequest, SamplingParams
 from screl.rollout.engines.torch_engine import TorchGenerationEngine

@@ -17,15 +17,17 @@ from screl.config_distill import DistillationConfig, Teacher
 from screl.data.core_types import Dispatch
 from screl.envs import CountLetter, TaskMixture
 from screl.models import TinyCausalLM
-from screl.modules.logprobs import full_token_logprobs
+from screl.models.logprobs import full_token_logprobs
 from screl.rollout.engines.protocol import SamplingParams
 from screl.rollout.rows import ROW_SCHEMA
 from screl.rollout.teachers import (
     DISTILL_SCHEMA,
     DISTILL_TOP_K_SCHEMA,
     TeacherRouter,
+    check_teachers_fit,
     completion_logprobs,
     completion_top_k,
+    score_sequences,
     spawn_teachers,
 )
 from screl.rollout.worker import GenerationWorker
@@ -59,6 +61,59 @@ def test_completion_logprobs_are_the_models_next_token_logprobs_of_the_completio
     assert hot != got[0], "the temperature scales the teacher's logits"
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_chunked_and_batched_scoring_equals_the_full_logits(top_k: int) -> None:
+    """The teachers score through the trainer's chunked path (chunks of 2 positions here) and in forwards of a
+    bounded size (8 padded tokens: one sequence each, longest first): the same logprobs and top-k as one forward
+    through full logits, in the given order."""
+    model = TinyCausalLM(seed=1).build_model().eval()
+    full = score_sequences(model, SEQS, 0.7, top_k=top_k, chunk_tokens=0)
+    for chunk, batch in ((None, None), (2, None), (2, 8)):
+        got = score_sequences(model, SEQS, 0.7, top_k=top_k, chunk_tokens=chunk, batch_tokens=batch)
+        for x, y in zip(got, full, strict=True):
+            xs, ys = (x, y) if top_k else ((x,), (y,))
+            torch.testing.assert_close(torch.tensor(xs[0]), torch.tensor(ys[0]), rtol=0, atol=2e-6)
+            if top_k:
+                assert torch.equal(xs[1], ys[1]) and xs[1].dtype == torch.int32 and xs[1].shape == (len(xs[0]), 5)
+                torch.testing.assert_close(xs[2], ys[2], rtol=0, atol=2e-6)
+
+
+def test_placement_keys_are_checked() -> None:
+    problems = {key: why for key, _, why, _ in _config(teacher_device="cuda").problems()}
+    assert "num_gpus_per_teacher" in next(k for k in problems if "num_gpus" in k)
+    assert "needs a GPU share" in problems["model.init_args.distillation.num_gpus_per_teacher"]
+    problems = {key: why for key, _, why, _ in _config(num_gpus_per_teacher=1.0).problems()}
+    assert "never use" in problems["model.init_args.distillation.num_gpus_per_teacher"]
+    keys = {key for key, *_ in _config(teacher_device="tpu", teacher_replicas=0, teacher_batch_tokens=0,
+                                         teacher_chunk_tokens=-1).problems()}
+    assert {f"model.init_args.distillation.{k}" for k in ("teacher_device", "teacher_replicas",
+                                                           "teacher_batch_tokens", "teacher_chunk_tokens")} <= keys
+    cfg = _config(teacher_device="cuda", num_gpus_per_teacher=1.0, teacher_replicas=2)
+    with pytest.raises(RuntimeError, match=r"2 teacher\(s\) x 2 replica\(s\) x 1 GPU do not fit beside .*\(0.5 GPU\)"):
+        check_teachers_fit(cfg, {"CPU": 1.0, "GPU": 0.5}, {"CPU": 16.0, "GPU": 4.0})
+    check_teachers_fit(cfg, {"CPU": 1.0, "GPU": 0.0}, {"CPU": 16.0, "GPU": 4.0})
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_teachers_rows_are_split_among_its_replicas() -> None:
+    cfg = _config(score_timeout_s=30.0, teacher_replicas=2)
+    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test-replicas")
+    try:
+        assert [len(r) for r in actors.values()] == [2, 2]
+        rows = [("count", *s) for s in (*SEQS, SEQS[0])]
+        got = asyncio.run(TeacherRouter(actors, cfg).score(rows))
+        want = completion_logprobs(TinyCausalLM(seed=1).build_model().eval(), [s for _, *s in rows])
+        for lp, ref in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), rtol=0, atol=2e-6)
+        assert ray.get([a.num_calls.remote() for a in actors["count"]]) == [1, 1]  # two rows each
+        assert ray.get([a.num_calls.remote() for a in actors["add"]]) == [0, 0]
+    finally:
+        for replicas in actors.values():
+            for a in replicas:
+                ray.kill(a, no_restart=True)
+
+
 def test_schema_adds_teacher_logprobs_aligned_like_generation_logprobs() -> None:
     assert DISTILL_SCHEMA.names == (*ROW_SCHEMA.names, "teacher_logprobs")
     row = {name: torch.tensor([0.0]) for name in ROW_SCHEMA.names}
@@ -90,15 +145,16 @@ def test_router_routes_by_task_source_and_a_dead_teacher_fails_its_rows_only() -
             # 'count' 3 rows) in its own process and thread count, the reference all 4 rows padded to width 8;
             # fp32 round-off of logprobs ~ -4 (eps 1.19e-7 x 4 x a few ops): the bound of the padded-vs-alone check
             torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), rtol=0, atol=2e-6)
-        assert ray.get(actors["add"].num_calls.remote()) == 1, "one call per teacher"
-        ray.kill(actors["add"], no_restart=True)
+        assert ray.get(actors["add"][0].num_calls.remote()) == 1, "one call per teacher"
+        ray.kill(actors["add"][0], no_restart=True)
         again = asyncio.run(router.score(rows))
         assert isinstance(again[0], RuntimeError)
         assert "teacher 'add' failed" in str(again[0])
         assert again[1:] == got[1:]  # exact: the same 'count' actor scores the same 3-row batch again
     finally:
-        for a in actors.values():
-            ray.kill(a, no_restart=True)
+        for replicas in actors.values():
+            for a in replicas:
+                ray.kill(a, no_restart=True)
 
 
 class RecordingPlane:
@@ -136,7 +192,7 @@ def test_worker_writes_teacher_logprobs_and_a_failed_teacher_call_is_a_data_fail
             want = completion_logprobs(models[source], [(ids, p)])[0]
             torch.testing.assert_close(row["teacher_logprobs"], torch.tensor(want), rtol=0, atol=2e-6)
 
-        ray.kill(actors["add"], no_restart=True)
+        ray.kill(actors["add"][0], no_restart=True)
         plane.rows.clear()
         again = [Dispatch(f"g{pid}_a1", f"g{pid}", 0, pid, 8, 0, 0) for pid in (count_pid, add_pid)]
         reports = asyncio.run(worker.rollout(again))
@@ -144,8 +200,9 @@ def test_worker_writes_teacher_logprobs_and_a_failed_teacher_call_is_a_data_fail
         assert "teacher 'add' failed" in reports[1].detail
         assert list(plane.rows) == [again[0].attempt], "no row is written without its teacher logprobs"
     finally:
-        for a in actors.values():
-            ray.kill(a, no_restart=True)
+        for replicas in actors.values():
+            for a in replicas:
+                ray.kill(a, no_restart=True)
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -179,5 +236,6 @@ def test_top_k_teachers_write_their_top_tokens_into_each_row() -> None:
         assert out["teacher_top_ids"].shape == (1, len(ids) - 1, 5)
         assert torch.equal(out["teacher_top_ids"][0, p - 1:], top_ids)
     finally:
-        for a in actors.values():
-            ray.kill(a, no_restart=True)
+        for replicas in actors.values():
+            for a in replicas:
+                ray.kill(a, no_restart=True)

@@ -124,6 +124,25 @@ def chunked_logprobs_of_hidden(
     return logp.reshape(shape), entropy.reshape(shape) if entropy is not None else None
 
 
+def chunked_top_k_of_hidden(hidden: Tensor, weight: Tensor, k: int, temperature: float = 1.0,
+                            chunk_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely next tokens at each of ``hidden`` ``[N, H]``'s positions under ``hidden @ weight.T /
+    temperature``, and their logprobs: ``(logprobs fp32 [N, k], ids int64 [N, k])``, chunk by chunk (one chunk's
+    logits at a time, no gradient); ``k`` is capped at the vocabulary."""
+    chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
+    k = min(k, weight.shape[0])
+    mm_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    top_lp = torch.empty(hidden.shape[0], k, dtype=torch.float32, device=hidden.device)
+    top_ids = torch.empty(hidden.shape[0], k, dtype=torch.long, device=hidden.device)
+    with torch.no_grad():
+        for lo in range(0, hidden.shape[0], chunk):
+            logits = (hidden[lo:lo + chunk].to(mm_dtype) @ weight.to(mm_dtype).T).float()
+            if temperature != 1.0:
+                logits = logits / temperature
+            top_lp[lo:lo + chunk], top_ids[lo:lo + chunk] = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return top_lp, top_ids
+
+
 def output_head(model: torch.nn.Module) -> torch.nn.Linear:
     """The model's output layer, when its logits are exactly ``hidden @ weight.T``; else a ``ValueError`` naming
     ``logprob_chunk_tokens: 0`` (full logits) as the way out."""
@@ -164,7 +183,7 @@ def token_logprobs(
     :mod:`screl.modules.vision_inputs`).
 
     ``chunk_tokens``: the output layer and the log-softmax run over chunks of this many tokens and are recomputed
-    in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.modules.logprobs`);
+    in the backward pass, so no ``[tokens, vocabulary]`` logits are ever held (:mod:`screl.models.logprobs`);
     None sizes the chunk from the vocabulary; 0 computes the full logits (:func:`full_token_logprobs`).
     """
     if chunk_tokens == 0:
