@@ -54,14 +54,34 @@ def test_shapes_task_is_deterministic_from_the_prompt_id_and_draws_its_scene() -
     assert TASK.reward(record, record.metadata["answer"] + "x") == 0.0
 
 
-def test_count_answers_are_drawn_uniformly_and_match_the_scene() -> None:
-    task = ShapesTask(num_prompts=200, questions=["count"], colours=["red", "blue"], shapes=["square"], max_shapes=3)
+def test_answers_are_balanced_over_the_prompts_in_use_and_match_the_scene() -> None:
+    """The answers are drawn first and balanced (each equally often, within one), so the majority answer's share,
+    what a policy blind to the image can reach, is chance: 1/4 here, 1/2 for grpo_vlm_tiny's 256 prompts."""
+    task = ShapesTask(num_prompts=202, questions=["count"], colours=["red", "blue"], shapes=["square"], max_shapes=3)
     answers = [r.metadata["answer"] for r in task.prompts()]
-    assert sorted(set(answers)) == ["0", "1", "2", "3"] and max(answers.count(a) for a in "0123") < 0.35 * 200
+    assert sorted(answers.count(a) for a in "0123") == [50, 50, 51, 51]
+    tiny = ShapesTask(num_prompts=256, questions=["count"], colours=["red"], shapes=["square"], max_shapes=1)
+    assert [r.metadata["answer"] for r in tiny.prompts()].count("1") == 128
+    mixed = ShapesTask(num_prompts=120)
+    colours = [r.metadata["answer"] for r in mixed.prompts() if r.metadata["question"] == "colour"]
+    assert max(colours.count(c) for c in ("red", "green", "blue")) - min(colours.count(c) for c in
+                                                                          ("red", "green", "blue")) <= 1
+    for record in mixed.prompts():
+        if record.metadata["question"] == "colour":
+            shape = record.text.removeprefix("what colour is the ").removesuffix("?")
+            assert [c for _, s, c in record.metadata["scene"] if s == shape] == [record.metadata["answer"]]
     for record in task.prompts():
         _, colour, shape = record.text.removesuffix("s?").split()[-3:]
         drawn = sum(1 for _, s, c in record.metadata["scene"] if (s, c) == (shape, colour))
         assert str(drawn) == record.metadata["answer"] and len(record.metadata["scene"]) <= 3
+
+
+def test_blank_images_keep_the_questions_and_answers_and_draw_a_white_canvas() -> None:
+    blind = ShapesTask(num_prompts=16, blank_images=True)
+    assert blind.prompts() == TASK.prompts()
+    drawn = {blind.images(r)[0].tobytes() for r in blind.prompts()}
+    assert len(drawn) == 1 and set(blind.images(blind.prompts()[0])[0].getdata()) == {(255, 255, 255)}
+    assert len({TASK.images(r)[0].tobytes() for r in TASK.prompts()}) > 8
 
 
 def test_prompt_records_carry_no_images_so_the_controller_never_sees_one() -> None:

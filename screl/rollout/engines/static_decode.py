@@ -47,6 +47,11 @@ def static_decode_support(model: Any) -> str | None:
     return None
 
 
+STATIC_ATTENTION_PATH = ("sdpa with a boolean mask (prefill: [rows, 1, W, W] causal and padding; decode: "
+                         "[rows, 1, 1, capacity]) and enable_gqa, which the flash kernel does not take")
+"""The start-up line's words for the static path's attention."""
+
+
 @dataclass
 class _Layer:
     """One decoder layer's tensors (the model's own parameters, not copies)."""

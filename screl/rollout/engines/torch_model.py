@@ -21,7 +21,7 @@ import torch
 from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec, resolve_dtype
 from screl.models.vision import vision_token_ids
-from screl.rollout.engines.static_decode import static_decode_support
+from screl.rollout.engines.static_decode import STATIC_ATTENTION_PATH, static_decode_support
 from screl.rollout.engines.weight_copy import copy_bucket
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,8 @@ def choose_decode_path(model: Any, decode: str) -> str:
         log.info("screl: the torch engine decodes with Hugging Face's forward: the static-cache path cannot run "
                  "this model (%s)", why)
         return "hf"
-    log.info("screl: the torch engine decodes %s on its static-cache path (%s=%s)",
-             type(model).__name__, DECODE_KEY, decode)
+    log.info("screl: the torch engine decodes %s on its static-cache path (%s=%s); attention: %s",
+             type(model).__name__, DECODE_KEY, decode, STATIC_ATTENTION_PATH)
     return "static"
 
 
