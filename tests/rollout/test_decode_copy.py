@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -31,9 +32,10 @@ def _requests(temperature: float) -> list[GenerationRequest]:
             for i, p in enumerate(PROMPTS)]
 
 
-def _engine(dtype: str, master: torch.nn.Module) -> TorchGenerationEngine:
+def _engine(dtype: str, master: torch.nn.Module, decode: str = "auto") -> TorchGenerationEngine:
     return TorchGenerationEngine(TinyCausalLM(seed=0, dtype=dtype), num_threads=None, seed=0, model=master,
-                                 autocast=torch.bfloat16)
+                                 autocast=torch.bfloat16, decode=decode,
+                                 continuous={"max_rows": 4, "kv_cache_gb": 0.01})
 
 
 def test_an_fp32_spec_decodes_the_masters_themselves() -> None:
@@ -77,9 +79,10 @@ def test_a_decode_step_on_the_copy_casts_no_weight() -> None:
     assert _weight_casts(DecodeCopy(master, torch.bfloat16).module, shapes) == 0
 
 
-def test_the_copy_follows_the_masters_and_a_stand_down_frees_it() -> None:
+@pytest.mark.parametrize("decode", ["static", "continuous"])
+def test_the_copy_follows_the_masters_and_a_stand_down_frees_it(decode: str) -> None:
     master = TinyCausalLM(seed=0).build_model().train()
-    engine = _engine("bfloat16", master)
+    engine = _engine("bfloat16", master, decode)
     twin = engine.model.screl_decode_copy
     with torch.no_grad():
         master.lm_head.weight.add_(0.5)  # an optimizer step, in place
@@ -92,6 +95,10 @@ def test_the_copy_follows_the_masters_and_a_stand_down_frees_it() -> None:
     turns.stand_down()
     assert all(p.numel() == 0 for p in engine.model.parameters())  # freed while the trainer trains
     turns.wake()
+    with torch.no_grad():
+        master.lm_head.weight.mul_(-1.0)  # the trainer's step while the engine stood down
     out = engine.generate(_requests(0.0))
     assert twin.casts == 3 and all(p.numel() > 0 for p in engine.model.parameters())
     assert all(len(r.token_ids) == 12 for r in out)
+    fresh = _engine("bfloat16", master, decode)  # an engine built on the trained masters: the same greedy tokens
+    assert [r.token_ids for r in out] == [r.token_ids for r in fresh.generate(_requests(0.0))]

@@ -94,6 +94,7 @@ class _Call:
         self.dropped = False  # a stand-down freed the KV cache: the slotted rows re-prefill
 
     def run(self) -> None:
+        self.dec.forward.ready()
         while True:
             if self.unsynced and (self.unsynced >= self.dec.sync_every or self.loop.gate_pending()):
                 self.sync()
@@ -140,6 +141,7 @@ class _Call:
         self.sync()  # the host needs every token so far
         self.leave()
         self.dec.make()
+        self.dec.forward.ready()  # after a stand-down the weights may have been freed and trained
         redo = list(self.slotted) if self.dropped else [s for s in stale if s in self.slotted]
         self.dropped = False
         return redo

@@ -33,6 +33,13 @@ class SlotForward:
         self.net = StaticDecoder(model)  # checks the model's layout; its layer tensors are the model's own
         self._cos: Tensor | None = None
         self._sin: Tensor | None = None
+        self._copy = getattr(model, "screl_decode_copy", None)  # a colocated engine's cast copy (DecodeCopy)
+
+    def ready(self) -> None:
+        """Before the forwards of a call, and after a wake: a colocated engine's cast copy of the trainer's
+        weights is cast again where it was freed (a stand-down) or the masters changed (an optimizer step)."""
+        if self._copy is not None:
+            self._copy.ensure()
 
     def cache_shape(self, max_len: int, dtype: torch.dtype) -> CacheShape:
         n = self.net

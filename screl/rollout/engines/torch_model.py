@@ -85,6 +85,11 @@ class DecodeCopy:
         return [p._version for p in self._masters]
 
     def _hook(self, *_: Any) -> None:
+        self.ensure()
+
+    def ensure(self) -> None:
+        """Cast again if the copy was freed or a master changed since the last cast (a decode path that calls no
+        hooked module before its forward, the continuous one, calls this itself)."""
         self.checks += 1
         if self._copies[0].numel() == 0 or self._stamp() != self._versions:
             self.refresh()
