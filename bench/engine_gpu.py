@@ -14,6 +14,8 @@ own output length of 100-1024 tokens, EOS ignored, one fixed seed; random-init b
   request per sequence, ``max_new_tokens = min_new_tokens`` = its length, ``ignore_eos``), ``max_batch_size`` =
   ``--seqs``, ``backend_args.decode`` = ``--decode`` (whatever the engine offers: auto, static, hf, ...), after a
   warm-up call on a few sequences.
+- ``engine_continuous``: the same with ``decode: continuous``: one slot per sequence (``max_rows`` = ``--seqs``) of
+  the workload's longest sequence (``max_len``), as many as ``--kv-cache-gb`` holds; ``kv_cache`` says what it got.
 - ``hf_generate``: ``model.generate`` with its static cache (``cache_implementation="static"``; on CUDA transformers
   compiles the decode step: ``hf_generate_path`` says which ran, eager where the compiled run failed), batches of
   ``--hf-batch`` left-padded sequences, each batch decoding to its longest output; a row's tokens beyond its own
@@ -24,6 +26,7 @@ own output length of 100-1024 tokens, EOS ignored, one fixed seed; random-init b
   device-to-device copy, read + write bytes over its time), each step reading every weight once plus the KV cache
   of every sequence still decoding (all sequences in one batch; prefill not counted): tokens/s at that time.
 
+Ratios are given for both engine systems (``engine_continuous_over_...`` beside ``engine_over_...``).
 Per system: output tokens (each sequence's must equal its requested length: ``tokens_ok``), seconds, tokens/s, peak
 device memory (``torch.cuda.max_memory_allocated``; on CPU not measured: null). Ratios: ``engine_over_hf_generate``,
 ``engine_over_hf_continuous``, ``engine_over_roofline``. ``targets``: on one H100 at Qwen2.5-1.5B the engine >= 3x
@@ -54,7 +57,7 @@ from screl.models.spec import PolicySpec  # noqa: E402
 MODELS = {"qwen3-0.6b": REPO / "configs/recipes/shapes/qwen3-0.6b/config.json",
           "qwen2.5-1.5b": REPO / "examples/models/qwen2.5-1.5b-instruct/config.json"}
 TARGETS = {"model": "qwen2.5-1.5b", "engine_over_hf_generate": 3.0, "engine_over_roofline": 0.4}
-SYSTEMS = ("engine", "hf_generate", "hf_continuous", "roofline")
+SYSTEMS = ("engine", "engine_continuous", "hf_generate", "hf_continuous", "roofline")
 
 
 class RandomShapeSpec(PolicySpec):
@@ -122,14 +125,18 @@ def _figures(tokens: list[int], lengths: list[int], seconds: float, dev: torch.d
 
 
 def run_engine(spec: PolicySpec, model: Any, prompts: list[list[int]], lengths: list[int], dev: torch.device,
-               decode: str) -> dict[str, Any]:
-    """screl's torch engine through its public API (the spec's model, already on the device)."""
+               decode: str, kv_cache_gb: float = 1.0) -> dict[str, Any]:
+    """screl's torch engine through its public API (the spec's model, already on the device). The continuous path
+    gets slots of the workload's longest sequence, up to one per sequence, from ``kv_cache_gb``."""
     from screl.rollout.engines.protocol import EngineOptions, GenerationRequest, SamplingParams
     from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     prebuilt = Prebuilt(spec, model)
-    options = EngineOptions(device=str(dev), num_threads=None, max_batch_size=len(prompts), seed=0,
-                            args={"decode": decode})
+    args: dict[str, Any] = {"decode": decode}
+    if decode == "continuous":
+        args.update(max_len=max(len(p) for p in prompts) + max(lengths), max_rows=len(prompts),
+                    kv_cache_gb=kv_cache_gb)
+    options = EngineOptions(device=str(dev), num_threads=None, max_batch_size=len(prompts), seed=0, args=args)
     engine = TorchGenerationEngine.from_options(prebuilt, options)
 
     def requests(tag: str, n: int) -> list[GenerationRequest]:
@@ -147,18 +154,14 @@ def run_engine(spec: PolicySpec, model: Any, prompts: list[list[int]], lengths: 
     _sync(dev)
     seconds = time.perf_counter() - t0
     path = getattr(engine, "decode_path", decode)
+    extra = {"kv_cache": engine.continuous.describe()} if engine.continuous is not None else {}
     return _figures([len(r.token_ids) for r in results], lengths, seconds, dev, decode=decode, decode_path=path,
-                    attention=attention_path(engine, dev))
+                    attention=attention_path(engine, dev), **extra)
 
 
 def attention_path(engine: Any, dev: torch.device) -> str:
-    """What computes the engine's attention (its decode path's own label where it has one)."""
-    label = getattr(engine, "attention_path", None)
-    if label:
-        return str(label)
-    if engine.decode_path == "static":
-        return f"torch scaled_dot_product_attention on the static KV cache ({dev.type})"
-    return f"Hugging Face attention ({getattr(engine.model.config, '_attn_implementation', 'unknown')})"
+    """What computes the engine's attention (its decode path's words, as its start-up line says them)."""
+    return f"{engine.attention_path} ({dev.type})"
 
 
 def run_hf_generate(model: Any, prompts: list[list[int]], lengths: list[int], dev: torch.device, batch: int,
@@ -282,6 +285,8 @@ def bench_model(name: str, spec: PolicySpec, args: argparse.Namespace, dev: torc
                            "sequences": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),
                            "requested_output_tokens": sum(lengths), "systems": {}}
     runs = {"engine": lambda: run_engine(spec, model, prompts, lengths, dev, args.decode),
+            "engine_continuous": lambda: run_engine(spec, model, prompts, lengths, dev, "continuous",
+                                                    args.kv_cache_gb),
             "hf_generate": lambda: run_hf_generate(model, prompts, lengths, dev, args.hf_batch, 0),
             "hf_continuous": lambda: run_hf_continuous(model, prompts, lengths, dev),
             "roofline": lambda: roofline(model, prompts, lengths, args.bandwidth)}
@@ -303,9 +308,12 @@ def ratios(systems: dict[str, Any]) -> dict[str, float | None]:
         value = systems.get(name, {}).get("tokens_per_s")
         return float(value) if value else None
 
-    engine = tps("engine")
-    return {f"engine_over_{k}": (engine / tps(k)) if engine and tps(k) else None  # type: ignore[operator]
-            for k in ("hf_generate", "hf_continuous", "roofline")}
+    out: dict[str, float | None] = {}
+    for mine in ("engine", "engine_continuous"):
+        engine = tps(mine)
+        out.update({f"{mine}_over_{k}": (engine / tps(k)) if engine and tps(k) else None  # type: ignore[operator]
+                    for k in ("hf_generate", "hf_continuous", "roofline")})
+    return out
 
 
 def targets(models: list[dict[str, Any]], cpu: bool) -> dict[str, Any]:
@@ -323,7 +331,9 @@ def targets(models: list[dict[str, Any]], cpu: bool) -> dict[str, Any]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny model, 8 sequences of 8-32 tokens, outputs 8-16")
-    parser.add_argument("--decode", default="auto", help="the torch engine's backend_args.decode")
+    parser.add_argument("--decode", default="auto", help="the torch engine's backend_args.decode ('engine')")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="engine_continuous's KV-cache budget (default: 30 on a GPU, 0.05 on CPU)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ",".join(MODELS))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
     parser.add_argument("--seqs", type=int, default=None)
@@ -335,6 +345,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     args.seqs = args.seqs or (8 if args.cpu else 256)
+    args.kv_cache_gb = args.kv_cache_gb or (0.05 if args.cpu else 30.0)
     args.hf_batch = args.hf_batch or args.seqs
     args.prompt_len, args.output_len = ((8, 32), (8, 16)) if args.cpu else ((100, 1024), (100, 1024))
     return args

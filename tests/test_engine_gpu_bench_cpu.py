@@ -31,6 +31,9 @@ def test_engine_gpu_bench_cpu_mode_measures_every_system(tmp_path: Path) -> None
         # each sequence got exactly its requested length (no early EOS, no overrun counted)
         assert got["tokens_ok"] is True and got["output_tokens"] == model["requested_output_tokens"], (name, got)
     assert model["systems"]["engine"]["decode"] == "auto" and model["systems"]["engine"]["attention"]
+    continuous = model["systems"]["engine_continuous"]  # one slot per sequence, of the longest sequence's length
+    assert continuous["decode_path"] == "continuous" and "is_causal" in continuous["attention"]
+    assert "(8 slots x " in continuous["kv_cache"], continuous["kv_cache"]
     assert "eager" in model["systems"]["hf_generate"]["hf_generate_path"]
     assert model["systems"]["roofline"]["weights_bytes_per_step"] > 0
     assert all(v is not None and v > 0 for v in model["ratios"].values()), model["ratios"]

@@ -12,8 +12,9 @@ import torch
 
 from screl.models import TinyCausalLM
 from screl.rollout import GenerationRequest, GenerationResult, SamplingParams
-from screl.rollout.engines.kv_cache import CacheShape, slots_for_budget
+from screl.rollout.engines.kv_cache import CacheShape, SlotKVCache, slots_for_budget
 from screl.rollout.engines.sdpa_attention import decode_attention, length_mask
+from screl.rollout.engines.slot_forward import SlotForward
 from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
 torch.set_num_threads(1)
@@ -176,3 +177,25 @@ def test_decode_attention_folds_grouped_heads_without_a_copy_and_equals_repeated
         kr, vr = k[i, :, :n].repeat_interleave(3, 0), v[i, :, :n].repeat_interleave(3, 0)
         want = torch.softmax(q[i] @ kr.transpose(1, 2) * 8 ** -0.5, dim=-1) @ vr
         torch.testing.assert_close(ours[i], want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parity
+def test_the_slot_forward_equals_hugging_face_on_qwen3s_per_head_norms() -> None:
+    """Qwen3 (a per-head RMSNorm on queries and keys): a slot's prefill and decode steps give Hugging Face's logits of
+    the whole sequence, two rows at different lengths in one decode step."""
+    from tests.rollout.test_static_decode import _qwen3
+
+    model = _qwen3()
+    fwd = SlotForward(model)
+    cache = SlotKVCache(fwd.cache_shape(32, torch.float32), 2, torch.device("cpu"))
+    seqs = [[5, 9, 17, 3, 8], [7, 8]]
+    with torch.no_grad():
+        firsts = [fwd.prefill(cache, slot, torch.tensor(s)) for slot, s in enumerate(seqs)]
+        for slot, s in enumerate(seqs):
+            want = model(torch.tensor([s])).logits[0, -1]
+            torch.testing.assert_close(firsts[slot], want, rtol=0, atol=2e-5)
+        nxt = torch.tensor([11, 12])
+        step = fwd.decode(cache, nxt, torch.tensor([len(s) for s in seqs]), max(len(s) for s in seqs) + 1)
+        for slot, s in enumerate(seqs):
+            want = model(torch.tensor([[*s, int(nxt[slot])]])).logits[0, -1]
+            torch.testing.assert_close(step[slot], want, rtol=0, atol=2e-5)

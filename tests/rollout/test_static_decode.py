@@ -1,5 +1,5 @@
 """The torch engine's static-cache decode path against Hugging Face's forward: the same logits and logprobs to
-fp32 round-off, over left-padded prompts and many steps, for the Qwen2 and Llama layouts, after a refit too."""
+fp32 round-off, over left-padded prompts and many steps, for the Qwen2, Qwen3 and Llama layouts, after a refit too."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from screl.models import TinyCausalLM
 from screl.rollout import GenerationRequest, SamplingParams
@@ -26,8 +33,23 @@ def _llama() -> Any:
     return LlamaForCausalLM(cfg).eval()
 
 
+def _qwen3() -> Any:
+    """Qwen3's layout: a per-head RMSNorm on the queries and keys before the rotary embedding (random norm weights,
+    so a path that skipped them would differ)."""
+    torch.manual_seed(2)
+    cfg = Qwen3Config(vocab_size=50, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
 MODELS = {
     "qwen2_tiny": lambda: TinyCausalLM(scale="tiny").build_model().eval(),
+    "qwen3_qk_norm": _qwen3,
     "qwen2_small": lambda: TinyCausalLM(scale="small").build_model().eval(),
     "llama_head_dim_16": _llama,
 }
@@ -130,4 +152,4 @@ def test_decode_setting_is_checked_and_an_unsupported_model_is_named() -> None:
     assert static_decode_support(model) == "hidden_act 'gelu' (only silu)"
     with pytest.raises(ValueError, match="the static-cache decode path cannot run this model: hidden_act 'gelu'"):
         StaticDecoder(model)
-    assert static_decode_support(torch.nn.Linear(2, 2)) == "model_type None is not one of ('qwen2', 'llama')"
+    assert static_decode_support(torch.nn.Linear(2, 2)) == "model_type None is not one of ('qwen2', 'qwen3', 'llama')"

@@ -104,8 +104,9 @@ class SlotForward:
         n_ = self.net
         rows, n, _ = x.shape
         half = n_.head_dim // 2
-        q = F.linear(x, L.wq, L.bq).view(rows, n, n_.num_heads, n_.head_dim).transpose(1, 2)
-        k = F.linear(x, L.wk, L.bk).view(rows, n, n_.num_kv_heads, n_.head_dim).transpose(1, 2)
+        q, k = L.qk(F.linear(x, L.wq, L.bq).view(rows, n, n_.num_heads, n_.head_dim),
+                    F.linear(x, L.wk, L.bk).view(rows, n, n_.num_kv_heads, n_.head_dim))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = F.linear(x, L.wv, L.bv).view(rows, n, n_.num_kv_heads, n_.head_dim).transpose(1, 2)
         q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 def static_decode_support(model: Any) -> str | None:
@@ -71,6 +71,15 @@ class _Layer:
     w_gate: Tensor
     w_up: Tensor
     w_down: Tensor
+    q_norm: Tensor | None = None  # Qwen3: an RMSNorm over each head's query and key, before the rotary embedding
+    k_norm: Tensor | None = None
+    qk_eps: float = 1e-6
+
+    def qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """``q``/``k`` ``[rows, n, heads, head_dim]`` after the layer's per-head norms (Qwen3; others: as given)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return _rms_norm(q, self.q_norm, self.qk_eps), _rms_norm(k, self.k_norm, self.qk_eps)
 
 
 class StaticDecoder:
@@ -114,6 +123,7 @@ class StaticDecoder:
             wv=att.v_proj.weight, bv=att.v_proj.bias, wo=att.o_proj.weight, bo=att.o_proj.bias,
             ln2=layer.post_attention_layernorm.weight, ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
             w_gate=mlp.gate_proj.weight, w_up=mlp.up_proj.weight, w_down=mlp.down_proj.weight,
+            **_qk_norms(att),
         )
 
     @torch.inference_mode()
@@ -164,8 +174,9 @@ class StaticDecoder:
         width = self.num_heads * self.head_dim
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.ln1, L.ln1_eps)
-            q = F.linear(x, L.wq, L.bq).view(rows, n, self.num_heads, self.head_dim).transpose(1, 2)
-            k = F.linear(x, L.wk, L.bk).view(rows, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = L.qk(F.linear(x, L.wq, L.bq).view(rows, n, self.num_heads, self.head_dim),
+                        F.linear(x, L.wk, L.bk).view(rows, n, self.num_kv_heads, self.head_dim))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(x, L.wv, L.bv).view(rows, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
@@ -181,6 +192,14 @@ class StaticDecoder:
         self._len = end
         last = _rms_norm(h[:, -1], self.norm, self.norm_eps)
         return F.linear(last, self.lm_head_w, self.lm_head_b).float()
+
+
+def _qk_norms(att: Any) -> dict[str, Any]:
+    """A Qwen3 attention's per-head query and key norms (``q_norm``, ``k_norm``); none for other layouts."""
+    q_norm, k_norm = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+    if q_norm is None or k_norm is None:
+        return {}
+    return {"q_norm": q_norm.weight, "k_norm": k_norm.weight, "qk_eps": float(q_norm.variance_epsilon)}
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

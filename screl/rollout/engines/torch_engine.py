@@ -41,7 +41,8 @@ from screl.rollout.engines.protocol import (
 )
 from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.routing import RoutingRecorder
-from screl.rollout.engines.static_decode import StaticDecoder, static_decode_support
+from screl.rollout.engines.sdpa_attention import ATTENTION_PATH
+from screl.rollout.engines.static_decode import STATIC_ATTENTION_PATH, StaticDecoder, static_decode_support
 from screl.rollout.engines.stop_tokens import StopTokens, stop_tokens
 from screl.rollout.engines.torch_forward import HFForward
 from screl.rollout.engines.torch_model import (
@@ -181,6 +182,15 @@ class TorchGenerationEngine(LoopEngine):
     """A vision-language model (set from the model): requests may carry images (``GenerationRequest.vision``)."""
     _banned: torch.Tensor | None = None
     """Tokens never sampled: a vision-language model's image placeholders (``[vocabulary]`` bool)."""
+
+    @property
+    def attention_path(self) -> str:
+        """What computes its attention, in the start-up line's words (the decode path's)."""
+        if self.decode_path == "continuous":
+            return ATTENTION_PATH
+        if self.decode_path == "static":
+            return STATIC_ATTENTION_PATH
+        return f"Hugging Face's attention ({getattr(self.model.config, '_attn_implementation', None)})"
 
     # ----------------------------------------------------------------------------------- protocol
 
