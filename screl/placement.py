@@ -369,7 +369,7 @@ def _shared_gpu_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str
                        "engines and the trainer both fit"))
         return issues
     if share is None:
-        return issues  # the torch engine allocates as it goes: the fraction alone is the explicit share
+        return issues + _kv_cache_issues(dmap, gen, cfg, per_gpu)
     if share <= 0 or per_gpu * share >= 1:
         issues.append((key, share, f"{per_gpu} engine(s) on the shared GPU take {per_gpu} x {share:g} = "
                        f"{per_gpu * share:.2f} of its memory and leave the trainer nothing: the GPU is oversubscribed",
@@ -390,6 +390,30 @@ def _shared_gpu_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str
                                                        else "the trainer alone does not fit this GPU: ") +
                        "lower model.init_args.micro_batch_tokens, or give generation a GPU of its own"))
     return issues
+
+
+def _kv_cache_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str, Any], per_gpu: int) -> list[Issue]:
+    """A torch engine on the continuous path holds a KV cache of ``backend_args.kv_cache_gb`` from its start; on a
+    GPU the trainer shares (with ``gpu_memory_gb``), the engines' caches and the trainer's estimate must fit. The
+    batched paths allocate as they go: the fraction alone is their explicit share."""
+    args = gen.get("backend_args") or {}
+    if str(gen.get("backend", "torch")) != "torch" or args.get("decode") != "continuous":
+        return []
+    from screl.rollout.engines.continuous import CONTINUOUS_DEFAULTS
+
+    kv = _number(args.get("kv_cache_gb", CONTINUOUS_DEFAULTS["kv_cache_gb"]))
+    estimate = trainer_memory_bytes(cfg) if dmap.gpu_memory_gb is not None else None
+    if kv is None or dmap.gpu_memory_gb is None or estimate is None:
+        return []
+    need, have = per_gpu * kv * 2**30 + estimate, dmap.gpu_memory_gb * 1e9
+    if need <= have:
+        return []
+    room = (have - estimate) / per_gpu / 2**30
+    return [(f"{GEN}.backend_args.kv_cache_gb", kv, f"{per_gpu} engine(s) x {kv:g} GiB of KV cache on the shared "
+             f"{dmap.gpu_memory_gb:g} GB GPU and the trainer's estimated peak of {estimate / 1e9:.1f} GB need "
+             f"{need / 1e9:.1f} GB", (f"lower kv_cache_gb to <= {room:.2f}" if room > 0 else
+                                      "the trainer alone does not fit this GPU: lower "
+                                      "model.init_args.micro_batch_tokens") + ", or give generation a GPU of its own")]
 
 
 def trainer_memory_bytes(cfg: Mapping[str, Any]) -> int | None:

@@ -156,3 +156,18 @@ def test_fit_refuses_a_plan_the_node_cannot_hold_before_anything_starts(
         "generation's 1 overlap" in err, err
     assert not (tmp_path / "run").exists()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0" and ENV_DEVICE_MAP not in os.environ
+
+
+def test_a_continuous_kv_cache_that_leaves_the_trainer_too_little_of_a_shared_gpu_is_refused() -> None:
+    """The torch engine's continuous path holds its KV cache from the start: on a shared GPU of known size, the
+    engines' caches and the trainer's estimate must fit (the batched paths allocate as they go: not checked)."""
+    res = {"resources": {"gpu_memory_gb": 80}}
+    cfg = _gpu_tiny(num_gpus_per_worker=0.4, colocated=res, backend_args={"decode": "continuous", "kv_cache_gb": 100})
+    problems = device_map(cfg).problems
+    assert [p[0] for p in problems] == [f"{GEN}.backend_args.kv_cache_gb"], problems
+    assert "1 engine(s) x 100 GiB of KV cache on the shared 80 GB GPU" in problems[0][2], problems
+    assert problems[0][3].startswith("lower kv_cache_gb to <= 7"), problems  # 80 GB less the tiny trainer's estimate
+    cfg = _gpu_tiny(num_gpus_per_worker=0.4, colocated=res, backend_args={"decode": "continuous", "kv_cache_gb": 20})
+    assert device_map(cfg).problems == ()
+    cfg = _gpu_tiny(num_gpus_per_worker=0.4, colocated=res, backend_args={"decode": "static", "kv_cache_gb": 100})
+    assert device_map(cfg).problems == ()
