@@ -188,15 +188,21 @@ def run_side(side: str, rows: int, length: int, micro_rows: int) -> dict[str, fl
 # -- the driver --------------------------------------------------------------------------------------------------
 
 
+def child_json(cmd: list[str], env: dict[str, str], what: str) -> dict[str, float]:
+    """Run one side in its own process; the JSON object its last line of output prints."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def measure(side: str, rows: int, length: int, micro_rows: int) -> dict[str, float]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(THREADS),
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, __file__, "--side", side, "--rows", str(rows), "--length", str(length),
            "--micro-rows", str(micro_rows)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side} {rows}x{length} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = child_json(cmd, env, f"{side} {rows}x{length}")
     print(f"  {side:10s} {rows:3d} x {length:5d}: peak above idle {result['peak_above_idle_mb']:8.0f} MB, "
           f"step {result['step_s']:6.1f} s", flush=True)
     return result

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
-from memory import PROMPT, THREADS, VOCAB, _model, _rss_kb  # noqa: E402
+from memory import PROMPT, THREADS, VOCAB, _model, _rss_kb, child_json  # noqa: E402
 
 LENGTH = 2048
 OUT = REPO / "bench" / "results" / "distill.json"
@@ -72,11 +71,7 @@ def run_side(side: str, rows: int) -> dict[str, float]:
 
 def measure(side: str, rows: int) -> dict[str, float]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=str(THREADS), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__, "--side", side, "--rows", str(rows)], capture_output=True,
-                          text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side} x {rows} rows failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = child_json([sys.executable, __file__, "--side", side, "--rows", str(rows)], env, f"{side} x {rows} rows")
     print(f"  {side:12s} {rows} x {LENGTH}: peak above idle {result['peak_above_idle_mb']:8.0f} MB, "
           f"{result['seconds']:.1f} s", flush=True)
     return result
