@@ -393,16 +393,12 @@ def _shared_gpu_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str
 
 
 def _kv_cache_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str, Any], per_gpu: int) -> list[Issue]:
-    """A torch engine on the continuous path holds a KV cache of ``backend_args.kv_cache_gb`` from its start; on a
-    GPU the trainer shares (with ``gpu_memory_gb``), the engines' caches and the trainer's estimate must fit. The
-    batched paths allocate as they go: the fraction alone is their explicit share."""
-    args = gen.get("backend_args") or {}
-    if str(gen.get("backend", "torch")) != "torch" or args.get("decode") != "continuous":
-        return []
-    from screl.rollout.engines.continuous import CONTINUOUS_DEFAULTS
-
-    kv = _number(args.get("kv_cache_gb", CONTINUOUS_DEFAULTS["kv_cache_gb"]))
-    estimate = trainer_memory_bytes(cfg) if dmap.gpu_memory_gb is not None else None
+    """An engine that holds a KV cache from its start (its capabilities' ``kv_cache_gib``: the torch engine's
+    continuous path, ``backend_args.kv_cache_gb``): on a GPU the trainer shares (with ``gpu_memory_gb``), the
+    engines' caches and the trainer's estimate must fit. Engines that allocate as they go: the fraction alone is
+    their explicit share."""
+    kv = _held_kv_cache_gib(gen)
+    estimate = trainer_memory_bytes(cfg) if kv is not None and dmap.gpu_memory_gb is not None else None
     if kv is None or dmap.gpu_memory_gb is None or estimate is None:
         return []
     need, have = per_gpu * kv * 2**30 + estimate, dmap.gpu_memory_gb * 1e9
@@ -414,6 +410,19 @@ def _kv_cache_issues(dmap: DeviceMap, gen: Mapping[str, Any], cfg: Mapping[str, 
              f"{need / 1e9:.1f} GB", (f"lower kv_cache_gb to <= {room:.2f}" if room > 0 else
                                       "the trainer alone does not fit this GPU: lower "
                                       "model.init_args.micro_batch_tokens") + ", or give generation a GPU of its own")]
+
+
+def _held_kv_cache_gib(gen: Mapping[str, Any]) -> float | None:
+    """The GiB of KV cache the configured engine declares it holds from its start, or None."""
+    from screl.rollout.engines.registry import engine_capabilities
+    from screl.rules.context import rule_at
+
+    try:
+        path = engine_capabilities(str(gen.get("backend", "torch"))).kv_cache_gib
+    except ValueError:
+        return None
+    value = rule_at(path)(dict(gen.get("backend_args") or {})) if path else None
+    return None if value is None else float(value)
 
 
 def trainer_memory_bytes(cfg: Mapping[str, Any]) -> int | None:

@@ -18,6 +18,7 @@ re-prefilling after the wake. One call decodes on the cache at a time (:meth:`Re
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,6 +32,15 @@ from screl.rollout.engines.torch_sampling import Row, needs_filter
 
 CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4}
 """The continuous path's ``backend_args`` and their defaults (``max_len`` None: the model's context length)."""
+
+
+def held_kv_cache_gib(args: Mapping[str, Any]) -> float | None:
+    """The KV cache a torch engine with these ``backend_args`` holds from its start (``kv_cache_gib`` of its
+    capabilities): ``kv_cache_gb`` on the continuous path, None on the batched ones (allocated as they go)."""
+    if args.get("decode") != "continuous":
+        return None
+    value = args.get("kv_cache_gb", CONTINUOUS_DEFAULTS["kv_cache_gb"])
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 class ContinuousDecoder:

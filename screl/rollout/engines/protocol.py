@@ -220,6 +220,9 @@ class EngineCapabilities:
     streams_tokens: bool = False
     """``partial_tokens(request_ids)`` gives each in-flight request's tokens so far (the policy server streams a
     reply's text as it is generated); else a streamed reply's text comes when it is done."""
+    kv_cache_gib: str | None = None
+    """``package.module:function`` of ``fn(backend_args) -> GiB | None``: the KV cache it holds from its start under
+    these settings (placement counts it on a GPU the trainer shares); None: it allocates as it goes."""
     eos_masked_logprobs: bool = False
     """Its logprobs of the first ``min_new_tokens`` tokens are of the EOS-masked distribution (the trainer's are not)."""
     backend_args: BackendArgs = field(default_factory=BackendArgs)

@@ -85,6 +85,7 @@ class TorchGenerationEngine(LoopEngine):
         backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS}, choices={"decode": DECODE_PATHS},
                                  open=False),
         config_rules=("screl.rules.rollout_rules:torch_backend_rules",),
+        kv_cache_gib="screl.rollout.engines.continuous:held_kv_cache_gib",
     )
 
     @classmethod
