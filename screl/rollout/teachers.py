@@ -62,46 +62,55 @@ def _padded(sequences: Sequences, pad_id: int, device: torch.device) -> tuple[to
     return ids.to(device), attention.to(device)
 
 
-def _completion_states(model: torch.nn.Module, sequences: Sequences, pad_id: int,
-                       chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """``(final hidden states [T, H] of the positions that predict a completion token, those tokens [T], the output
-    layer's weight [V, H], completion lengths)``: the trunk once, no logits."""
+def _completion_pick(sequences: Sequences, ids: torch.Tensor) -> torch.Tensor:
+    """``[N, width - 1]`` bool: the positions that predict a completion token (position t predicts token t + 1)."""
+    pick = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
+    for i, (seq, p) in enumerate(sequences):
+        pick[i, p - 1:len(seq) - 1] = True
+    return pick
+
+
+def _full_scores(model: torch.nn.Module, sequences: Sequences, temperature: float, pad_id: int,
+                 top_k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``teacher_chunk_tokens: 0`` (an output layer that is not a plain linear head): the completion tokens'
+    logprobs ``[T]`` and the top-k ``([T, k], [T, k])`` through full logits."""
+    ids, attention = _padded(sequences, pad_id, next(model.parameters()).device)
+    pick = _completion_pick(sequences, ids)
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1][pick].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = logp.gather(-1, ids[:, 1:][pick][:, None]).squeeze(-1)
+    return tok, logp.topk(min(top_k, logp.shape[-1]), dim=-1) if top_k else None
+
+
+def _chunked_scores(model: torch.nn.Module, sequences: Sequences, temperature: float, pad_id: int, top_k: int,
+                    chunk_tokens: int | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What :func:`_full_scores` gives, through the trunk once and the output layer over chunks of positions."""
     try:
         head = output_head(model)
     except ValueError as err:
         raise ValueError(f"{TEACHER_CHUNK_KEY}: {err}; for a teacher set {TEACHER_CHUNK_KEY}: 0 instead") from None
     ids, attention = _padded(sequences, pad_id, head.weight.device)
+    pick = _completion_pick(sequences, ids)
     trunk: Any = model.base_model
-    hidden = trunk(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
-    pick = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
-    for i, (seq, p) in enumerate(sequences):
-        pick[i, p - 1:len(seq) - 1] = True  # position t predicts token t + 1
-    return hidden[pick], ids[:, 1:][pick], head.weight, [len(seq) - p for seq, p in sequences]
+    hidden = trunk(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1][pick]
+    tok = chunked_logprobs_of_hidden(hidden, head.weight, ids[:, 1:][pick], temperature, chunk_tokens)[0]
+    top = chunked_top_k_of_hidden(hidden, head.weight, top_k, temperature, chunk_tokens) if top_k else None
+    return tok, top
 
 
 def _score_batch(model: torch.nn.Module, sequences: Sequences, temperature: float, pad_id: int, top_k: int,
                  chunk_tokens: int | None) -> list[Scored]:
     """One forward of ``sequences``: each one's completion logprobs (with ``top_k``, its top-k too)."""
     with torch.no_grad():
-        if chunk_tokens == 0:  # full logits: models whose output layer is not a plain linear head
-            ids, attention = _padded(sequences, pad_id, next(model.parameters()).device)
-            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
-            logp = torch.log_softmax(logits, dim=-1)
-            pick = [(i, slice(p - 1, len(seq) - 1)) for i, (seq, p) in enumerate(sequences)]
-            tok = [logp[i, sl].gather(-1, ids[i, 1:][sl, None]).squeeze(-1) for i, sl in pick]
-            tops = [logp[i, sl].topk(min(top_k, logp.shape[-1]), dim=-1) for i, sl in pick] if top_k else []
-            if not top_k:
-                return [t.cpu().tolist() for t in tok]
-            return [(t.cpu().tolist(), ix.to(torch.int32).cpu(), lp.cpu())
-                    for t, (lp, ix) in zip(tok, tops, strict=True)]
-        hidden, labels, weight, lengths = _completion_states(model, sequences, pad_id, chunk_tokens)
-        lp_all = chunked_logprobs_of_hidden(hidden, weight, labels, temperature, chunk_tokens)[0].cpu()
-        per_row = list(lp_all.split(lengths))
-        if not top_k:
-            return [t.tolist() for t in per_row]
-        top_lp, top_ids = chunked_top_k_of_hidden(hidden, weight, top_k, temperature, chunk_tokens)
-        return [(t.tolist(), ix.to(torch.int32).contiguous(), lp.contiguous()) for t, ix, lp in
-                zip(per_row, top_ids.cpu().split(lengths), top_lp.cpu().split(lengths), strict=True)]
+        tok, top = (_full_scores(model, sequences, temperature, pad_id, top_k) if chunk_tokens == 0 else
+                    _chunked_scores(model, sequences, temperature, pad_id, top_k, chunk_tokens))
+    lengths = [len(seq) - p for seq, p in sequences]
+    per_row = [t.tolist() for t in tok.cpu().split(lengths)]
+    if top is None:
+        return list(per_row)
+    top_lp, top_ids = top
+    return [(t, ix.to(torch.int32).contiguous(), lp.contiguous()) for t, ix, lp in
+            zip(per_row, top_ids.cpu().split(lengths), top_lp.cpu().split(lengths), strict=True)]
 
 
 def score_sequences(model: torch.nn.Module, sequences: Sequences, temperature: float = 1.0, pad_id: int = 0,

@@ -99,8 +99,7 @@ class RequestLoop:
         self._torn_refit: str | None = None  # why the weights mix two versions (a refit failed midway)
         self.lock = threading.Lock()  # one forward pass or one weight load at a time
         self._cond = threading.Condition()  # guards everything below
-        self._inflight: set[str] = set()
-        self._rows: dict[str, Row] = {}  # the rows of the requests in flight, by request id (partial_tokens)
+        self._inflight: dict[str, Row] = {}  # the requests in flight (decoding, parked or waiting), by id
         self._aborted: set[str] = set()
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
@@ -146,7 +145,7 @@ class RequestLoop:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         with self._cond:
-            self._aborted.update(set(request_ids) & self._inflight)
+            self._aborted.update(set(request_ids) & self._inflight.keys())
             self._cond.notify_all()
 
     def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
@@ -201,9 +200,7 @@ class RequestLoop:
             raise RuntimeError(f"generate: {self._torn_refit}")
         rows = [self._new_row(r) for r in requests]
         ids = [r.request_id for r in requests]
-        self._enter(ids)
-        with self._cond:
-            self._rows.update(zip(ids, rows, strict=True))
+        self._enter(ids, rows)
         try:
             if self.continuous is not None:
                 self.continuous(self, rows)
@@ -220,29 +217,28 @@ class RequestLoop:
         self.steps._check_request(req)
         return new_row(req, self.stop_tokens, self._seed_rng, self.routing)
 
-    def _enter(self, ids: list[str]) -> None:
+    def _enter(self, ids: list[str], rows: list[Row]) -> None:
         with self._cond:
-            if len(set(ids)) != len(ids) or self._inflight & set(ids):
-                dup = sorted({i for i in ids if ids.count(i) > 1} | (self._inflight & set(ids)))
+            if len(set(ids)) != len(ids) or self._inflight.keys() & set(ids):
+                dup = sorted({i for i in ids if ids.count(i) > 1} | (self._inflight.keys() & set(ids)))
                 raise ValueError(f"generate: request ids already in flight or repeated: {dup[:5]}.")
-            self._inflight.update(ids)
+            self._inflight.update(zip(ids, rows, strict=True))
             self._cond.wait_for(lambda: self._pause_mode is None)
             self._active += 1
 
     def _exit(self, ids: list[str]) -> None:
         with self._cond:
             self._active -= 1
-            self._inflight.difference_update(ids)
-            self._aborted.difference_update(ids)
             for i in ids:
-                self._rows.pop(i, None)
+                self._inflight.pop(i, None)
+            self._aborted.difference_update(ids)
             self._cond.notify_all()
 
     def partial_tokens(self, request_ids: Sequence[str]) -> dict[str, list[int]]:
         """The tokens each of these in-flight requests has on the host so far (every decode step on the batched
         paths; every ``sync_every`` steps on the continuous one); ids not in flight are left out."""
         with self._cond:
-            rows = [(i, self._rows[i]) for i in request_ids if i in self._rows]
+            rows = [(i, self._inflight[i]) for i in request_ids if i in self._inflight]
         return {i: list(r.tokens) for i, r in rows}  # a copy: the decode thread appends to the row's list
 
     def gate_pending(self) -> bool:
