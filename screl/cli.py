@@ -20,10 +20,14 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from jsonargparse import Namespace, set_parsing_settings
+from screl.prestart import prestart_for_command
 
-from screl.algorithms import algorithm_of_run, run_blocks
-from screl.config import (
+prestart_for_command(sys.argv)  # `screl fit`: Ray comes up while the driver imports Lightning and parses its config
+
+from jsonargparse import Namespace, set_parsing_settings  # noqa: E402
+
+from screl.algorithms import algorithm_of_run, run_blocks  # noqa: E402
+from screl.config import (  # noqa: E402
     AsyncRLConfig,
     CheckpointingConfig,
     DataPlaneConfig,
@@ -33,8 +37,8 @@ from screl.config import (
     RunConfig,
     TokenCaptureConfig,
 )
-from screl.plan import capacity_plan
-from screl.rules import ConfigError, config_problems
+from screl.plan import capacity_plan  # noqa: E402
+from screl.rules import ConfigError, config_problems  # noqa: E402
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 

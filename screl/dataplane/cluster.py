@@ -16,9 +16,14 @@ TransferQueue's ZMQ servers bind Ray's node IP, so they follow.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,10 +74,24 @@ def start_local_ray(
             in an actor names the physical ids. ``None``: Ray counts the GPUs itself (every visible one).
 
     Returns:
-        ``False`` when Ray was already initialised in this process (nothing is done), else ``True``.
+        ``False`` when Ray was already initialised in this process (nothing is done), else ``True``. A cluster
+        :func:`prestart_local_ray` began with the same arguments is this call's: it waits for it and returns
+        ``True``; one begun with other arguments is shut down first.
     """
+    _prestart_times.pop("taken", None)
+    wanted = dict(num_cpus=num_cpus, namespace=namespace, log_to_driver=log_to_driver,
+                  gpu_ids=None if gpu_ids is None else tuple(gpu_ids))
+    if address is None and object_store_memory is None and _adopt_prestarted(wanted):
+        return True
+    return _start(num_cpus, namespace, address, log_to_driver=log_to_driver, object_store_memory=object_store_memory,
+                  gpu_ids=gpu_ids)
+
+
+def _start(num_cpus: int, namespace: str, address: str | None, *, log_to_driver: bool,
+           object_store_memory: int | None, gpu_ids: Sequence[str] | None) -> bool:
     import ray
 
+    _settle_prestart()
     if ray.is_initialized():
         return False
     _force_loopback_env()
@@ -86,6 +105,118 @@ def start_local_ray(
     _start_local(ray, kwargs, gpu_ids)
     _check_loopback(ray)
     return True
+
+
+PRESTART_THREAD = "screl-ray-prestart"
+_prestart_lock = threading.Lock()
+_prestarted: tuple[dict[str, Any], concurrent.futures.Future[bool]] | None = None
+"""The arguments and the outcome of the local start :func:`prestart_local_ray` began, until a caller takes it."""
+_prestart_times: dict[str, float] = {}  # monotonic: "begun", "up" (its start returned), "taken" (adopted)
+
+
+def adopted_prestart_s() -> float | None:
+    """How long before :func:`start_local_ray` took it over the prestarted cluster was up (0: the caller waited for
+    it), or None when the running cluster was not prestarted."""
+    if "taken" not in _prestart_times:
+        return None
+    return max(0.0, _prestart_times["taken"] - _prestart_times["up"])
+
+
+def prestart_local_ray(num_cpus: int, namespace: str, log_to_driver: bool, gpu_ids: Sequence[str] = ()) -> None:
+    """Begin starting the local cluster :func:`start_local_ray` will ask for, in a thread: ``screl fit`` calls it
+    before it imports Lightning and parses its config, so Ray's processes come up meanwhile (Ray's start is mostly
+    waiting for them). ``start_local_ray`` with the same arguments takes it over; if nobody does, it is shut down
+    at exit. Call it from the main thread.
+
+    The thread outlives the start: Ray binds its GCS and raylet to the life of the *thread* that spawned them
+    (Linux's parent-death signal), so it waits, idle, until the process ends. Ray sets its SIGTERM handler (exit,
+    so that its shutdown runs) only from the main thread: this sets the same one here."""
+    global _prestarted
+    import ray  # here, not in the thread: one import of Ray at a time beside the driver's own imports
+
+    with _prestart_lock:
+        if _prestarted is not None or ray.is_initialized():
+            return
+        args = dict(num_cpus=num_cpus, namespace=namespace, log_to_driver=log_to_driver, gpu_ids=tuple(gpu_ids))
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def run() -> None:
+            quiet = _DropMessage("SIGTERM handler is not set")
+            ray_worker_log = logging.getLogger("ray._private.worker")
+            ray_worker_log.addFilter(quiet)
+            try:
+                started = _start(num_cpus, namespace, None, log_to_driver=log_to_driver, object_store_memory=None,
+                                 gpu_ids=list(gpu_ids))
+                _prestart_times["up"] = time.monotonic()
+                future.set_result(started)
+            except BaseException as err:  # noqa: BLE001 - handed to whoever takes the start
+                future.set_exception(err)
+            finally:
+                ray_worker_log.removeFilter(quiet)
+            threading.Event().wait()  # Ray's processes die with the thread that started them
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # Ray's own, from the main thread
+        _prestarted = (args, future)
+        _prestart_times.clear()
+        _prestart_times["begun"] = time.monotonic()
+        threading.Thread(target=run, name=PRESTART_THREAD, daemon=True).start()
+        atexit.register(_settle_prestart)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _take_prestart() -> tuple[dict[str, Any], concurrent.futures.Future[bool]] | None:
+    global _prestarted
+    with _prestart_lock:
+        taken, _prestarted = _prestarted, None
+    return taken
+
+
+def _adopt_prestarted(wanted: dict[str, Any]) -> bool:
+    """Whether a prestarted cluster with the ``wanted`` arguments came up (it is then the caller's). A failed
+    prestart is logged and the caller starts Ray itself (any error comes again, from its own start)."""
+    taken = _take_prestart()
+    if taken is None:
+        return False
+    args, future = taken
+    try:
+        future.result()
+    except BaseException as err:  # noqa: BLE001
+        log.warning("screl: Ray's early start failed (%s); starting it again", err)
+        return False
+    if args == wanted:
+        _prestart_times["taken"] = time.monotonic()
+        return True
+    import ray
+
+    log.info("screl: Ray was started early with %s, the run asks for %s: starting it again", args, wanted)
+    ray.shutdown()
+    return False
+
+
+def _settle_prestart() -> None:
+    """Stop a prestarted cluster nobody took (after it came up: two starts never overlap): at exit, or before a
+    start with other arguments (a joined cluster, GPUs)."""
+    if threading.current_thread().name == PRESTART_THREAD:
+        return
+    taken = _take_prestart()
+    if taken is None:
+        return
+    try:
+        started = taken[1].result(timeout=120)
+    except BaseException:  # noqa: BLE001 - nothing started
+        return
+    import ray
+
+    if started and ray.is_initialized():
+        ray.shutdown()
 
 
 def _check_loopback(ray: Any) -> None:
