@@ -9,7 +9,10 @@ controller all start inside the timed window), P=8 G=4 L=16, ``--steps`` steps. 
 subprocess's wall time less its ``trainer.train()`` wall time plus its first step (what follows the last step,
 writing one JSON file, is left in: a few milliseconds). Writes ``bench/results/startup.json`` (``ratio``, also
 under ``first_step_over_trl``: screl's median / TRL's; ``cpu_s_to_first_step``: the median CPU-seconds each kind of
-process, the driver, Ray's services and each actor class, spent from the launch to the first step).
+process, the driver, Ray's services and each actor class, spent from the launch to the first step). It also times
+``screl check --config configs/grpo_tiny.yaml`` (``check_s``, median of ``--reps``) beside its floor: a bare
+Python, ``import torch`` and ``import lightning.pytorch`` in fresh processes (``import_floor_s``), which every
+``screl check`` pays before it reads a line of config.
 """
 
 from __future__ import annotations
@@ -107,6 +110,24 @@ def trl_first_step(peer: Path, steps: int, out: Path) -> float:
     return elapsed - float(d["wall_s_train"]) + float(d["first_step_time_s"])
 
 
+def _wall(cmd: list[str]) -> float:
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return time.time() - t0
+
+
+def check_times(reps: int) -> dict[str, Any]:
+    """``screl check`` of the tiny config, and the imports it cannot avoid, each in a fresh process."""
+    check = [_wall([sys.executable, "-m", "screl.cli", "check", "--config", "configs/grpo_tiny.yaml"])
+             for _ in range(reps)]
+    floor = {name: statistics.median(_wall([sys.executable, "-c", code]) for _ in range(reps))
+             for name, code in (("python", "pass"), ("torch", "import torch"),
+                                ("lightning", "import lightning.pytorch"))}
+    return {"check_s": check, "check_median_s": statistics.median(check), "import_floor_s": floor}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -132,12 +153,14 @@ def main() -> int:
            "cpu_s_to_first_step": {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in kinds},
            "processes_to_first_step": statistics.median(counts)}
     res["cpu_s_to_first_step_total"] = round(sum(res["cpu_s_to_first_step"].values()), 2)
+    res.update(check_times(args.reps))
     res["ratio"] = res["screl_median_s"] / res["trl_median_s"]
     res["first_step_over_trl"] = res["ratio"]  # the key issue 19's targets name (target <= 1.0)
     out = REPO / "bench" / "results" / "startup.json"
     out.write_text(json.dumps(res, indent=1))
     print(f"time to first step (median of {args.reps}): screl {res['screl_median_s']:.1f} s, TRL "
-          f"{res['trl_median_s']:.1f} s, screl / TRL = {res['ratio']:.2f} -> {out}")
+          f"{res['trl_median_s']:.1f} s, screl / TRL = {res['ratio']:.2f}; screl check {res['check_median_s']:.1f} s "
+          f"(import floor: {res['import_floor_s']}) -> {out}")
     return 0
 
 
