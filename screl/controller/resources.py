@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from screl.config import GenerationConfig, RunConfig
 from screl.rollout.engines.protocol import EngineOptions
-from screl.rollout.worker import WorkerResources
+from screl.rollout.resources import WorkerResources
 from screl.threads import thread_plan
 
 

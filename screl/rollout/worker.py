@@ -20,8 +20,6 @@ import asyncio
 import dataclasses
 import os
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -44,6 +42,7 @@ from screl.rollout.engines.protocol import (
     declared_capabilities,
 )
 from screl.rollout.engines.registry import build_engine
+from screl.rollout.resources import WorkerResources
 from screl.rollout.rollout_call import (
     CALL,
     CallState,
@@ -359,31 +358,6 @@ def _row_schema(policy: PolicySpec, options: EngineOptions) -> RowSchema:
     if policy.is_vlm:
         return VISION_SCHEMA  # a vision-language policy: rows carry the prompt's processed images
     return ROUTING_SCHEMA if options.record_routing else ROW_SCHEMA  # routing replay: rows carry the routing
-
-
-@dataclass(frozen=True)
-class WorkerResources:
-    """What Ray reserves for each generation worker, and how workers spread over nodes."""
-
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    spread: bool = False
-    """Place workers on different nodes where possible (generation spans several nodes)."""
-    custom: Mapping[str, float] = field(default_factory=dict)
-    """Custom Ray resources (``generation.resources``): only nodes offering them host a worker."""
-
-    def demand(self) -> dict[str, float]:
-        """Every resource one worker needs, by Ray's names (``CPU``, ``GPU``, custom ones)."""
-        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom}
-        return {k: float(v) for k, v in need.items() if v}
-
-    def actor_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.custom:
-            opts["resources"] = dict(self.custom)
-        if self.spread:
-            opts["scheduling_strategy"] = "SPREAD"
-        return opts
 
 
 def spawn_workers(
