@@ -12,6 +12,7 @@ import torch
 
 from screl.models import TinyCausalLM
 from screl.rollout import GenerationRequest, GenerationResult, SamplingParams
+from screl.rollout.engines import continuous
 from screl.rollout.engines.kv_cache import CacheShape, SlotKVCache, slots_for_budget
 from screl.rollout.engines.sdpa_attention import decode_attention, length_mask
 from screl.rollout.engines.slot_forward import SlotForward
@@ -22,9 +23,9 @@ TOL = 1e-5  # engine vs trainer logprobs in fp32
 SPEC = TinyCausalLM(scale="tiny")
 
 
-def _engine(decode: str = "continuous", rows: int = 3, **kwargs: Any) -> TorchGenerationEngine:
-    return TorchGenerationEngine(SPEC, num_threads=1, seed=0, decode=decode,
-                                 continuous={"max_rows": rows, "kv_cache_gb": 0.01, "sync_every": 3}, **kwargs)
+def _engine(decode: str = "continuous", rows: int = 3, prefill: int = 2048, **kwargs: Any) -> TorchGenerationEngine:
+    return TorchGenerationEngine(SPEC, num_threads=1, seed=0, decode=decode, continuous={
+        "max_rows": rows, "kv_cache_gb": 0.01, "sync_every": 3, "prefill_tokens": prefill}, **kwargs)
 
 
 def _requests(n: int = 7, prefix: str = "r", **sampling: Any) -> list[GenerationRequest]:
@@ -64,6 +65,40 @@ def test_same_tokens_as_the_static_path_and_trainer_logprobs_while_rows_join_and
     assert cont.continuous.cache.free_slots == 3  # type: ignore[union-attr]
 
 
+@pytest.mark.parity
+def test_a_prompt_longer_than_the_prefill_budget_goes_in_chunks_with_the_same_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of 2 positions a step: the 5-token prompt goes in as 2 + 2 + 1 over three steps, no step prefills
+    more than 2 positions, the running rows decode meanwhile, and every row gets the static path's tokens and the
+    trainer's logprobs."""
+    eng, static = _engine(prefill=2), _engine("static")
+    forward, steps, chunks = eng.continuous.forward, [0], []  # type: ignore[union-attr]
+    prefill, step = forward.prefill, continuous._Call.step
+
+    def counted_prefill(cache: Any, slot: int, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        chunks.append((steps[0], cache.lengths[slot] if start else 0, start, int(ids.shape[0])))
+        return prefill(cache, slot, ids, start)
+
+    def counted_step(call: Any, version: int) -> torch.Tensor:
+        steps[0] += 1
+        return step(call, version)
+
+    monkeypatch.setattr(forward, "prefill", counted_prefill)
+    monkeypatch.setattr(continuous._Call, "step", counted_step)
+    ours, ref = eng.generate(_requests()), static.generate(_requests())
+    model = SPEC.build_model().eval()
+    for x, y in zip(ours, ref, strict=True):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    per_step: dict[int, int] = {}
+    for at, _, _, n in chunks:
+        per_step[at] = per_step.get(at, 0) + n
+    assert max(per_step.values()) == 2 and len(per_step) > 7  # 34 prompt positions, at most 2 a step
+    # the 5-token prompts ([9 .. 13]) went in at positions 0, 2 and 4, each chunk after the cached ones
+    assert sum(1 for _, cached, start, n in chunks if start == 4 and n == 1 and cached == 4) == 2
+    assert eng.continuous.cache.free_slots == 3  # type: ignore[union-attr]
+
+
 def _on_checkpoint(engine: TorchGenerationEngine, at: int, action: Any) -> None:
     """Run ``action()`` in the generate thread before the ``at``-th gate between steps (no lock held)."""
     gate, calls = engine.loop._checkpoint, [0]
@@ -91,9 +126,11 @@ def test_an_abort_mid_batch_leaves_at_once_and_the_others_continue() -> None:
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("prefill", [2048, 2])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_a_refit_in_flight_lands_between_steps(recompute: bool) -> None:
-    eng = _engine(recompute_kv_cache_after_weight_updates=recompute)
+def test_a_refit_in_flight_lands_between_steps(recompute: bool, prefill: int) -> None:
+    """(``prefill`` 2: prompts go in over several steps, and a refit can land between a row's chunks.)"""
+    eng = _engine(recompute_kv_cache_after_weight_updates=recompute, prefill=prefill)
     new = TinyCausalLM(scale="tiny", seed=1).build_model().eval()
     _on_checkpoint(eng, 4, lambda: eng.update_weights(new.state_dict(), 1))
     out = eng.generate(_requests(min_new_tokens=8, max_new_tokens=8))
@@ -101,18 +138,22 @@ def test_a_refit_in_flight_lands_between_steps(recompute: bool) -> None:
     for r in out:
         first_new = r.weight_versions.index(1)
         assert r.weight_versions == [0] * first_new + [1] * (len(r.token_ids) - first_new)
-        assert (r.start_version, r.end_version) == ((0, 1) if first_new else (1, 1))
+        # a row that drew under version 0 started under it; one whose prompt went in over the refit did too
+        assert r.end_version == 1 and (r.start_version == 0 if first_new else r.start_version in (0, 1))
         if first_new:
             assert _max_gap(r.logprobs[:first_new], _reference(old, r, 0.9)[:first_new]) <= TOL
         gap = _max_gap(r.logprobs[first_new:], _reference(new, r, 0.9)[first_new:])
         # recomputed KV == the trainer's forward under the new weights; a kept KV cache is stale for the rows that
         # started before the refit (those that joined after it prefilled under the new weights)
-        assert (gap <= TOL) == (recompute or first_new == 0)
+        assert (gap <= TOL) == (recompute or r.start_version == 1)
+    if prefill == 2 and not recompute:  # a prompt that went in over the refit: stale first tokens, said so
+        assert any(r.weight_versions[0] == 1 and r.start_version == 0 for r in out)
 
 
 @pytest.mark.parity
-def test_a_stand_down_mid_batch_hands_the_cache_back_and_the_rows_re_prefill_on_wake() -> None:
-    eng, full = _engine(), _engine().generate(_requests())
+@pytest.mark.parametrize("prefill", [2048, 2])
+def test_a_stand_down_mid_batch_hands_the_cache_back_and_the_rows_re_prefill_on_wake(prefill: int) -> None:
+    eng, full = _engine(prefill=prefill), _engine().generate(_requests())
     cache = eng.continuous.cache  # type: ignore[union-attr]
     reached, seen = threading.Event(), []
     _on_checkpoint(eng, 4, lambda: (reached.set(), _wait(lambda: eng.stood_down)))

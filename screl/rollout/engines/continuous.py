@@ -2,8 +2,11 @@
 
 :class:`ContinuousDecoder` is sized once per engine: a :class:`~.kv_cache.SlotKVCache` of up to ``max_rows`` slots
 from the ``kv_cache_gb`` budget, the forward passes of :class:`~.slot_forward.SlotForward`. A ``generate`` call's
-rows (:class:`_Call`) join the running batch between decode steps as slots free up (prefills limited to
-``prefill_tokens`` new tokens a step, at least one row), and a finished row leaves at once, its slot reused. Tokens
+rows (:class:`_Call`) join the running batch between decode steps as slots free up, and a finished row leaves at
+once, its slot reused. Prefills take at most ``prefill_tokens`` positions a step: a prompt longer than what is left
+of that budget goes into its slot in chunks over several steps (its later chunks attend to its cached positions:
+:func:`~.sdpa_attention.chunk_attention`), and the row draws its first token at the step its last chunk lands, so a
+long prompt never stalls the running rows for more than a budget's worth of prefill. Tokens
 are drawn, recorded and stopped on the device (:class:`~.slot_state.SlotState`) and reach the host every
 ``sync_every`` steps, or at once when an abort or a pause waits.
 
@@ -27,7 +30,7 @@ from screl.rollout.engines.kv_cache import SlotKVCache, slots_for_budget
 from screl.rollout.engines.protocol import GenerationRequest
 from screl.rollout.engines.sdpa_attention import ATTENTION_PATH
 from screl.rollout.engines.slot_forward import SlotForward
-from screl.rollout.engines.slot_state import LENGTH, STOPPED, SlotState
+from screl.rollout.engines.slot_state import LENGTH, PREFILLING, RUNNING, STOPPED, SlotState
 from screl.rollout.engines.torch_sampling import Row, needs_filter
 
 CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4}
@@ -62,7 +65,8 @@ class ContinuousDecoder:
     def describe(self) -> str:
         """The start-up line: attention path, KV cache (size, dtype), rows, prefill budget, host reads."""
         return (f"attention {ATTENTION_PATH}; {self.cache.describe()}; up to {self.cache.slots} rows, prefills of "
-                f"{self.prefill_tokens} tokens a step, tokens to the host every {self.sync_every} steps")
+                f"at most {self.prefill_tokens} tokens a step (longer prompts in chunks), tokens to the host every "
+                f"{self.sync_every} steps")
 
     def check(self, req: GenerationRequest) -> None:
         """Refuse a request longer than a slot."""
@@ -99,6 +103,7 @@ class _Call:
         self.slotted: dict[int, Row] = {}
         self.step0: dict[int, int] = {}  # slot -> index in step_versions of its first token not on the host yet
         self.cache_version: dict[int, int] = {}  # slot -> version its KV cache was made under
+        self.filling: dict[int, int] = {}  # slot -> positions in its KV cache, while its prefill is not complete
         self.step_versions: list[int] = []  # the version of each step's forward pass
         self.unsynced = 0  # steps since the host last read the tokens
         self.dropped = False  # a stand-down freed the KV cache: the slotted rows re-prefill
@@ -123,19 +128,21 @@ class _Call:
         self.dec.release()
 
     def step(self, version: int) -> torch.Tensor:
-        """One forward pass: re-prefills, a decode step of the slotted rows, new rows' prefills; logits of all."""
+        """One forward pass: a decode step of the running rows, then prefill chunks within the step's budget (rows
+        part way in and re-prefills, in the order they began, then new rows); logits of every slot in use."""
         self.step_versions.append(version)
-        redo = self._stale(version)
+        for slot in self._stale(version):
+            self._start_fill(slot, version)
         hi_old = self.cache.in_use()
         decoded = None
-        if hi_old and len(redo) < len(self.slotted):
+        running = [slot for slot in self.slotted if slot not in self.filling]
+        if hi_old and running:
             keys = min(self.cache.shape.max_len, max(self.cache.lengths[:hi_old]) + 1)
             decoded = self.dec.forward.decode(self.cache, self.state.feed[:hi_old], self.state.pos[:hi_old], keys)
             self.state.advance(hi_old)
-            for slot in self.slotted:
+            for slot in running:
                 self.cache.lengths[slot] = min(self.cache.lengths[slot] + 1, self.cache.shape.max_len)
-        prefilled = {slot: self._prefill(slot, version) for slot in redo}
-        prefilled.update(self._admit(version))
+        prefilled = self._fill(version)
         logits = torch.zeros(self.cache.in_use(), self.dec.vocab_size, device=self.dec.device)
         if decoded is not None:
             logits[:hi_old] = decoded
@@ -156,35 +163,58 @@ class _Call:
         self.dropped = False
         return redo
 
-    def _prefill(self, slot: int, version: int) -> torch.Tensor:
-        row = self.slotted[slot]
-        seq = torch.tensor(list(row.req.prompt_token_ids) + row.tokens, dtype=torch.long, device=self.dec.device)
+    def _start_fill(self, slot: int, version: int) -> None:
+        """``slot``'s row goes into the KV cache from position 0 under ``version``: it neither draws nor advances
+        until its last chunk lands (its decode-step writes at ``pos`` are overwritten by its next chunk)."""
+        self.filling[slot] = 0
+        self.step0[slot] = len(self.step_versions) - 1  # set again when it runs: it draws nothing until then
         self.cache_version[slot] = version
-        logits = self.dec.forward.prefill(self.cache, slot, seq)
-        self.state.pos[slot] = len(seq)
-        return logits
+        self.cache.lengths[slot] = 0
+        self.state.pos[slot] = 0
+        self.state.code[slot] = PREFILLING
 
-    def _admit(self, version: int) -> dict[int, torch.Tensor]:
-        """Rows join while slots are free and the prefill budget lasts (at least one row a step)."""
+    def _fill(self, version: int) -> dict[int, torch.Tensor]:
+        """Prefill chunks within the step's budget: the rows part way in (oldest first), then new rows while slots
+        are free; at least one chunk a step. Returns the logits of the rows whose prefill completed."""
         out: dict[int, torch.Tensor] = {}
         budget = self.dec.prefill_tokens
-        while self.pending and self.cache.free_slots:
-            row = self.pending[0]
+        for slot in list(self.filling):
+            if budget <= 0:
+                return out
+            budget -= self._chunk(slot, budget, out)
+        while budget > 0 and self.pending and self.cache.free_slots:
+            row = self.pending.popleft()
             if row.finish is not None:  # aborted before it joined
-                self.pending.popleft()
                 continue
-            need = len(row.req.prompt_token_ids) + len(row.tokens)
-            if out and need > budget:
-                break
-            self.pending.popleft()
-            budget -= need
             slot = self.cache.take()
-            self.slotted[slot], self.step0[slot] = row, len(self.step_versions) - 1
+            self.slotted[slot] = row
             if row.start_version is None:
                 row.start_version = version
             self.state.join(slot, row)
-            out[slot] = self._prefill(slot, version)
+            self._start_fill(slot, version)
+            budget -= self._chunk(slot, budget, out)
         return out
+
+    def _chunk(self, slot: int, budget: int, out: dict[int, torch.Tensor]) -> int:
+        """The next at most ``budget`` positions of ``slot``'s row into its KV cache; on its last chunk the row's
+        logits go to ``out`` and it runs from this step (its first new token is this step's draw). Returns the
+        positions written."""
+        row = self.slotted[slot]
+        seq = list(row.req.prompt_token_ids) + row.tokens
+        start = self.filling[slot]
+        n = min(len(seq) - start, budget)
+        ids = torch.tensor(seq[start:start + n], dtype=torch.long, device=self.dec.device)
+        logits = self.dec.forward.prefill(self.cache, slot, ids, start)
+        if start + n < len(seq):
+            self.filling[slot] = start + n
+            self.state.pos[slot] = start + n
+            return n
+        del self.filling[slot]
+        self.state.pos[slot] = len(seq)
+        self.state.code[slot] = RUNNING
+        self.step0[slot] = len(self.step_versions) - 1
+        out[slot] = logits
+        return n
 
     def sync(self) -> None:
         """Bring the tokens drawn since the last read to the host rows; mark the rows the device finished."""
@@ -212,5 +242,6 @@ class _Call:
             if row.finish is not None or everyone:
                 del self.slotted[slot]
                 self.cache_version.pop(slot, None)
+                self.filling.pop(slot, None)
                 self.cache.give_back(slot)
                 self.state.leave(slot)

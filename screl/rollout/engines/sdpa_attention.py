@@ -3,7 +3,10 @@ query heads and no copy of the KV heads.
 
 Prefill (:func:`prefill_attention`): one row's sequence from position 0 into its own slot, so ``is_causal=True``
 is exact: no mask at all, grouped heads by ``enable_gqa`` (on a GPU the flash kernel takes both, and nothing of
-``[rows, heads, W, W]`` is materialised).
+``[rows, heads, W, W]`` is materialised). A prompt longer than the step's prefill budget goes in chunks; a chunk
+after the first (:func:`chunk_attention`) attends to the slot's earlier positions and causally within itself:
+causal aligned to the lower right (``torch.nn.attention.bias.causal_lower_right``), which the flash and
+memory-efficient kernels take as a kernel option, not a mask (the CPU's math path builds it).
 
 Decode (:func:`decode_attention`): one query a row over that row's slot. The query heads that share a KV head are
 folded into the query-length axis (``[rows, kv_heads, group, head_dim]``), which is exact for one query position:
@@ -19,9 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
-ATTENTION_PATH = ("sdpa (prefill: is_causal, no mask, GQA without a KV copy; decode: GQA folded into the query "
-                  "axis, no KV copy, a [rows, 1, 1, keys] length mask built once a step)")
+ATTENTION_PATH = ("sdpa (prefill: is_causal, no mask, GQA without a KV copy, later chunks lower-right causal; decode: "
+                  "GQA folded into the query axis, no KV copy, a [rows, 1, 1, keys] length mask built once a step)")
 """The start-up line's words for the attention path."""
 
 
@@ -29,6 +33,13 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal attention of a sequence that starts at position 0: ``q`` ``[rows, heads, n, d]``, ``k``/``v``
     ``[rows, kv_heads, n, d]``; returns ``[rows, heads, n, d]``."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """A prefill chunk of ``n`` positions after ``s - n`` cached ones: ``q`` ``[1, heads, n, d]`` over ``k``/``v``
+    ``[1, kv_heads, s, d]`` (the slot's positions up to the chunk's end); query ``i`` sees keys ``0 .. s - n + i``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -3,7 +3,7 @@ a :class:`~screl.rollout.engines.kv_cache.SlotKVCache`.
 
 The network is :mod:`.static_decode`'s (the same layer tensors, RMSNorm and rotary table, so a refit that copies
 into the model is seen at once); what differs is the cache and the attention (:mod:`.sdpa_attention`):
-:meth:`SlotForward.prefill` runs one row's sequence from position 0 into its slot, :meth:`SlotForward.decode` one
+:meth:`SlotForward.prefill` runs one row's sequence (or a chunk of it) into its slot, :meth:`SlotForward.decode` one
 token for every slot ``0 .. hi - 1`` at its own position (a view of the slots, no gather).
 
 Invariant: both return fp32 logits of each row's last position, equal to Hugging Face's forward to fp32 round-off
@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from screl.rollout.engines.kv_cache import CacheShape, SlotKVCache
-from screl.rollout.engines.sdpa_attention import decode_attention, length_mask, prefill_attention
+from screl.rollout.engines.sdpa_attention import (
+    chunk_attention,
+    decode_attention,
+    length_mask,
+    prefill_attention,
+)
 from screl.rollout.engines.static_decode import StaticDecoder, _Layer, _rms_norm
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -54,19 +59,24 @@ class SlotForward:
         assert self._sin is not None
         return self._cos, self._sin
 
-    def prefill(self, cache: SlotKVCache, slot: int, ids: Tensor) -> Tensor:
-        """Forward ``ids`` ``[n]`` (a row's whole sequence) into ``slot`` from position 0; logits ``[vocab]``."""
+    def prefill(self, cache: SlotKVCache, slot: int, ids: Tensor, start: int = 0) -> Tensor:
+        """Forward ``ids`` ``[n]``, a row's positions ``start .. start + n - 1``, into ``slot`` (the positions before
+        ``start`` are in the slot already); logits ``[vocab]`` of its last position."""
         n = ids.shape[0]
+        end = start + n
         cos, sin = self._rope(cache.shape.max_len)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.to(cache.shape.dtype) for t in (q, k, v))  # the rotary table may have promoted them
-            cache.k[i][slot, :, :n] = k[0]
-            cache.v[i][slot, :, :n] = v[0]
-            return prefill_attention(q, k, v, self.net.scale)
+            cache.k[i][slot, :, start:end] = k[0]
+            cache.v[i][slot, :, start:end] = v[0]
+            if start == 0:
+                return prefill_attention(q, k, v, self.net.scale)
+            return chunk_attention(q, cache.k[i][slot:slot + 1, :, :end], cache.v[i][slot:slot + 1, :, :end],
+                                   self.net.scale)
 
-        cache.lengths[slot] = n
-        return self._run(ids[None], cos[:n][None, None], sin[:n][None, None], attend)[0]
+        cache.lengths[slot] = end
+        return self._run(ids[None], cos[start:end][None, None], sin[start:end][None, None], attend)[0]
 
     def decode(self, cache: SlotKVCache, ids: Tensor, pos: Tensor, keys: int) -> Tensor:
         """One token a slot: ``ids`` and ``pos`` ``[hi]`` (each slot's token and its position), ``keys`` at least

@@ -13,8 +13,9 @@ from torch import Tensor
 
 from screl.rollout.engines.torch_sampling import Row, draw
 
-RUNNING, STOPPED, LENGTH = 0, 1, 2
-"""A slot's finish code: decoding, a stop token, ``max_new_tokens``."""
+RUNNING, STOPPED, LENGTH, PREFILLING = 0, 1, 2, 3
+"""A slot's code: decoding, finished by a stop token or by ``max_new_tokens``, or still prefilling (a prompt that
+goes into the KV cache over several steps: it neither draws nor advances)."""
 
 
 class SlotState:
