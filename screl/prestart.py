@@ -7,7 +7,8 @@ and command line give (:func:`screl.dataplane.cluster.prestart_local_ray`), and 
 over when its arguments are the ones it asks for. Nothing is started early where Ray's start depends on more than
 the ``ray`` block, or might not be screl's to make:
 
-* a launched rank (``LOCAL_RANK``/``RANK`` set: Lightning's launcher, torchrun): the first process starts Ray;
+* a launched rank (``LOCAL_RANK``/``RANK`` set: Lightning's launcher, torchrun) or a process that multiprocessing
+  spawned (it re-imports the CLI with its parent's arguments): the first process starts Ray;
 * a cluster to join (``ray.address``) or GPUs on the machine (their share for Ray comes from the device map);
 * a ``ray`` setting this module does not read (``--ray=...``, ``--print_config``), or a config it cannot read:
   the config's own parsing reports that, and Ray starts where it always did.
@@ -17,6 +18,7 @@ the ``ray`` block, or might not be screl's to make:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -86,6 +88,8 @@ def prestart_for_command(argv: Sequence[str], environ: Mapping[str, str] | None 
     if len(argv) < 2 or Path(argv[0]).name not in ("screl", "cli.py") or argv[1] != "fit":
         return False
     if env.get(OFF_VAR) == "0" or any(env.get(v) for v in LAUNCHED_RANK_VARS) or _has_gpus(env):
+        return False
+    if multiprocessing.parent_process() is not None:
         return False
     block = ray_block(argv[2:])
     if block is None or block["address"] is not None:

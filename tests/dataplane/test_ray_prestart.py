@@ -4,9 +4,11 @@ takes that cluster over when it asks for the same one (:func:`screl.dataplane.cl
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -46,6 +48,23 @@ def test_only_a_first_screl_fit_on_a_machine_without_gpus_and_a_local_cluster_pr
     assert prestart_for_command([CLI, "fit", "--config", joined], no_gpus) is False  # joins a cluster
     assert prestart_for_command([CLI, "fit"], {**no_gpus, "LOCAL_RANK": "1"}) is False  # a launched rank
     assert prestart_for_command([CLI, "fit"], {**no_gpus, "SCREL_RAY_PRESTART": "0"}) is False
+
+
+def _spawned_child_prestarts(cli: str, queue: Any) -> None:
+    from screl.prestart import prestart_for_command as child_prestart
+
+    queue.put(child_prestart([cli, "fit"], {"CUDA_VISIBLE_DEVICES": ""}))
+
+
+def test_a_process_that_multiprocessing_spawned_does_not_prestart() -> None:
+    """A spawned child re-imports the CLI with its parent's arguments (Lightning's ddp_spawn): it must not start a
+    second cluster."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_spawned_child_prestarts, args=(CLI, queue))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0 and queue.get(timeout=5) is False
 
 
 SCRIPT = """

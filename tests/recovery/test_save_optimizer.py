@@ -23,6 +23,8 @@ def test_a_bundle_without_optimizer_state_resumes_only_when_told_to(tmp_path: Pa
     config.write_text(yaml.safe_dump(cfg))
     proc = start_fit(config, tmp_path / "fit.log")
     assert proc.wait(timeout=600) == 0, (tmp_path / "fit.log").read_text()[-3000:]
+    # screl fit began Ray at launch (screl.prestart) and the run took that cluster over
+    assert "screl: Ray started at launch, beside the driver's start-up" in (tmp_path / "fit.log").read_text()
     store = CheckpointStore(str(tmp_path / "bundles"))
     bundle = store.latest()
     assert bundle is not None and bundle.step == 2 and bundle.metadata["optimizer"] is False
