@@ -205,10 +205,16 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
     assert sorted(reference) == list(range(STEPS))
 
     # after step_1's bundle, two steps remain: after step_2's only the last one, which both ranks may finish (CI saw
-    # it) before the poll below sees the bundle, and then nothing is left to kill
+    # it) before the poll below sees the bundle, and then nothing is left to kill. A step here takes ~0.25 s, less
+    # than one poll with its socket scan on a loaded machine (CI saw the whole run end first), so the cut run's
+    # generation waits 1.5 s a call: the last two steps outlast the poll by seconds (sync mode: the latency moves no
+    # number, the parity with the reference below holds)
     kill_after = 1
     cut = tmp_path / "cut"
     config = _ddp_config(cut, devices=2)
+    slowed = yaml.safe_load(config.read_text())
+    slowed["data"]["init_args"]["generation"]["injected_latency_s"] = 1.5
+    config.write_text(yaml.safe_dump(slowed))
     log = tmp_path / "cut.log"
     proc = start_fit(config, log)
     wide, ranks = [], _Ranks()
