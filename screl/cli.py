@@ -61,7 +61,7 @@ TOP_LEVEL_BLOCKS: dict[str, type] = {
 
 def wants_help_text(args: Any) -> bool:
     """Whether ``args`` print the options' help (``--help``, ``--KEY.help``, ``--print_config``): only then does the
-    parser read the config classes' attribute docstrings, which means parsing their source (about 1.5 s of every
+    parser read the config classes' attribute docstrings, which means parsing their source (about 0.75 CPU-s of every
     ``screl fit`` and ``screl check`` otherwise)."""
     if args is None:
         return True  # sys.argv: whatever it holds

@@ -18,14 +18,18 @@ the ``ray`` block, or might not be screl's to make:
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from screl.config import RayConfig
+from screl.placement_env import node_gpu_ids
+
 LAUNCHED_RANK_VARS = ("LOCAL_RANK", "RANK", "SCREL_DIST_INIT_FILE")
-RAY_KEYS = ("num_cpus", "namespace", "address")
+RAY_KEYS = tuple(f.name for f in dataclasses.fields(RayConfig))
 OFF_VAR = "SCREL_RAY_PRESTART"
 
 
@@ -45,7 +49,7 @@ def ray_block(args: Sequence[str]) -> dict[str, Any] | None:
     ``--ray.KEY`` options), or None when the arguments hold something this reading does not cover."""
     import yaml
 
-    block: dict[str, Any] = {"num_cpus": 6, "namespace": "screl", "address": None}
+    block: dict[str, Any] = dataclasses.asdict(RayConfig())
     args = list(args)
     i = 0
     while i < len(args):
@@ -74,20 +78,13 @@ def ray_block(args: Sequence[str]) -> dict[str, Any] | None:
     return block
 
 
-def _has_gpus(environ: Mapping[str, str]) -> bool:
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
-    return Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()
-
-
 def prestart_for_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> bool:
     """Begin Ray's start when ``argv`` (``sys.argv``) is a ``screl fit`` that may (see the module); returns
     whether it did."""
     env = os.environ if environ is None else environ
     if len(argv) < 2 or Path(argv[0]).name not in ("screl", "cli.py") or argv[1] != "fit":
         return False
-    if env.get(OFF_VAR) == "0" or any(env.get(v) for v in LAUNCHED_RANK_VARS) or _has_gpus(env):
+    if env.get(OFF_VAR) == "0" or any(env.get(v) for v in LAUNCHED_RANK_VARS) or node_gpu_ids(env):
         return False
     if multiprocessing.parent_process() is not None:
         return False

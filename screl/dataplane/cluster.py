@@ -111,7 +111,7 @@ PRESTART_THREAD = "screl-ray-prestart"
 _prestart_lock = threading.Lock()
 _prestarted: tuple[dict[str, Any], concurrent.futures.Future[bool]] | None = None
 """The arguments and the outcome of the local start :func:`prestart_local_ray` began, until a caller takes it."""
-_prestart_times: dict[str, float] = {}  # monotonic: "begun", "up" (its start returned), "taken" (adopted)
+_prestart_times: dict[str, float] = {}  # monotonic: "up" (the prestart's start returned), "taken" (adopted)
 
 
 def adopted_prestart_s() -> float | None:
@@ -158,7 +158,6 @@ def prestart_local_ray(num_cpus: int, namespace: str, log_to_driver: bool, gpu_i
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # Ray's own, from the main thread
         _prestarted = (args, future)
         _prestart_times.clear()
-        _prestart_times["begun"] = time.monotonic()
         threading.Thread(target=run, name=PRESTART_THREAD, daemon=True).start()
         atexit.register(_settle_prestart)
 
