@@ -240,3 +240,89 @@ def test_the_slot_forward_equals_hugging_face_on_qwen3s_per_head_norms() -> None
         for slot, s in enumerate(seqs):
             want = model(torch.tensor([[*s, int(nxt[slot])]])).logits[0, -1]
             torch.testing.assert_close(step[slot], want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parity
+def test_concurrent_calls_join_one_run_and_each_returns_when_its_own_rows_finish() -> None:
+    """A second call submitted while the first decodes joins its run (no wait for the cache): both get the static
+    path's tokens and the trainer's logprobs, and the first returns while the second's longer rows still decode."""
+    eng, static = _engine(), _engine("static")
+    first, second = _requests(4, "a"), _requests(3, "b", max_new_tokens=30, min_new_tokens=30)
+    dec, held, release, joined = eng.continuous, threading.Event(), threading.Event(), []
+    assert dec is not None and eng.capabilities.continuous_batching and not static.capabilities.continuous_batching
+
+    def hook() -> None:
+        if not joined:  # the first call's third gate: hand the second call to the run in progress
+            joined.append(eng.submit(second))
+            _wait(lambda: dec.merged_calls == 1)
+        elif all(r.request_id not in eng.loop.in_flight for r in first) and not held.is_set():
+            held.set()  # the first call has returned; hold the run until the test has looked
+            assert release.wait(10)
+
+    gate, calls = eng.loop._checkpoint, [0]
+
+    def hooked(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3 or (joined and calls[0] > 3):
+            hook()
+        gate(*args, **kwargs)
+
+    eng.loop._checkpoint = hooked  # type: ignore[method-assign]
+    out_a = eng.generate(first)
+    assert held.wait(10) and not joined[0].done()  # returned while the joined rows still decode
+    release.set()
+    out_b = joined[0].result(timeout=30)
+    model = SPEC.build_model().eval()
+    for ours, ref in ((out_a, static.generate(first)), (out_b, static.generate(second))):
+        for x, y in zip(ours, ref, strict=True):
+            assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+            assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    assert [len(r.token_ids) for r in out_b] == [30] * 3 and dec.merged_calls == 1
+    assert eng.loop.in_flight == set() and dec.cache.free_slots == 3
+
+
+@pytest.mark.parity
+def test_a_stand_down_parks_joined_calls_and_a_failed_run_fails_every_call_waiting_on_it() -> None:
+    eng = _engine()
+    dec = eng.continuous
+    assert dec is not None
+    full = _engine().generate(_requests(3, "a") + _requests(3, "b", max_new_tokens=12))
+    later: list[Any] = []
+    stood: list[bool] = []
+
+    def action() -> None:
+        later.append(eng.submit(_requests(3, "b", max_new_tokens=12)))
+        _wait(lambda: dec.merged_calls == 1)
+        threading.Thread(target=trainer, daemon=True).start()
+        _wait(lambda: eng.stood_down)
+
+    def trainer() -> None:
+        eng.stand_down(timeout=10)  # the joined call waits as parked: the pause does not wait for it
+        stood.append(dec.cache.allocated)
+        eng.wake()
+
+    _on_checkpoint(eng, 3, action)
+    out = eng.generate(_requests(3, "a")) + later[0].result(timeout=30)
+    assert stood == [False]
+    assert [r.token_ids for r in out] == [r.token_ids for r in full]  # re-prefilled after the wake, same tokens
+
+    eng2 = _engine()
+    dec2 = eng2.continuous
+    assert dec2 is not None
+    decode, steps = dec2.forward.decode, [0]
+
+    def failing(*args: Any) -> torch.Tensor:
+        steps[0] += 1
+        if steps[0] == 4:
+            raise RuntimeError("device lost")
+        return decode(*args)
+
+    dec2.forward.decode = failing  # type: ignore[method-assign]
+    _on_checkpoint(eng2, 2, lambda: (later.append(eng2.submit(_requests(2, "c"))),
+                                     _wait(lambda: dec2.merged_calls == 1)))
+    with pytest.raises(RuntimeError, match=r"the continuous decode run failed \(RuntimeError: device lost\)"):
+        eng2.generate(_requests(3, "a"))
+    with pytest.raises(RuntimeError, match=r"the continuous decode run failed \(RuntimeError: device lost\)"):
+        later[1].result(timeout=30)
+    assert eng2.loop.in_flight == set() and dec2.cache.free_slots == 3
+    assert [len(r.token_ids) for r in eng2.generate(_requests(2, "d"))] == [6, 8]  # the next call runs anew

@@ -136,3 +136,29 @@ def test_a_burst_larger_than_the_batch_decodes_batch_by_batch_without_waiting() 
     w.max_batch_size = G  # one group fills a batch: the other decodes next, its burst complete
     asyncio.run(_calls(w, [_group("g0", 0), _group("g1", 1)], Burst(3, 2), gap_s=0.05))
     assert batches == [G, G]
+
+
+def test_a_continuous_engine_gets_each_group_as_it_comes_and_they_decode_in_one_run() -> None:
+    """``decode: continuous`` declares continuous batching: the worker submits each group to the engine at once (no
+    gathering window: 60 s here) and the groups join one run; each row's reward and tokens are the static path's."""
+    from screl.rollout.engines.protocol import EngineOptions
+
+    def worker(decode: str) -> GenerationWorker:
+        w = GenerationWorker(TinyCausalLM(seed=0), options=EngineOptions(seed=0, args={
+            "decode": decode, "max_rows": 4, "kv_cache_gb": 0.01}), task=CountLetter(),
+            sampling=SamplingParams(max_new_tokens=8), batch_window_s=60.0, row_window_s=0.005)
+        w.set_data_plane(CountingPlane())
+        return w
+
+    cont, static = worker("continuous"), worker("static")
+    assert cont.continuous and not static.continuous
+    groups = [_group(f"g{i}", i) for i in range(3)]
+    ours = asyncio.run(_calls(cont, groups, None, gap_s=0.002))
+    static.batch_window_s = 0.0
+    ref = asyncio.run(_calls(static, groups, None))
+    assert cont.engine.continuous.merged_calls >= 1  # a later group joined the run of an earlier one
+    assert sum(len(keys) for keys in cont.rows.dataplane.puts) == 3 * G
+    def seen(calls: list[Any]) -> list[tuple]:
+        return [(r.attempt, r.status, r.reward, r.response_len, r.finish_reason) for call in calls for r in call]
+
+    assert seen(ours) == seen(ref) and {r.status for call in ours for r in call} == {"sealed"}

@@ -15,11 +15,19 @@ The RL contract is the static path's: a row's tokens come from its own seeded un
 the forward pass that made it, an abort finishes a row between steps with its tokens so far while the others go on,
 a refit lands between steps (the rows go on on their KV cache, or re-prefill under the new weights with
 ``recompute_kv_cache``), and a stand-down frees the KV cache (:meth:`ContinuousDecoder.release`), its rows
-re-prefilling after the wake. One call decodes on the cache at a time (:meth:`RequestLoop.exclusive`).
+re-prefilling after the wake.
+
+Concurrent ``generate`` calls share one scheduler (:meth:`ContinuousDecoder.run`): each hands its rows to the run
+in progress, or starts one on a decode thread of its own when none runs, and waits for its own rows only, counted
+as parked by the loop's pauses (the decode thread counts as the running call). The run takes the handed rows in
+between steps, so they join the running batch as slots free up, and it ends when every row handed to it has
+finished; a run that starts while the last one winds down waits for the cache (:meth:`RequestLoop.exclusive`). An
+error in the run fails every call waiting on it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +69,9 @@ class ContinuousDecoder:
             raise ValueError(f"backend_args.prefill_tokens ({self.prefill_tokens}) and backend_args.sync_every "
                              f"({self.sync_every}) must be >= 1")
         self.vocab_size, self.device = vocab_size, device
+        self._driving: _Call | None = None  # the call whose thread runs the decode steps now
+        self._join = threading.Lock()  # guards _driving and its joining rows
+        self.merged_calls = 0  # calls whose rows joined another call's run (a figure for tests and logs)
 
     def describe(self) -> str:
         """The start-up line: attention path, KV cache (size, dtype), rows, prefill budget, host reads."""
@@ -82,24 +93,54 @@ class ContinuousDecoder:
         self.cache.make()
 
     def run(self, loop: Any, rows: list[Row]) -> None:
-        """Decode ``rows`` to their ends under ``loop``'s gates (its lock, pauses, aborts, stand-downs)."""
-        with loop.exclusive():
-            call = _Call(self, loop, rows)
-            try:
-                call.run()
-            finally:
-                call.leave(everyone=True)
+        """Decode ``rows`` to their ends under ``loop``'s gates (its lock, pauses, aborts, stand-downs): handed to
+        the run in progress when there is one, else to a new run on its own thread; returns when they have all
+        finished (raises when the run failed)."""
+        with self._join:
+            call = self._driving
+            if call is None or not call.open:
+                call = self._driving = _Call(self, loop)
+                loop.driver_starts()  # counted as running from now: a pause waits for it
+                threading.Thread(target=self._drive, args=(loop, call), name="screl-continuous-decode",
+                                 daemon=True).start()
+            else:
+                self.merged_calls += 1
+            call.joining.extend(rows)
+        loop.wait_parked(lambda: call.done(rows))
+        if call.error is not None and any(r.finish is None for r in rows):
+            raise RuntimeError(f"generate: the continuous decode run failed ({type(call.error).__name__}: "
+                               f"{call.error})") from call.error
+
+    def _drive(self, loop: Any, call: _Call) -> None:
+        """The decode thread of one run: it holds the KV cache until every row handed to it has finished."""
+        try:
+            with loop.exclusive():
+                try:
+                    call.run()
+                finally:
+                    call.leave(everyone=True)
+        except BaseException as err:  # every call waiting on the run raises it (run)
+            call.error = err
+        finally:
+            with self._join:  # closed after the error is set: a waiting call that sees it closed sees the error
+                call.open = False
+                if self._driving is call:
+                    self._driving = None
+            loop.driver_ends()
 
 
 class _Call:
-    """One ``generate`` call's rows on the continuous path."""
+    """One run of the continuous path: the rows of every ``generate`` call handed to it while it ran."""
 
-    def __init__(self, dec: ContinuousDecoder, loop: Any, rows: list[Row]) -> None:
-        self.dec, self.loop, self.rows, self.cache = dec, loop, rows, dec.cache
-        steps = max(r.sampling.max_new_tokens for r in rows)
-        self.state = SlotState(self.cache.slots, steps, dec.vocab_size, dec.device)
-        self.filtered = needs_filter(rows, dec.vocab_size)
-        self.pending = deque(rows)
+    def __init__(self, dec: ContinuousDecoder, loop: Any) -> None:
+        self.dec, self.loop, self.cache = dec, loop, dec.cache
+        self.rows: list[Row] = []
+        self.state = SlotState(self.cache.slots, 1, dec.vocab_size, dec.device)  # grows to the rows' max_new_tokens
+        self.filtered = False
+        self.pending: deque[Row] = deque()
+        self.joining: list[Row] = []  # rows handed to the run, not taken in yet (guarded by dec._join)
+        self.open = True  # takes joining calls (guarded by dec._join); False once it decided to stop
+        self.error: BaseException | None = None
         self.slotted: dict[int, Row] = {}
         self.step0: dict[int, int] = {}  # slot -> index in step_versions of its first token not on the host yet
         self.cache_version: dict[int, int] = {}  # slot -> version its KV cache was made under
@@ -111,16 +152,36 @@ class _Call:
     def run(self) -> None:
         self.dec.forward.ready()
         while True:
+            self.take_joined()
             if self.unsynced and (self.unsynced >= self.dec.sync_every or self.loop.gate_pending()):
                 self.sync()
             self.loop._checkpoint(self.rows, on_drop=self.drop)
             self.leave()
-            if all(r.finish is not None for r in self.rows):
-                return
+            self.loop.notify()  # a waiting call may have all its rows now (finished, aborted)
+            with self.dec._join:
+                if not self.joining and all(r.finish is not None for r in self.rows):
+                    self.open = False
+                    return
             with self.loop._forwarding():
                 logits = self.step(self.loop.version)
             self.state.sample(logits, self.filtered, None)
             self.unsynced += 1
+
+    def take_joined(self) -> None:
+        """The rows handed to the run since the last step go to the back of the queue (the sampling state grows to
+        their ``max_new_tokens``, the filter turns on for their top-k/top-p)."""
+        with self.dec._join:
+            rows, self.joining = self.joining, []
+        if not rows:
+            return
+        self.state.grow(max(r.sampling.max_new_tokens for r in rows))
+        self.filtered = self.filtered or needs_filter(rows, self.dec.vocab_size)
+        self.rows.extend(rows)
+        self.pending.extend(rows)
+
+    def done(self, rows: list[Row]) -> bool:
+        """Whether a waiting call can return: its rows all finished (tokens on the host), or the run ended."""
+        return not self.open or all(r.finish is not None for r in rows)
 
     def drop(self) -> None:
         """A stand-down (under the loop's gate): free the KV cache; the rows re-prefill after the wake."""

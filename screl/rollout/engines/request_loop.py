@@ -267,6 +267,32 @@ class RequestLoop:
                 self._exclusive = False
                 self._cond.notify_all()
 
+    def driver_starts(self) -> None:
+        """A decode thread that runs calls' rows for them (the continuous path) counts as a running call from now."""
+        with self._cond:
+            self._active += 1
+
+    def driver_ends(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def wait_parked(self, done: Callable[[], bool]) -> None:
+        """A call whose rows a decode thread runs waits for ``done()``, not counted as running meanwhile (a pause
+        waits for the decode thread, which parks, drains or aborts the rows as the pause asks)."""
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(done)
+            finally:
+                self._active += 1
+
+    def notify(self) -> None:
+        """Wake the calls waiting on the loop (a decode thread finished some of their rows)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _checkpoint(self, rows: list[Row], batch: Batch | None = None,
                     on_drop: Callable[[], None] | None = None) -> None:
         """Between steps: park while paused in ``keep`` mode (a stand-down frees the batch's KV cache first, or

@@ -55,6 +55,17 @@ class SlotState:
             self.tokens[slot, :n] = torch.tensor(row.tokens, device=dev)
             self.logprobs[slot, :n] = torch.tensor(row.logprobs, device=dev)
 
+    def grow(self, steps: int) -> None:
+        """Room for ``steps`` tokens a slot (rows that join a run may want more than those before them): the
+        per-step tensors get more columns, the slots' values so far kept (between steps only)."""
+        if steps <= self.steps:
+            return
+        more = steps - self.steps
+        self.uniforms = torch.cat([self.uniforms, self.uniforms[:, -1:].expand(-1, more)], dim=1)
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(self.tokens.shape[0], more)], dim=1)
+        self.logprobs = torch.cat([self.logprobs, self.logprobs.new_zeros(self.logprobs.shape[0], more)], dim=1)
+        self.steps = steps
+
     def leave(self, slot: int) -> None:
         self.code[slot] = LENGTH
 

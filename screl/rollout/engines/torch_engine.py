@@ -21,9 +21,12 @@ batch tensors and sampling are :mod:`.torch_sampling`'s, the model, its decode p
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ from screl.rollout.engines.protocol import (
     EngineCapabilities,
     EngineOptions,
     GenerationRequest,
+    GenerationResult,
 )
 from screl.rollout.engines.request_loop import RequestLoop, apply_threads, pad_token
 from screl.rollout.engines.routing import RoutingRecorder
@@ -173,6 +177,8 @@ class TorchGenerationEngine(LoopEngine):
         self.continuous = ContinuousDecoder(self.model, device=self.device, dtype=dtype, vocab_size=self.vocab_size,
                                             args=args)
         self.loop.continuous = self.continuous.run
+        # concurrent calls join one run, so the worker submits each group as it comes (submit)
+        self.capabilities = dataclasses.replace(type(self).capabilities, continuous_batching=True)
         log.info("screl: the torch engine decodes %s on its continuous path (%s=continuous): %s",
                  type(self.model).__name__, DECODE_KEY, self.continuous.describe())
 
@@ -219,6 +225,26 @@ class TorchGenerationEngine(LoopEngine):
         """
         tensors = ModelTensors(self.model)
         self.loop.refit(weights, version, tensors.load, tensors.missing)
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future[list[GenerationResult]]:
+        """The continuous path: start ``requests`` now (they join the rows decoding, :mod:`.continuous`); the
+        future resolves once all have finished or been aborted (``generate`` on a thread of its own)."""
+        if self.continuous is None:
+            raise RuntimeError(f"submit: the torch engine batches calls whole unless {DECODE_KEY}=continuous; "
+                               "call generate")
+        future: concurrent.futures.Future[list[GenerationResult]] = concurrent.futures.Future()
+        batch = list(requests)
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self.generate(batch))
+            except BaseException as err:  # the caller gets it from the future
+                future.set_exception(err)
+
+        threading.Thread(target=call, name="screl-generate-call", daemon=True).start()
+        return future
 
     def stand_down(self, timeout: float | None = None, drain: bool = False) -> None:
         """:meth:`LoopEngine.stand_down`, and the continuous path's KV cache handed back while the trainer trains."""
