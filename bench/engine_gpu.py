@@ -12,8 +12,10 @@ own output length of 100-1024 tokens, EOS ignored, one fixed seed; random-init b
 
 - ``engine``: screl's ``TorchGenerationEngine`` through its public API (``generate`` of ``GenerationRequest`` s, one
   request per sequence, ``max_new_tokens = min_new_tokens`` = its length, ``ignore_eos``), ``max_batch_size`` =
-  ``--seqs``, ``backend_args.decode`` = ``--decode`` (whatever the engine offers: auto, static, hf, ...), after a
-  warm-up call on a few sequences.
+  ``--seqs``, ``backend_args.decode`` = ``--decode`` (whatever the engine offers: auto, static, hf, ...; ``auto`` is
+  the continuous path on a GPU, the static one on a CPU), after a warm-up call on a few sequences; where it captures
+  CUDA graphs, the whole workload once more untimed first, so every decode shape is captured before the timed run
+  (``graph_captures`` counts them).
 - ``engine_continuous``: the same with ``decode: continuous``: one slot per sequence (``max_rows`` = ``--seqs``) of
   the workload's longest sequence (``max_len``), as many as ``--kv-cache-gb`` holds; ``kv_cache`` says what it got.
 - ``hf_generate``: ``model.generate`` with its static cache (``cache_implementation="static"``; on CUDA transformers
@@ -132,10 +134,8 @@ def run_engine(spec: PolicySpec, model: Any, prompts: list[list[int]], lengths: 
     from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
     prebuilt = Prebuilt(spec, model)
-    args: dict[str, Any] = {"decode": decode}
-    if decode == "continuous":
-        args.update(max_len=max(len(p) for p in prompts) + max(lengths), max_rows=len(prompts),
-                    kv_cache_gb=kv_cache_gb)
+    args: dict[str, Any] = {"decode": decode, "max_len": max(len(p) for p in prompts) + max(lengths),
+                            "max_rows": len(prompts), "kv_cache_gb": kv_cache_gb}  # the continuous path's (auto: GPU)
     options = EngineOptions(device=str(dev), num_threads=None, max_batch_size=len(prompts), seed=0, args=args)
     engine = TorchGenerationEngine.from_options(prebuilt, options)
 
@@ -147,6 +147,9 @@ def run_engine(spec: PolicySpec, model: Any, prompts: list[list[int]], lengths: 
     warm = [GenerationRequest(f"w{i}", prompts[i][:16], SamplingParams(max_new_tokens=4, temperature=0.0))
             for i in range(min(4, len(prompts)))]
     engine.generate(warm)
+    graphs = getattr(engine.continuous, "graphs", None)
+    if graphs is not None and graphs.capture:  # capture every decode shape the run takes before timing it
+        engine.generate(requests("w", len(prompts)))
     _peak_reset(dev)
     _sync(dev)
     t0 = time.perf_counter()
@@ -155,6 +158,8 @@ def run_engine(spec: PolicySpec, model: Any, prompts: list[list[int]], lengths: 
     seconds = time.perf_counter() - t0
     path = getattr(engine, "decode_path", decode)
     extra = {"kv_cache": engine.continuous.describe()} if engine.continuous is not None else {}
+    if graphs is not None:
+        extra["graph_captures"] = graphs.captures
     return _figures([len(r.token_ids) for r in results], lengths, seconds, dev, decode=decode, decode_path=path,
                     attention=attention_path(engine, dev), **extra)
 

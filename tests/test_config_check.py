@@ -551,11 +551,13 @@ def test_the_plan_says_how_a_refit_meets_requests_in_flight(tmp_path: Path,
 
 def test_the_torch_backend_args_are_checked_all_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _load("grpo_tiny.yaml")
-    cfg["data"]["init_args"]["generation"]["backend_args"] = {"decode": "fast", "beam": 4}
+    cfg["data"]["init_args"]["generation"]["backend_args"] = {"decode": "fast", "beam": 4, "cuda_graphs": True}
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc != 0
     assert "data.init_args.generation.backend_args.decode = 'fast': must be one of auto, static, hf" in out, out
     assert "data.init_args.generation.backend_args.beam = 4: the torch backend takes only backend_args.decode" in out
+    assert ("data.init_args.generation.backend_args.cuda_graphs = True: CUDA graphs need a CUDA device (device: cpu)"
+            in out), out
     cfg["data"]["init_args"]["generation"]["backend_args"] = {"decode": "hf"}
     rc, out = _run_check(cfg, tmp_path, capsys)
     assert rc == 0, out

@@ -75,6 +75,10 @@ def torch_backend_rules(c: RuleContext) -> None:
         if key in args and args[key] not in choices:
             c.bad(f"{GEN}.backend_args.{key}", args[key], f"must be one of {', '.join(map(str, choices))}",
                   f"set {key}: {declared.defaults[key]}")
+    if args.get("cuda_graphs") is True and not c.gen_cfg.colocated.enabled and \
+            not str(c.gen_cfg.device).startswith("cuda"):
+        c.bad(f"{GEN}.backend_args.cuda_graphs", True, f"CUDA graphs need a CUDA device (device: {c.gen_cfg.device})",
+              "set cuda_graphs: auto (on where the engine runs on CUDA) or device: cuda")
 
 
 def vllm_rules(c: RuleContext) -> None:

@@ -61,7 +61,8 @@ def test_megatron_names_the_megatron_engine_which_takes_no_backend_args() -> Non
 def test_the_torch_backend_takes_only_decode_in_backend_args() -> None:
     with pytest.raises(ValueError, match=r"backend_args=\{'beam': 4\}: the torch backend takes only 'decode' "
                                          r"\(auto\|static\|hf\|continuous\), 'kv_cache_gb', 'max_rows', 'max_len', "
-                                         r"'prefill_tokens', 'sync_every', not \['beam'\]"):
+                                         r"'prefill_tokens', 'sync_every', 'cuda_graphs' \(auto\|True\|False\), "
+                                         r"not \['beam'\]"):
         TorchGenerationEngine.from_options(POLICY, EngineOptions(args={"beam": 4}))
     assert TorchGenerationEngine.from_options(POLICY, EngineOptions(args={"decode": "hf"})).decode_path == "hf"
 
@@ -70,7 +71,8 @@ def test_each_engine_declares_its_backend_args_and_their_defaults() -> None:
     from screl.rollout.engines.registry import engine_capabilities
 
     torch_args = engine_capabilities("torch").backend_args
-    continuous = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4}
+    continuous = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4,
+                  "cuda_graphs": "auto"}
     assert dict(torch_args.defaults) == {"decode": "auto", **continuous}
     assert torch_args.choices["decode"] == ("auto", "static", "hf", "continuous")
     assert torch_args.resolve(None, "torch") == {"decode": "auto", **continuous}

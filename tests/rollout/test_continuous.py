@@ -14,7 +14,7 @@ from screl.models import TinyCausalLM
 from screl.rollout import GenerationRequest, GenerationResult, SamplingParams
 from screl.rollout.engines import continuous
 from screl.rollout.engines.kv_cache import CacheShape, SlotKVCache, slots_for_budget
-from screl.rollout.engines.sdpa_attention import decode_attention, length_mask
+from screl.rollout.engines.sdpa_attention import decode_attention, length_bias
 from screl.rollout.engines.slot_forward import SlotForward
 from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
@@ -213,7 +213,7 @@ def test_decode_attention_folds_grouped_heads_without_a_copy_and_equals_repeated
     q = torch.randn(3, 6, 1, 8, generator=g)
     k, v = torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
     lengths = torch.tensor([5, 2, 1])
-    ours = decode_attention(q, k, v, length_mask(lengths, 5), 8 ** -0.5)
+    ours = decode_attention(q, k, v, length_bias(lengths, 5, torch.float32), 8 ** -0.5)
     for i, n in enumerate(lengths.tolist()):
         kr, vr = k[i, :, :n].repeat_interleave(3, 0), v[i, :, :n].repeat_interleave(3, 0)
         want = torch.softmax(q[i] @ kr.transpose(1, 2) * 8 ** -0.5, dim=-1) @ vr
@@ -326,3 +326,63 @@ def test_a_stand_down_parks_joined_calls_and_a_failed_run_fails_every_call_waiti
         later[1].result(timeout=30)
     assert eng2.loop.in_flight == set() and dec2.cache.free_slots == 3
     assert [len(r.token_ids) for r in eng2.generate(_requests(2, "d"))] == [6, 8]  # the next call runs anew
+
+
+def test_decode_shapes_bucket_to_powers_of_two_and_graphs_are_cuda_only() -> None:
+    from screl.rollout.engines.decode_graphs import bucket, graphs_enabled
+
+    assert [bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 300)] == [1, 2, 4, 8, 64, 128, 256]
+    assert [bucket(n, 100, floor=64) for n in (1, 64, 65, 99)] == [64, 64, 100, 100]
+    cpu = torch.device("cpu")
+    assert not graphs_enabled("auto", cpu) and not graphs_enabled(False, cpu)
+    assert graphs_enabled("auto", torch.device("cuda")) and not graphs_enabled(False, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"cuda_graphs=true needs a CUDA device \(the engine runs on cpu\)"):
+        graphs_enabled(True, cpu)
+    with pytest.raises(ValueError, match=r"cuda_graphs='on': expected auto, true or false"):
+        graphs_enabled("on", cpu)
+
+
+@pytest.mark.parity
+def test_the_bucketed_decode_shapes_a_graph_replays_give_the_exact_shapes_tokens() -> None:
+    """What a CUDA graph captures, run eagerly on the CPU: each step at the next power of two of slots (the extra
+    free slots decode junk at their own positions) and of keys (at least 128, the extra ones under the length
+    bias); the rows get the unpadded step's tokens and the trainer's logprobs. A refit copies in place (the addresses
+    a graph holds stay valid); a stand-down drops the graphs with the cache."""
+    eng, exact = _engine(rows=5), _engine(rows=5)
+    dec = eng.continuous
+    assert dec is not None and not dec.graphs.capture and "decode steps eager (no CUDA graphs)" in dec.describe()
+    dec.graphs.bucketed = True
+    shapes: list[tuple[int, int, int]] = []
+    decode = dec.forward.decode
+
+    def recorded(cache: Any, ids: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
+        shapes.append((int(ids.shape[0]), int(pos.shape[0]), keys))
+        return decode(cache, ids, pos, keys)
+
+    dec.forward.decode = recorded  # type: ignore[method-assign]
+    reqs = _requests(9) + _requests(3, "x", max_new_tokens=40)
+    ours, ref = eng.generate(reqs), exact.generate(reqs)
+    assert {rows for rows, _, _ in shapes} == {4, 5} and {keys for *_, keys in shapes} == {128}, shapes
+    model = SPEC.build_model().eval()
+    for x, y in zip(ours, ref, strict=True):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    before = dec.forward.storage(dec.cache)
+    eng.update_weights(TinyCausalLM(scale="tiny", seed=1).build_model().state_dict(), 1)
+    assert dec.forward.storage(dec.cache) == before  # in place: graphs captured before a refit stay valid
+    dec.graphs.graphs[(1, 128)] = "captured"  # type: ignore[assignment]
+    eng.stand_down(timeout=10)  # the cache they point at is freed: the graphs go with it
+    assert dec.graphs.graphs == {} and not dec.cache.allocated
+    eng.wake()
+
+
+def test_auto_picks_the_continuous_path_on_a_gpu_and_the_static_path_on_a_cpu() -> None:
+    from types import SimpleNamespace
+
+    model = SPEC.build_model()
+    on = SimpleNamespace(model=model, device=torch.device("cuda"))
+    assert TorchGenerationEngine._decode_path(on, "auto") == "continuous"  # type: ignore[arg-type]
+    assert TorchGenerationEngine._decode_path(on, "static") == "static"  # type: ignore[arg-type]
+    assert _engine("auto").decode_path == "static" and _engine("auto").continuous is None
+    assert continuous.held_kv_cache_gib({"decode": "auto", "kv_cache_gb": 3}) == 3.0  # the GPU's path: counted
+    assert continuous.held_kv_cache_gib({"decode": "static", "kv_cache_gb": 3}) is None

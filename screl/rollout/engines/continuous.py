@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from screl.rollout.engines.decode_graphs import DecodeGraphs, graphs_enabled
 from screl.rollout.engines.kv_cache import SlotKVCache, slots_for_budget
 from screl.rollout.engines.protocol import GenerationRequest
 from screl.rollout.engines.sdpa_attention import ATTENTION_PATH
@@ -41,14 +42,16 @@ from screl.rollout.engines.slot_forward import SlotForward
 from screl.rollout.engines.slot_state import LENGTH, PREFILLING, RUNNING, STOPPED, SlotState
 from screl.rollout.engines.torch_sampling import Row, needs_filter
 
-CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4}
+CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4,
+                       "cuda_graphs": "auto"}
 """The continuous path's ``backend_args`` and their defaults (``max_len`` None: the model's context length)."""
 
 
 def held_kv_cache_gib(args: Mapping[str, Any]) -> float | None:
     """The KV cache a torch engine with these ``backend_args`` holds from its start (``kv_cache_gib`` of its
-    capabilities): ``kv_cache_gb`` on the continuous path, None on the batched ones (allocated as they go)."""
-    if args.get("decode") != "continuous":
+    capabilities): ``kv_cache_gb`` on the continuous path (``auto`` included: it is the path on a GPU, the only
+    device a KV cache can share with a trainer), None on the batched ones (allocated as they go)."""
+    if args.get("decode", "auto") not in ("continuous", "auto"):
         return None
     value = args.get("kv_cache_gb", CONTINUOUS_DEFAULTS["kv_cache_gb"])
     return float(value) if isinstance(value, (int, float)) else None
@@ -64,6 +67,8 @@ class ContinuousDecoder:
         shape = self.forward.cache_shape(int(max_len), dtype)
         slots = slots_for_budget(shape, float(args["kv_cache_gb"]), int(args["max_rows"]))
         self.cache = SlotKVCache(shape, slots, device)
+        capture = graphs_enabled(args.get("cuda_graphs", "auto"), device)
+        self.graphs = DecodeGraphs(self.forward, self.cache, vocab_size, capture=capture)
         self.prefill_tokens, self.sync_every = int(args["prefill_tokens"]), int(args["sync_every"])
         if self.prefill_tokens < 1 or self.sync_every < 1:
             raise ValueError(f"backend_args.prefill_tokens ({self.prefill_tokens}) and backend_args.sync_every "
@@ -76,8 +81,8 @@ class ContinuousDecoder:
     def describe(self) -> str:
         """The start-up line: attention path, KV cache (size, dtype), rows, prefill budget, host reads."""
         return (f"attention {ATTENTION_PATH}; {self.cache.describe()}; up to {self.cache.slots} rows, prefills of "
-                f"at most {self.prefill_tokens} tokens a step (longer prompts in chunks), tokens to the host every "
-                f"{self.sync_every} steps")
+                f"at most {self.prefill_tokens} tokens a step (longer prompts in chunks), {self.graphs.describe()}, "
+                f"tokens to the host every {self.sync_every} steps")
 
     def check(self, req: GenerationRequest) -> None:
         """Refuse a request longer than a slot."""
@@ -87,6 +92,7 @@ class ContinuousDecoder:
                              f"{self.cache.shape.max_len} (backend_args.max_len)")
 
     def release(self) -> None:
+        self.graphs.drop()
         self.cache.release()
 
     def make(self) -> None:
@@ -199,11 +205,13 @@ class _Call:
         running = [slot for slot in self.slotted if slot not in self.filling]
         if hi_old and running:
             keys = min(self.cache.shape.max_len, max(self.cache.lengths[:hi_old]) + 1)
-            decoded = self.dec.forward.decode(self.cache, self.state.feed[:hi_old], self.state.pos[:hi_old], keys)
+            decoded = self.dec.graphs.decode(self.state.feed, self.state.pos, hi_old, keys)
             self.state.advance(hi_old)
             for slot in running:
                 self.cache.lengths[slot] = min(self.cache.lengths[slot] + 1, self.cache.shape.max_len)
         prefilled = self._fill(version)
+        if decoded is not None and not prefilled and self.cache.in_use() == hi_old:
+            return decoded  # a plain decode step: no [rows, vocab] copy
         logits = torch.zeros(self.cache.in_use(), self.dec.vocab_size, device=self.dec.device)
         if decoded is not None:
             logits[:hi_old] = decoded

@@ -11,10 +11,11 @@ memory-efficient kernels take as a kernel option, not a mask (the CPU's math pat
 Decode (:func:`decode_attention`): one query a row over that row's slot. The query heads that share a KV head are
 folded into the query-length axis (``[rows, kv_heads, group, head_dim]``), which is exact for one query position:
 SDPA sees as many heads as the KV cache has, so the KV heads are never repeated and ``enable_gqa`` is not needed.
-The rows of a step have different lengths and SDPA takes no per-row key lengths, so this one path passes a mask:
-``[rows, 1, 1, keys]`` of the valid positions, built once per step (not per layer) and broadcast over heads and
-the folded group; on a GPU the memory-efficient kernel takes it (flash takes no mask). A per-row-length kernel
-(``flash_attn_with_kvcache``'s ``cache_seqlens``, or FlexAttention with a block mask) would drop it: not done here.
+The rows of a step have different lengths and SDPA takes no per-row key lengths, so this one path adds a bias, not
+a boolean mask: ``[rows, 1, 1, keys]`` in the compute dtype, 0 on each row's valid positions and -inf past them
+(:func:`length_bias`), built once per step on the device from the rows' positions (a CUDA graph's step builds it
+inside the graph) and broadcast over heads and the folded group. SDPA would turn a boolean mask into such a bias in
+every layer; on a GPU the memory-efficient kernel takes the bias as it is (flash takes none).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 ATTENTION_PATH = ("sdpa (prefill: is_causal, no mask, GQA without a KV copy, later chunks lower-right causal; decode: "
-                  "GQA folded into the query axis, no KV copy, a [rows, 1, 1, keys] length mask built once a step)")
+                  "GQA folded into the query axis, no KV copy, a [rows, 1, 1, keys] additive length bias built once "
+                  "a step on the device, no boolean mask)")
 """The start-up line's words for the attention path."""
 
 
@@ -43,16 +45,19 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """One query a row: ``q`` ``[rows, heads, 1, d]`` over ``k``/``v`` ``[rows, kv_heads, keys, d]`` (views of the
-    slots), ``valid`` ``[rows, 1, 1, keys]`` bool; returns ``[rows, heads, 1, d]``."""
+    slots), ``bias`` ``[rows, 1, 1, keys]`` (:func:`length_bias`); returns ``[rows, heads, 1, d]``."""
     rows, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     folded = q.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h uses KV head h // group, as repeat_kv
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=valid, scale=scale)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=bias, scale=scale)
     return out.reshape(rows, heads, 1, dim)
 
 
-def length_mask(lengths: Tensor, keys: int) -> Tensor:
-    """``[rows, 1, 1, keys]``: key ``j`` of row ``i`` is valid when ``j < lengths[i]`` (on the lengths' device)."""
-    return (torch.arange(keys, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+def length_bias(lengths: Tensor, keys: int, dtype: torch.dtype) -> Tensor:
+    """``[rows, 1, 1, keys]`` in ``dtype``: 0 where key ``j`` of row ``i`` is valid (``j < lengths[i]``), -inf past
+    it; on the lengths' device, with no host read."""
+    valid = torch.arange(keys, device=lengths.device)[None, :] < lengths[:, None]
+    zero = torch.zeros((), dtype=dtype, device=lengths.device)
+    return torch.where(valid, zero, float("-inf")).to(dtype)[:, None, None, :]

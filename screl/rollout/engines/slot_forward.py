@@ -23,7 +23,7 @@ from screl.rollout.engines.kv_cache import CacheShape, SlotKVCache
 from screl.rollout.engines.sdpa_attention import (
     chunk_attention,
     decode_attention,
-    length_mask,
+    length_bias,
     prefill_attention,
 )
 from screl.rollout.engines.static_decode import StaticDecoder, _Layer, _rms_norm
@@ -45,6 +45,12 @@ class SlotForward:
         weights is cast again where it was freed (a stand-down) or the masters changed (an optimizer step)."""
         if self._copy is not None:
             self._copy.ensure()
+
+    def storage(self, cache: SlotKVCache) -> tuple[int, ...]:
+        """Addresses a captured decode step reads (:mod:`.decode_graphs`): the cache's, and the weights' (a colocated
+        engine's cast copy is allocated again after a stand-down; a refit copies in place and moves none)."""
+        n = self.net
+        return (cache.k[0].data_ptr(), n.embed.data_ptr(), n.layers[0].wq.data_ptr(), n.lm_head_w.data_ptr())
 
     def cache_shape(self, max_len: int, dtype: torch.dtype) -> CacheShape:
         n = self.net
@@ -85,13 +91,13 @@ class SlotForward:
         hi = ids.shape[0]
         cos, sin = self._rope(cache.shape.max_len)
         rows = torch.arange(hi, device=ids.device)
-        valid = length_mask(pos + 1, keys)
+        bias = length_bias(pos + 1, keys, cache.shape.dtype)
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.to(cache.shape.dtype) for t in (q, k, v))
             cache.k[i][rows, :, pos] = k[:, :, 0]
             cache.v[i][rows, :, pos] = v[:, :, 0]
-            return decode_attention(q, cache.k[i][:hi, :, :keys], cache.v[i][:hi, :, :keys], valid, self.net.scale)
+            return decode_attention(q, cache.k[i][:hi, :, :keys], cache.v[i][:hi, :, :keys], bias, self.net.scale)
 
         return self._run(ids[:, None], cos[pos][:, None, None], sin[pos][:, None, None], attend)
 

@@ -4,10 +4,12 @@ Batched sampling with a KV cache: prompts are left-padded (attention mask + posi
 token per step is decoded for the whole batch. Sampling is our own loop (not ``model.generate``) so
 that logprobs, per-token weight versions, stop handling and ``min_new_tokens`` are exact.
 
-Decoding runs on the model's static-cache path (:mod:`screl.rollout.engines.static_decode`) where the model supports it
-(Qwen2 and Llama layouts) and ``decode`` (``generation.backend_args.decode``) is ``auto`` or ``static``; else on
-the Hugging Face forward with its dynamic cache (``hf``, or ``auto`` on other models). Both give the same logits
-to fp32 round-off; the engine logs which one it runs.
+Decoding runs, where the model supports them (Qwen2, Qwen3 and Llama layouts), on the continuous path
+(:mod:`screl.rollout.engines.continuous`: an engine-wide KV cache, rows joining and leaving between steps, CUDA
+graphs) with ``decode`` (``generation.backend_args.decode``) ``continuous``, or ``auto`` on a CUDA device; on the
+static-cache path (:mod:`screl.rollout.engines.static_decode`) with ``static``, or ``auto`` on a CPU; else on the
+Hugging Face forward with its dynamic cache (``hf``, or ``auto`` on other models). All give the same logits to fp32
+round-off; the engine logs which one it runs.
 
 Determinism: each request draws its uniforms from its own ``torch.Generator`` seeded by
 ``SamplingParams.seed`` and samples by inverse CDF, so a request's tokens depend on its seed, prompt
@@ -35,6 +37,7 @@ from screl.models.spec import PolicySpec
 from screl.models.vision import is_vision_model
 from screl.rollout.engines.buckets import WeightBuckets
 from screl.rollout.engines.continuous import CONTINUOUS_DEFAULTS, ContinuousDecoder
+from screl.rollout.engines.decode_graphs import GRAPH_SETTINGS
 from screl.rollout.engines.loop_engine import LoopEngine
 from screl.rollout.engines.protocol import (
     BackendArgs,
@@ -74,8 +77,9 @@ class TorchGenerationEngine(LoopEngine):
             in-flight sequences under the new weights (else the old KV cache is kept, PipelineRL style).
         seed: Seeds the seeds of requests without ``SamplingParams.seed`` (``None``: nondeterministic).
         version: Initial weight version label.
-        decode: ``auto`` (the static-cache path where the model supports it, else Hugging Face's forward),
-            ``static`` (that path, an error on a model it cannot run) or ``hf``.
+        decode: ``auto`` (on a CUDA device the continuous path, on a CPU the static-cache path, where the model
+            supports them, else Hugging Face's forward), ``static`` (that path, an error on a model it cannot
+            run), ``continuous`` (:mod:`.continuous`) or ``hf``.
         model: Decode with this module instead of building one (colocated generation: the trainer's own
             module, :mod:`screl.rollout.colocated`). It is used as it is: not moved, not frozen; each forward pass
             runs it in eval mode and restores its mode after.
@@ -86,8 +90,8 @@ class TorchGenerationEngine(LoopEngine):
     capabilities = EngineCapabilities(
         whole_call_batches=True, streams_weight_buckets=True, streams_tokens=True, colocated=True,
         vision_inputs=True, routing_records=True,
-        backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS}, choices={"decode": DECODE_PATHS},
-                                 open=False),
+        backend_args=BackendArgs(defaults={"decode": "auto", **CONTINUOUS_DEFAULTS},
+                                 choices={"decode": DECODE_PATHS, "cuda_graphs": GRAPH_SETTINGS}, open=False),
         config_rules=("screl.rules.rollout_rules:torch_backend_rules",),
         kv_cache_gib="screl.rollout.engines.continuous:held_kv_cache_gib",
     )
@@ -163,10 +167,16 @@ class TorchGenerationEngine(LoopEngine):
             self._start_continuous({**CONTINUOUS_DEFAULTS, **(continuous or {})})
 
     def _decode_path(self, decode: str) -> str:
-        """``continuous`` (the model must run on the static path's network), else :func:`choose_decode_path`'s."""
+        """``continuous`` (asked for, or ``auto`` on a CUDA device for a model the path runs), else
+        :func:`choose_decode_path`'s (``auto`` on a CPU: ``static``, which prefills a batch in one forward pass
+        and is faster there at small shapes: bench/results/engine_gpu_cpu.json)."""
+        why = static_decode_support(self.model)
+        if decode == "auto" and self.device.type == "cuda" and why is None and not is_vision_model(self.model):
+            log.info("screl: the torch engine decodes on its continuous path (%s=auto on %s)", DECODE_KEY,
+                     self.device)
+            return "continuous"
         if decode != "continuous":
             return choose_decode_path(self.model, decode)
-        why = static_decode_support(self.model)
         if why is not None:
             raise ValueError(f"{DECODE_KEY}=continuous: {why}; set it to auto or hf")
         return "continuous"
