@@ -125,7 +125,9 @@ class DecodeGraphs:
             step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (a refit's copies wait on the model lock, which this holds; a
+        # colocated trainer is stood down) does not invalidate the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
         self._pool = graph.pool()
         self.captures += 1
