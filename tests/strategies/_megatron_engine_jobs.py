@@ -99,11 +99,12 @@ def engine_job(rank: int, out: str) -> None:
     torch.save(result, f"{out}.{rank}")
 
 
-def tensor_parallel_job(rank: int, out: str) -> None:
-    """Two ranks: rank 0's engine decodes with its TP=2 shard, rank 1 follows through the decode link."""
+def tensor_parallel_job(rank: int, out: str, autocast: torch.dtype | None = None) -> None:
+    """Two ranks: rank 0's engine decodes with its TP=2 shard, rank 1 follows through the decode link (``autocast``
+    bf16: each rank decodes a bf16 copy of its fp32 shard, the follower's freed when the leader ends the turn)."""
     from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
 
-    from screl.rollout.engines.megatron_decode import DecodeLink, eval_no_grad, serve_decode
+    from screl.rollout.engines.megatron_decode import DecodeLink, TensorParallelRanks
     from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
     from screl.rollout.engines.torch_engine import TorchGenerationEngine
 
@@ -115,15 +116,64 @@ def tensor_parallel_job(rank: int, out: str) -> None:
     link = DecodeLink(dist.new_group([0, 1], backend="gloo"), src=0)
     result: dict[str, Any] = {}
     if rank == 0:
-        engine = MegatronGenerationEngine(policy(), model=model, link=link, seed=1, max_batch_size=2)
+        engine = MegatronGenerationEngine(policy(), model=model, link=link, seed=1, max_batch_size=2,
+                                          autocast=autocast)
         result["megatron"] = as_lists(engine.generate(requests("tp", 1.0)))
+        result["copied"] = engine.model is not model
         result["still_training"] = model.training
         link.end()
-        ref = TorchGenerationEngine(policy(), decode="hf")
-        ref.update_weights(hf.state_dict(), 0)
+        ref = TorchGenerationEngine(policy(), decode="hf", model=hf, autocast=autocast)  # fp32 spec: the masters
         result["torch"] = as_lists(ref.generate(requests("tp", 1.0)))
     else:
-        result["forwards"] = serve_decode(link, model, lambda: eval_no_grad(model))
+        ranks = TensorParallelRanks(link, model, autocast)
+        result["forwards"] = ranks.follow()
+        result["copied"] = ranks._decode is not model
+        result["freed"] = all(p.numel() == 0 for p in ranks._decode.parameters()) if result["copied"] else None
         result["still_training"] = model.training
     dist.barrier()
+    torch.save(result, f"{out}.{rank}")
+
+
+def tensor_parallel_bf16_job(rank: int, out: str) -> None:
+    tensor_parallel_job(rank, out, torch.bfloat16)
+
+
+def colocated_copy_job(rank: int, out: str) -> None:
+    """A colocated engine on fp32 masters with bf16 autocast: it decodes a bf16 copy of the GPTModel (cast once,
+    re-cast after the masters change) against the same engine on the masters under autocast."""
+    from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
+
+    from screl.rollout.engines import megatron_engine
+    from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
+
+    spec = policy()
+    hf = spec.build_model()
+    initialize_model_parallel(ParallelismConfig(), seed=0, cpu=True)
+    model = trainer_gpt(spec, hf)
+    model.train()
+    copied = MegatronGenerationEngine(policy(), model=model, seed=1, autocast=torch.bfloat16)
+    keep = megatron_engine.decode_module
+    megatron_engine.decode_module = lambda m, a: m  # the reference: the masters under autocast every step
+    try:
+        masters = MegatronGenerationEngine(policy(), model=model, seed=1, autocast=torch.bfloat16)
+    finally:
+        megatron_engine.decode_module = keep
+    twin = copied.model.screl_decode_copy
+    result: dict[str, Any] = {
+        "copy_dtypes": sorted({str(p.dtype) for p in copied.model.parameters()}),
+        "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "reference_is_masters": masters.model is model, "copy_is_masters": copied.model is model}
+    for temp in (1.0, 0.0):
+        result[f"t{temp}"] = {"copy": as_lists(copied.generate(requests(f"c{temp}", temp))),
+                              "masters": as_lists(masters.generate(requests(f"m{temp}", temp)))}
+    result["casts"], result["checks"] = twin.casts, twin.checks
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)  # the trainer's step, in place
+    twin.free()  # the colocated host's stand-down
+    result["freed"] = all(p.numel() == 0 for p in copied.model.parameters())
+    result["after_step"] = {"copy": as_lists(copied.generate(requests("s", 0.0))),
+                            "masters": as_lists(masters.generate(requests("s2", 0.0)))}
+    result["casts_after"] = twin.casts
+    result["still_training"] = model.training
     torch.save(result, f"{out}.{rank}")

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from screl.rollout.engines.decode_copy import DecodeCopy
+
 _START, _STEP, _FREE, _END = 1, 2, 3, 4
 _HEADER = 6  # op, batch id, rows, width, capacity, spare
 
@@ -219,8 +221,29 @@ class TensorParallelRanks:
     """The compute dtype of the engine's forward passes (as the leader's)."""
 
     def follow(self) -> int:
-        """A follower: run the leader's forward passes until it ends them; the number run."""
-        return serve_decode(self.link, self.model, lambda: eval_no_grad(self.model, self.autocast))
+        """A follower: run the leader's forward passes until it ends them; the number run. Like the leader, it
+        decodes its shard's copy in the compute dtype (:func:`decode_module`), freed when the leader ends the turn."""
+        if self._decode is None:
+            self._decode = decode_module(self.model, self.autocast)
+        model = self._decode
+        try:
+            return serve_decode(self.link, model, lambda: eval_no_grad(model, self.autocast))
+        finally:
+            twin = getattr(model, "screl_decode_copy", None)
+            if twin is not None:
+                twin.free()
+
+    _decode: Any = None
+
+
+def decode_module(model: Any, autocast: torch.dtype | None) -> Any:
+    """The module a colocated Megatron engine decodes: a copy of the trainer's ``GPTModel`` in ``autocast`` (its
+    compute dtype) where the masters are fp32, cast once per turn (:class:`~.decode_copy.DecodeCopy`, freed at a
+    stand-down) instead of every weight re-cast by autocast at every decode step; else the module itself."""
+    masters = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if autocast not in (torch.bfloat16, torch.float16) or masters != {torch.float32}:
+        return model
+    return DecodeCopy(model, autocast).module
 
 
 @contextlib.contextmanager

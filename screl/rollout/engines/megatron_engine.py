@@ -35,6 +35,7 @@ from screl.rollout.engines.megatron_decode import (
     DecodeLink,
     MegatronDecoder,
     TensorParallelRanks,
+    decode_module,
     eval_no_grad,
     unpadded_vocab_size,
 )
@@ -145,7 +146,7 @@ class MegatronGenerationEngine(LoopEngine):
         import torch.distributed as dist
 
         link = DecodeLink(dist.new_group(list(range(world_size)), backend="gloo"), src=0)
-        return TensorParallelRanks(link, inner_gpt_model(module), autocast)
+        return TensorParallelRanks(link, inner_gpt_model(module), autocast)  # each follower decodes its own copy
 
     def __init__(
         self,
@@ -168,7 +169,7 @@ class MegatronGenerationEngine(LoopEngine):
         self.autocast = autocast if model is not None else None
         self.link = link
         if model is not None:
-            self.model = inner_gpt_model(model)
+            self.model = decode_module(inner_gpt_model(model), self.autocast)
             config, generation_config, _ = policy_configs(policy)
         else:
             self.model, config, generation_config = build_engine_model(policy, device, seed)

@@ -11,7 +11,6 @@ Invariant: a refit copies into the model's own tensors (no new ones), so a decod
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from screl.config_generation import TORCH_DECODE_PATHS
 from screl.models.spec import PolicySpec, resolve_dtype
 from screl.models.vision import vision_token_ids
+from screl.rollout.engines.decode_copy import DecodeCopy
 from screl.rollout.engines.static_decode import STATIC_ATTENTION_PATH, static_decode_support
 from screl.rollout.engines.weight_copy import copy_bucket
 
@@ -51,64 +51,6 @@ def engine_dtype(policy: PolicySpec, model: torch.nn.Module) -> torch.dtype | No
     dtype = resolve_dtype(str(getattr(policy, "dtype", "float32")))
     masters = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return dtype if masters == {torch.float32} and dtype != torch.float32 else None
-
-
-class DecodeCopy:
-    """A colocated engine's copy of the trainer's fp32 master module in the engine's dtype: the engine decodes
-    with :attr:`module` (the same structure; its parameters in ``dtype``, its buffers the masters'), so a decode
-    step casts nothing, where the masters under autocast would re-cast every weight every step.
-
-    The copy follows the masters: before a forward (a hook on the module, and on its rotary embedding, which the
-    static-cache path's prefill calls) it is cast again if it was freed or if a master changed since (their
-    in-place version counters: an optimizer step moves them). The colocated host frees it at each stand-down
-    (``EngineTurns.stand_down`` calls :meth:`free`), so it costs memory only while the engine decodes, and is cast once per wake.
-    :attr:`casts` counts the casts; :attr:`checks` the hook's calls.
-    """
-
-    def __init__(self, master: torch.nn.Module, dtype: torch.dtype) -> None:
-        self.dtype, self.casts, self.checks = dtype, 0, 0
-        self._masters = list(master.parameters())  # tied ones once
-        with torch.inference_mode(False), torch.no_grad():
-            memo: dict[int, Any] = {id(b): b for b in master.buffers()}  # shared: RoPE tables stay the masters'
-            memo.update({id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in self._masters})
-            self.module: Any = copy.deepcopy(master, memo).eval()
-        self._copies = [memo[id(p)] for p in self._masters]
-        self._versions = self._stamp()
-        self.casts = 1
-        object.__setattr__(self.module, "screl_decode_copy", self)  # a plain attribute, not a submodule
-        self.module.register_forward_pre_hook(self._hook)
-        rotary = getattr(getattr(self.module, "model", None), "rotary_emb", None)
-        if isinstance(rotary, torch.nn.Module):
-            rotary.register_forward_pre_hook(self._hook)
-
-    def _stamp(self) -> list[int]:
-        return [p._version for p in self._masters]
-
-    def _hook(self, *_: Any) -> None:
-        self.ensure()
-
-    def ensure(self) -> None:
-        """Cast again if the copy was freed or a master changed since the last cast (a decode path that calls no
-        hooked module before its forward, the continuous one, calls this itself)."""
-        self.checks += 1
-        if self._copies[0].numel() == 0 or self._stamp() != self._versions:
-            self.refresh()
-
-    def refresh(self) -> None:
-        """Cast the masters into the copy (its tensors allocated again where freed)."""
-        with torch.inference_mode(False), torch.no_grad():
-            for master, twin in zip(self._masters, self._copies, strict=True):
-                if twin.numel() == 0:
-                    twin.data = master.detach().to(self.dtype)
-                else:
-                    twin.copy_(master)
-        self._versions = self._stamp()
-        self.casts += 1
-
-    def free(self) -> None:
-        """Drop the copy's tensors (a stand-down: the trainer trains the masters); the next forward casts again."""
-        for twin in self._copies:
-            twin.data = torch.empty(0, dtype=self.dtype, device=twin.device)
 
 
 def choose_decode_path(model: Any, decode: str) -> str:
