@@ -107,3 +107,26 @@ def test_acceptance_cpu_mode_on_vllm_compares_with_a_standalone_engine(tmp_path:
     assert alone["status"] == "passed", alone
     assert alone["prompts"] >= parts["grpo"]["steps"] * 4 and alone["requests"] == alone["prompts"] * 4
     assert alone["completion_tokens"] > 0 and alone["grpo_over_standalone_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("part", ["grpo", "colocated", "megatron_generation"])
+def test_the_gpu_runs_configs_pass_screl_check_at_qwen2_5_shapes(part: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """What the GPU parts run (no GPU needed to check it): Qwen2.5-0.5B's shapes at full size on the torch engine's
+    continuous path (grpo, colocated) or Megatron's, and ``screl check`` passes each config."""
+    from tests._check_helpers import run_check
+
+    sys.path.insert(0, str(REPO / "examples" / "gpu"))
+    import acceptance_configs as ac
+
+    if part == "grpo" and ac.vllm_importable():
+        pytest.skip("vLLM installed: the grpo part runs SmolLM2 on vLLM")
+    cfg = {"grpo": ac.grpo_config, "colocated": ac.colocated_config,
+           "megatron_generation": ac.megatron_generation_config}[part](False, tmp_path / "run", 12)
+    assert cfg["model"]["init_args"]["policy"] == ac.GPU_POLICY and "callbacks" not in cfg["trainer"]
+    gen = cfg["data"]["init_args"]["generation"]
+    assert gen["device"] == "cuda" and cfg["trainer"]["precision"] == "bf16-mixed"
+    assert gen["backend"] == ("megatron" if part == "megatron_generation" else "torch")
+    rc, out = run_check(cfg, tmp_path, capsys)
+    assert rc == 0, out
+    assert "trainer memory       ~" in out and "8.3 GiB weights, gradients and optimizer" in out  # 0.5B at fp32

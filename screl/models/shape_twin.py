@@ -87,12 +87,19 @@ class ShapeTwin(PolicySpec):
         system_prompt: With ``chat_template``: a system turn first (its characters must be the tokenizer's).
         seed: Weight-init seed: every process builds the same weights (the global RNG is untouched).
         dtype: Parameter dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        vocab_size: The embedding and output rows (None: the character tokenizer's). A larger one gives the real
+            family's vocabulary cost (its logits, embedding and output layer: ``151936`` for Qwen2.5) over the same
+            tokenizer; ids past the tokenizer's decode as nothing.
     """
 
     def __init__(self, config: str, head_dim: int = 8, num_kv_heads: int = 2, num_layers: int = 2,
                  max_position_embeddings: int = 256, chat_template: bool = False, system_prompt: str | None = None,
-                 seed: int = 0, dtype: str = "float32") -> None:
+                 seed: int = 0, dtype: str = "float32", vocab_size: int | None = None) -> None:
         resolve_dtype(dtype)
+        if vocab_size is not None and vocab_size < len(char_vocab()):
+            raise ValueError(f"ShapeTwin: vocab_size={vocab_size} is below the character tokenizer's "
+                             f"{len(char_vocab())} ids; leave it null or raise it")
+        self.vocab_size = vocab_size
         self.config, self.head_dim, self.num_kv_heads, self.num_layers = config, head_dim, num_kv_heads, num_layers
         self.max_position_embeddings, self.chat_template, self.system_prompt = (
             max_position_embeddings, chat_template, system_prompt)
@@ -112,7 +119,10 @@ class ShapeTwin(PolicySpec):
         """The shrunk config's fields."""
         with open(self._path()) as fh:
             fields = json.load(fh)
-        return shrink_config(fields, self.head_dim, self.num_kv_heads, self.num_layers, self.max_position_embeddings)
+        out = shrink_config(fields, self.head_dim, self.num_kv_heads, self.num_layers, self.max_position_embeddings)
+        if self.vocab_size is not None:
+            out["vocab_size"] = self.vocab_size
+        return out
 
     def build_config(self) -> Any:
         """The twin's Hugging Face config (the source family's class)."""

@@ -75,3 +75,18 @@ def test_refusals_name_the_problem(tmp_path: Path) -> None:
                        "num_attention_heads": 4}, head_dim=3)
     with pytest.raises(ValueError, match="system_prompt needs chat_template"):
         ShapeTwin(str(SHAPES / "qwen3-0.6b"), system_prompt="be brief")
+    with pytest.raises(ValueError, match="vocab_size=10 is below the character tokenizer's 43 ids"):
+        ShapeTwin(str(SHAPES / "qwen3-0.6b"), vocab_size=10)
+
+
+def test_the_real_shapes_of_qwen2_5_0_5b_with_its_vocabulary() -> None:
+    """The GPU acceptance policy (examples/gpu/acceptance_configs.py): Qwen2.5-0.5B's sizes over the character
+    tokenizer with the real vocabulary's rows; an id past the tokenizer's decodes as nothing."""
+    src = json.loads((SHAPES.parents[2] / "examples/models/qwen2.5-0.5b-instruct/config.json").read_text())
+    spec = ShapeTwin(str(SHAPES.parents[2] / "examples/models/qwen2.5-0.5b-instruct"), head_dim=64, num_kv_heads=2,
+                     num_layers=24, vocab_size=151936)
+    fields = spec.config_fields()
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "num_hidden_layers", "vocab_size", "tie_word_embeddings", "rope_theta"):
+        assert fields[key] == src[key], key
+    assert spec.build_tokenizer().decode([3, 151000, 4]) == "ab"
