@@ -386,3 +386,44 @@ def test_auto_picks_the_continuous_path_on_a_gpu_and_the_static_path_on_a_cpu() 
     assert _engine("auto").decode_path == "static" and _engine("auto").continuous is None
     assert continuous.held_kv_cache_gib({"decode": "auto", "kv_cache_gb": 3}) == 3.0  # the GPU's path: counted
     assert continuous.held_kv_cache_gib({"decode": "static", "kv_cache_gb": 3}) is None
+
+
+class _Replayed:
+    """A fake at the true edge (capturing a CUDA graph needs a GPU): what ``DecodeGraphs._record`` returns, with
+    its semantics: the warm-up runs the step once, each ``replay()`` runs it again on the buffers it was given."""
+
+    def __init__(self, step: Any) -> None:
+        self.step, self.replays = step, 0
+        step()
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.step()
+
+
+@pytest.mark.parity
+def test_captured_steps_replay_on_static_buffers_once_a_shape_and_again_after_a_stand_down() -> None:
+    """The capture bookkeeping around ``torch.cuda.graph`` (everything but the capture itself): each (rows, keys)
+    shape is recorded once and replayed with the step's tokens and positions copied into the static buffers, the
+    logits read from the static output; the rows get the eager engine's tokens and the trainer's logprobs. A
+    stand-down drops the graphs with the cache, and the next call records them again."""
+    eng, exact = _engine(rows=5), _engine(rows=5)
+    g = eng.continuous.graphs  # type: ignore[union-attr]
+    g.capture = g.bucketed = True
+    g.out = torch.zeros(g.cache.slots, eng.vocab_size)
+    recorded: list[_Replayed] = []
+    g._record = lambda step: recorded.append(_Replayed(step)) or recorded[-1]  # type: ignore[method-assign]
+    reqs = _requests(9) + _requests(3, "x", max_new_tokens=40)
+    ours, ref = eng.generate(reqs), exact.generate(reqs)
+    model = SPEC.build_model().eval()
+    for x, y in zip(ours, ref, strict=True):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert _max_gap(x.logprobs, _reference(model, x, 0.9)) <= TOL
+    assert g.captures == len(recorded) == len(g.graphs) == 2 and set(g.graphs) == {(4, 128), (5, 128)}
+    steps = sum(r.replays for r in recorded)
+    assert steps >= 40  # every decode step replayed a recorded graph (no eager step)
+    eng.stand_down(timeout=10)
+    assert g.graphs == {}
+    eng.wake()
+    eng.generate(_requests(2, "y"))
+    assert g.captures == 3 and set(g.graphs) == {(2, 128)}  # recorded again on the new cache

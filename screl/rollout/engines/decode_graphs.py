@@ -111,14 +111,20 @@ class DecodeGraphs:
         return self.out[:hi]
 
     def _capture(self, rows: int, width: int) -> _Graph:
-        """Warm the shape up on a side stream (the writes it makes are the step's own, so repeating them is
-        harmless), then capture it into the shared memory pool; the logits land in :attr:`out`."""
+        """The shape's step (the logits land in :attr:`out`), recorded once (:meth:`_record`)."""
         assert self.out is not None
         out = self.out
 
         def step() -> None:
             out[:rows].copy_(self.forward.decode(self.cache, self.ids[:rows], self.pos[:rows], width))
 
+        graph = self._record(step)
+        self.captures += 1
+        return _Graph(graph, rows)
+
+    def _record(self, step: Any) -> Any:
+        """Warm ``step`` up on a side stream (the writes it makes are the step's own, so repeating them is harmless),
+        then capture it into the shared memory pool: a ``torch.cuda.CUDAGraph`` whose ``replay()`` runs it."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -130,8 +136,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
         self._pool = graph.pool()
-        self.captures += 1
-        return _Graph(graph, rows)
+        return graph
 
     def drop(self) -> None:
         """Forget the captured graphs (a stand-down frees the cache they point at)."""
