@@ -5,8 +5,9 @@ On a CPU a small model's decode step is mostly Python and dispatch: Hugging Face
 a ``torch.cat`` per layer per step into its ``DynamicCache`` and a new mask every step (~1.1 ms a step for the
 77k-parameter tiny model, most of it not arithmetic). :class:`StaticDecoder` runs the same network on the same
 parameter tensors (a refit that copies into the model is seen at once) with a KV cache preallocated per batch and
-written in place, the rotary table computed once per batch, one mask buffer sliced per step, grouped-query
-attention without copying the KV heads, and the layers called as functions.
+written in place, the rotary table computed once per batch, one validity buffer sliced per step and turned into an
+additive attention bias once a forward pass (not a boolean mask SDPA converts in every layer), decode steps'
+grouped-query attention folded into the query axis (no KV copy), and the layers called as functions.
 
 Invariant: its logits equal Hugging Face's to fp32 round-off (``tests/rollout/test_static_decode.py``).
 :func:`static_decode_support` says which models it runs; the engine uses it when ``backend_args.decode`` is
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from screl.rollout.engines.sdpa_attention import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -47,8 +50,10 @@ def static_decode_support(model: Any) -> str | None:
     return None
 
 
-STATIC_ATTENTION_PATH = ("sdpa with a boolean mask (prefill: [rows, 1, W, W] causal and padding; decode: "
-                         "[rows, 1, 1, capacity]) and enable_gqa, which the flash kernel does not take")
+STATIC_ATTENTION_PATH = ("sdpa with an additive bias built once a forward pass, no boolean mask (prefill: [rows, 1, W, "
+                         "W] causal and padding, enable_gqa; decode: [rows, 1, 1, keys] padding, GQA folded into the "
+                         "query axis, no KV copy); a left-padded batch needs the bias, so the flash kernel cannot take "
+                         "it: the continuous path is the GPU's")
 """The start-up line's words for the static path's attention."""
 
 
@@ -168,6 +173,8 @@ class StaticDecoder:
         rows, n = ids.shape
         start, end = self._len, self._len + n
         h = F.embedding(ids, self.embed)
+        # once a forward, not in every layer (SDPA would turn a boolean mask into this bias at each call)
+        bias = torch.where(mask, torch.zeros((), dtype=self._k[0].dtype, device=mask.device), float("-inf"))
         cos = self._cos[pos][:, None]  # [rows, 1, n, head_dim]
         sin = self._sin[pos][:, None]
         half = self.head_dim // 2
@@ -182,10 +189,13 @@ class StaticDecoder:
             k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             self._k[i][:, :, start:end] = k
             self._v[i][:, :, start:end] = v
-            att = F.scaled_dot_product_attention(
-                q, self._k[i][:, :, :end], self._v[i][:, :, :end], attn_mask=mask, scale=self.scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )
+            if n == 1:  # a decode step: each KV head's query group folded into the query axis (no KV repeat)
+                att = decode_attention(q, self._k[i][:, :, :end], self._v[i][:, :, :end], bias, self.scale)
+            else:
+                att = F.scaled_dot_product_attention(
+                    q, self._k[i][:, :, :end], self._v[i][:, :, :end], attn_mask=bias, scale=self.scale,
+                    enable_gqa=self.num_kv_heads != self.num_heads,
+                )
             h = h + F.linear(att.transpose(1, 2).reshape(rows, n, width), L.wo, L.bo)
             x = _rms_norm(h, L.ln2, L.ln2_eps)
             h = h + F.linear(F.silu(F.linear(x, L.w_gate)) * F.linear(x, L.w_up), L.w_down)
