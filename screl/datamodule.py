@@ -335,11 +335,13 @@ class RolloutDataModule(LightningDataModule):
             meta = self.runtime.next_chunk()
             if meta is None:
                 return None
+            phase: dict[str, float] = {}
             if self.colocated:  # the step's batch is complete: the engine stands down for the train step
-                self.runtime.stand_down()
+                phase = self.runtime.stand_down()
             batch = collate_chunk(meta, self.runtime.fetch(meta["keys"], self._schema.names), self._pad_id,
                                   self._schema)
             batch["wait_s"] = time.perf_counter() - t0
+            batch.update(phase)  # colocated: the engine's generation phase (rollout/engine_busy_s, engine_tokens)
             return batch
 
         chunk = self._with_engine(fetch)

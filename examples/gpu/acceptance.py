@@ -30,6 +30,11 @@ Parts, each in its own subprocess (``--part NAME``), so one failure does not hid
   the trainer's process, standing down for each train step). GPU: Qwen2.5-0.5B-Instruct's shapes, ``bf16-mixed``
   (the engine decodes a bf16 copy of the fp32 masters), 12 steps of 8 x 8 on the one GPU; CPU: ``configs/grpo_colocated_tiny.yaml`` for 3 steps. The same figures as ``grpo``
   (its refits are relabels: no weight moves), and no generation worker may appear in the run's log.
+- ``engine_standalone``: the ``colocated`` run's prompts (its ``admit`` events) with its sampling and
+  ``backend_args`` on the torch engine alone in this process (its own copy of the policy), one step's requests at a
+  time; ``colocated.busy_over_standalone_tokens_per_s`` is the colocated run's tokens over its engine-busy seconds
+  (``rollout/engine_busy_s`` and ``rollout/engine_tokens``: decoding only, stood-down time left out) over this
+  figure (GPU threshold 0.9).
 - ``megatron_generation``: the ``colocated`` run with ``generation.backend: megatron`` under ``MegatronStrategy``
   (TP=1): the trainer's ``GPTModel`` generates with megatron-core's static KV cache. The same figures.
 - ``memory``: ``bench/memory.py``'s step at vocabulary 151,936, chunked logprobs (``after``) against full logits
@@ -88,9 +93,10 @@ from acceptance_configs import (  # noqa: E402  (a sibling module of this script
 )
 
 PARTS = ("grpo", "vllm_standalone", "nccl_refit", "megatron", "pipeline", "ppo_offload", "memory", "colocated",
-         "megatron_generation", "engine_bench")
+         "engine_standalone", "megatron_generation", "engine_bench")
 GPU_TIMEOUT_S = {"grpo": 200, "vllm_standalone": 150, "nccl_refit": 180, "megatron": 150, "pipeline": 150,
-                 "ppo_offload": 90, "memory": 120, "colocated": 180, "megatron_generation": 200, "engine_bench": 240}
+                 "ppo_offload": 90, "memory": 120, "colocated": 180, "engine_standalone": 90, "megatron_generation": 200,
+                 "engine_bench": 240}
 GPU_BUDGET_S = 480  # the whole GPU run: 8 minutes
 # every figure's threshold (GPU; CPU where it differs): the JSON's ``thresholds`` says which held
 THRESHOLDS = {
@@ -101,6 +107,8 @@ THRESHOLDS = {
     "engine_bench.engine_over_hf_generate": (">=", 3.0, None),  # Qwen2.5-1.5B shapes, bench/engine_gpu.py
     "engine_bench.engine_over_roofline": (">=", 0.4, None),
     "colocated.over_disaggregated_tokens_per_s": (">=", 0.5, None),  # colocated generation vs the grpo part's
+    # the colocated run's generation phases (engine-busy time) vs the same prompts on the engine alone
+    "colocated.busy_over_standalone_tokens_per_s": (">=", 0.9, None),
 }
 CPU_TIMEOUT_S = 600  # a loaded 2-core machine: generous, never a pass criterion
 GPU_STEPS, CPU_STEPS = 12, 3
@@ -200,6 +208,11 @@ def _fit_and_read(cfg: dict[str, Any], run_root: Path, path: Path, steps: int) -
         "logprob_mismatch_max": max(mismatch) if mismatch else float("nan"), "fit_wall_s": fit_s,
         "run_dir": str(run_dir),
     }
+    busy = [r["rollout/engine_busy_s"] for r in rows if "rollout/engine_busy_s" in r]
+    if busy:  # colocated: the engine's generation phases (its own clock: decoding only, stood-down time out)
+        made = sum(r.get("rollout/engine_tokens", 0.0) for r in rows)
+        out.update(engine_busy_s=sum(busy), engine_tokens=made,
+                   busy_tokens_per_s=made / sum(busy) if sum(busy) > 0 else float("nan"))
     _check(len(reward) == steps, f"{len(reward)} steps logged a reward, expected {steps}")
     _check(all(_finite(r) for r in reward), f"a reward is not finite: {reward}")
     _check(tokens > 0 and out["generation_tokens_per_s"] > 0, f"no generation throughput: {tokens} tokens, {gen_s} s")
@@ -218,14 +231,15 @@ def _instantiate(spec: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(**(spec.get("init_args") or {}))
 
 
-def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
+def _standalone(cpu: bool, work: Path, run: str, build: Any) -> dict[str, Any]:
+    """The run ``run``'s prompts (its ``admit`` events, one step's at a time) with its sampling on a standalone engine
+    ``build(policy, gen)`` makes in this process (no Ray, controller or trainer): its tokens/s."""
     import yaml
 
     from screl.rollout.engines.protocol import GenerationRequest, SamplingParams
-    from screl.rollout.engines.vllm_engine import VLLMGenerationEngine
 
-    cfg = yaml.safe_load((work / "grpo_config.yaml").read_text())
-    _rows, events, _ = _read_run(work / "grpo_run")
+    cfg = yaml.safe_load((work / f"{run}_config.yaml").read_text())
+    _rows, events, _ = _read_run(work / f"{run}_run")
     policy = _instantiate(cfg["model"]["init_args"]["policy"])
     task = _instantiate(cfg["data"]["init_args"]["task"])
     tokenizer = policy.build_tokenizer()
@@ -237,8 +251,7 @@ def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
     steps = [[int(p) for p in e["prompt_ids"]] for e in events if e["event"] == "admit"]
     batches = [[GenerationRequest(f"{s}-{p}-{k}", policy.prompt_token_ids(tokenizer, by_id[p].text), sampling)
                 for p in ids for k in range(group)] for s, ids in enumerate(steps)]
-    engine = VLLMGenerationEngine(policy, engine_args=dict(gen.get("backend_args") or {}), seed=0,
-                                  device=gen.get("device", "cpu"), num_threads=None if not cpu else 1)
+    engine = build(policy, gen)
     try:
         engine.generate(batches[0][:1])  # warm-up, outside the timed window
         t0 = time.perf_counter()
@@ -252,6 +265,31 @@ def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
            "generation_s": gen_s, "generation_tokens_per_s": tokens / gen_s}
     _check(tokens > 0, "the standalone engine generated nothing")
     return out
+
+
+def part_vllm_standalone(cpu: bool, work: Path) -> dict[str, Any]:
+    from screl.rollout.engines.vllm_engine import VLLMGenerationEngine
+
+    def build(policy: Any, gen: dict[str, Any]) -> Any:
+        return VLLMGenerationEngine(policy, engine_args=dict(gen.get("backend_args") or {}), seed=0,
+                                    device=gen.get("device", "cpu"), num_threads=None if not cpu else 1)
+
+    return _standalone(cpu, work, "grpo", build)
+
+
+def part_engine_standalone(cpu: bool, work: Path) -> dict[str, Any]:
+    """The colocated run's prompts on the torch engine alone (its own copy of the policy, the run's
+    ``backend_args``), for ``colocated.busy_over_standalone_tokens_per_s``."""
+    from screl.rollout.engines.protocol import EngineOptions
+    from screl.rollout.engines.torch_engine import TorchGenerationEngine
+
+    def build(policy: Any, gen: dict[str, Any]) -> Any:
+        options = EngineOptions(device=gen.get("device", "cpu"), num_threads=1 if cpu else None, seed=0,
+                                max_batch_size=int(gen.get("max_batch_size", 64)),
+                                args=dict(gen.get("backend_args") or {}))
+        return TorchGenerationEngine.from_options(policy, options)
+
+    return _standalone(cpu, work, "colocated", build)
 
 
 # -- the other parts -------------------------------------------------------------------------------------------
@@ -365,7 +403,8 @@ def part_engine_bench(cpu: bool, work: Path) -> dict[str, Any]:
             "attention": model["systems"]["engine"].get("attention")}
 
 
-RUNNERS = {"engine_bench": part_engine_bench, "grpo": part_grpo, "colocated": part_colocated, "vllm_standalone": part_vllm_standalone,
+RUNNERS = {"engine_bench": part_engine_bench, "grpo": part_grpo, "colocated": part_colocated,
+           "vllm_standalone": part_vllm_standalone, "engine_standalone": part_engine_standalone,
            "nccl_refit": part_nccl_refit, "megatron": part_megatron, "pipeline": part_pipeline,
            "ppo_offload": part_ppo_offload, "memory": part_memory, "megatron_generation": part_megatron_generation}
 
@@ -382,6 +421,10 @@ def skip_reason(part: str, cpu: bool, gpus: int, done: dict[str, Any]) -> str | 
             return "needs the grpo part's run (its prompts and sampling), which did not pass"
         if done["grpo"].get("backend") != "vllm":
             return "the grpo part ran on the torch engine: no vLLM run to compare with"
+        return None
+    if part == "engine_standalone":
+        if done.get("colocated", {}).get("status") != "passed":
+            return "needs the colocated part's run (its prompts and sampling), which did not pass"
         return None
     if part == "nccl_refit":
         if cpu:
@@ -514,9 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     if grpo.get("status") == "passed" and alone.get("status") == "passed":
         alone["grpo_over_standalone_tokens_per_s"] = (grpo["generation_tokens_per_s"]
                                                       / alone["generation_tokens_per_s"])
-    colo = parts.get("colocated", {})
+    colo, engine_alone = parts.get("colocated", {}), parts.get("engine_standalone", {})
     if grpo.get("status") == "passed" and colo.get("status") == "passed":
         colo["over_disaggregated_tokens_per_s"] = colo["generation_tokens_per_s"] / grpo["generation_tokens_per_s"]
+    if colo.get("status") == "passed" and engine_alone.get("status") == "passed" and "busy_tokens_per_s" in colo:
+        colo["busy_over_standalone_tokens_per_s"] = (colo["busy_tokens_per_s"]
+                                                     / engine_alone["generation_tokens_per_s"])
     wall = round(time.perf_counter() - t0, 1)
     checks = thresholds(parts, args.cpu, wall)
     result = {

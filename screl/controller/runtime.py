@@ -128,6 +128,7 @@ class RolloutRuntime:
         self.colocated = generation.colocated.enabled
         """The engine decodes with the trainer's module in this process (:mod:`screl.rollout.colocated`)."""
         self.host: Any = None  # the colocated engine's ColocatedHost
+        self._phase_at: dict[str, float] = {}  # its busy seconds and tokens at the last stand-down
         self.record_routing = False  # the engines record MoE routing for the trainer's replay (set before start)
         self.link: Any = None  # a colocated Megatron engine's DecodeLink to the other tensor-parallel ranks
         self.distillation: Any = None  # screl.Distill's DistillationConfig: teacher workers score every row
@@ -301,12 +302,20 @@ class RolloutRuntime:
         assert self.dataplane is not None
         return self.dataplane.get(keys, list(fields or self.row_fields)) if keys else {}
 
-    def stand_down(self) -> None:
+    def stand_down(self) -> dict[str, float]:
         """Colocated: the step's batch is complete; after the running validation (its weights are about to
-        change), the engine stands down for the train step."""
+        change), the engine stands down for the train step. Returns its generation phase since the last stand-down
+        for the step's metrics: ``engine_busy_s`` (the seconds it decoded) and ``engine_tokens`` (the tokens its
+        calls returned), where the engine counts them."""
         self._wait(self.controller.validation_idle.remote(self.timeout_s), "finish the validation before the step",
                    self.timeout_s + 60)
         self.host.stand_down()
+        engine, out = self.host.worker.engine, {}
+        for key, attr in (("engine_busy_s", "busy_s"), ("engine_tokens", "tokens_out")):
+            value = getattr(engine, attr, None)
+            if value is not None:
+                out[key], self._phase_at[key] = float(value) - self._phase_at.get(key, 0.0), float(value)
+        return out
 
     def wake(self) -> None:
         """Colocated: generation resumes (idempotent)."""

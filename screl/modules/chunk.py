@@ -110,7 +110,8 @@ def chunk_logs(
     }
     if grad_norm is not None:
         logs["train/grad_norm"] = grad_norm
-    for key in ("buffer_fill", "inflight", "wait_s", "generation_s", "filtered", "replaced"):
+    for key in ("buffer_fill", "inflight", "wait_s", "generation_s", "filtered", "replaced", "engine_busy_s",
+                "engine_tokens"):
         if key in batch:
             (bar if key in ("buffer_fill", "inflight") else logs)[f"rollout/{key}"] = float(batch[key])
     for k, vs in metrics.items():

@@ -5,6 +5,7 @@ leaving mid-batch, aborts, refits in flight and stand-downs; its KV cache sized 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -427,3 +428,29 @@ def test_captured_steps_replay_on_static_buffers_once_a_shape_and_again_after_a_
     eng.wake()
     eng.generate(_requests(2, "y"))
     assert g.captures == 3 and set(g.graphs) == {(2, 128)}  # recorded again on the new cache
+
+
+@pytest.mark.parametrize("decode", ["static", "continuous"])
+def test_the_busy_clock_counts_decoding_only(decode: str) -> None:
+    """``busy_s``: the seconds a call decoded (a colocated run's ``rollout/engine_busy_s``): idle time and a
+    parked call's time under a keep-pause are left out."""
+    eng = _engine(decode)
+    assert eng.busy_s == 0.0
+    held: list[float] = []
+
+    def park() -> None:  # the trainer's turn: the call parks 0.3 s at this gate
+        before = eng.busy_s
+        threading.Thread(target=lambda: (eng.pause("keep", timeout=10), time.sleep(0.3), eng.resume()),
+                         daemon=True).start()
+        _wait(lambda: eng.paused)
+        held.append(before)
+
+    _on_checkpoint(eng, 3, park)
+    t0 = time.perf_counter()
+    eng.generate(_requests())
+    wall = time.perf_counter() - t0
+    time.sleep(0.05)  # the continuous path's decode thread winds down after the call has its rows
+    busy = eng.busy_s
+    assert held and 0 < busy < wall - 0.25  # the 0.3 s parked are not busy
+    time.sleep(0.05)
+    assert eng.busy_s == busy  # idle

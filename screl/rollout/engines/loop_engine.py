@@ -59,3 +59,13 @@ class LoopEngine:
     def stood_down(self) -> bool:
         """Whether the engine is stood down."""
         return self.loop.stood_down
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine has had a call decoding, over its life (:attr:`RequestLoop.busy_s`)."""
+        return self.loop.busy_s
+
+    @property
+    def tokens_out(self) -> int:
+        """Tokens the engine has returned, over its life (:attr:`RequestLoop.tokens_out`)."""
+        return self.loop.tokens_out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -105,8 +106,35 @@ class RequestLoop:
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
         self._stood_down = False  # paused with the KV caches freed (colocated: the trainer has the module)
         self._exclusive = False  # a call holds the engine's shared KV cache (the continuous path)
+        self._busy_s = 0.0  # seconds with a call running (decoding, not parked), up to _busy_since
+        self._busy_since: float | None = None
+        self._tokens_out = 0  # tokens of the rows every call returned
         self.continuous: Callable[[RequestLoop, list[Row]], None] | None = None
         """Runs a call's rows instead of the batches (the torch engine's continuous path)."""
+
+    def _shift(self, calls: int) -> None:
+        """Calls running change by ``calls`` (under ``_cond``); the busy clock runs while any does."""
+        self._active += calls
+        now = time.perf_counter()
+        if self._active > 0 and self._busy_since is None:
+            self._busy_since = now
+        elif self._active == 0 and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine has had a call running (decoding: parked, stood-down and idle time excluded), over its
+        life; a colocated run's generation phase is the sum of its deltas (``rollout/engine_busy_s``)."""
+        with self._cond:
+            running = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
+            return self._busy_s + running
+
+    @property
+    def tokens_out(self) -> int:
+        """Tokens the engine has returned (every call's rows, aborted ones' partial tokens included), over its life."""
+        with self._cond:
+            return self._tokens_out
 
     # ------------------------------------------------------------------------------ version, refits
 
@@ -208,7 +236,7 @@ class RequestLoop:
             for i in range(0, len(rows) if self.continuous is None else 0, size):
                 self._run_batch(rows[i : i + size])
         finally:
-            self._exit(ids)
+            self._exit(ids, sum(len(r.tokens) for r in rows))
         end = self._version
         return [row_result(r, end, self.stop_tokens) for r in rows]
 
@@ -224,11 +252,12 @@ class RequestLoop:
                 raise ValueError(f"generate: request ids already in flight or repeated: {dup[:5]}.")
             self._inflight.update(zip(ids, rows, strict=True))
             self._cond.wait_for(lambda: self._pause_mode is None)
-            self._active += 1
+            self._shift(1)
 
-    def _exit(self, ids: list[str]) -> None:
+    def _exit(self, ids: list[str], tokens: int = 0) -> None:
         with self._cond:
-            self._active -= 1
+            self._tokens_out += tokens
+            self._shift(-1)
             for i in ids:
                 self._inflight.pop(i, None)
             self._aborted.difference_update(ids)
@@ -254,11 +283,11 @@ class RequestLoop:
             while self._exclusive:
                 parked = self._pause_mode == "keep"
                 if parked:
-                    self._active -= 1
+                    self._shift(-1)
                     self._cond.notify_all()
                 self._cond.wait()
                 if parked:
-                    self._active += 1
+                    self._shift(1)
             self._exclusive = True
         try:
             yield
@@ -270,23 +299,23 @@ class RequestLoop:
     def driver_starts(self) -> None:
         """A decode thread that runs calls' rows for them (the continuous path) counts as a running call from now."""
         with self._cond:
-            self._active += 1
+            self._shift(1)
 
     def driver_ends(self) -> None:
         with self._cond:
-            self._active -= 1
+            self._shift(-1)
             self._cond.notify_all()
 
     def wait_parked(self, done: Callable[[], bool]) -> None:
         """A call whose rows a decode thread runs waits for ``done()``, not counted as running meanwhile (a pause
         waits for the decode thread, which parks, drains or aborts the rows as the pause asks)."""
         with self._cond:
-            self._active -= 1
+            self._shift(-1)
             self._cond.notify_all()
             try:
                 self._cond.wait_for(done)
             finally:
-                self._active += 1
+                self._shift(1)
 
     def notify(self) -> None:
         """Wake the calls waiting on the loop (a decode thread finished some of their rows)."""
@@ -304,10 +333,10 @@ class RequestLoop:
                     batch.dropped = True
                 if self._stood_down and on_drop is not None:
                     on_drop()
-                self._active -= 1
+                self._shift(-1)
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._pause_mode != "keep")
-                self._active += 1
+                self._shift(1)
             for r in rows:
                 if r.finish is None and r.req.request_id in self._aborted:
                     r.finish = "abort"
