@@ -72,7 +72,8 @@ class DecodeGraphs:
         dev = cache.device
         self.ids = torch.zeros(cache.slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(cache.slots, dtype=torch.long, device=dev)
-        self.out = torch.zeros(cache.slots, vocab, dtype=torch.float32, device=dev) if capture else None
+        self.vocab = vocab
+        self.out: Tensor | None = None  # the captured steps' logits [slots, vocab], made at the first capture
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.captures = 0  # shapes captured so far (start-up cost; a figure for logs and tests)
         self._pool: Any = None
@@ -103,6 +104,8 @@ class DecodeGraphs:
             self._pool, self._storage = None, storage
         self.ids[:rows].copy_(feed[:rows])
         self.pos[:rows].copy_(pos[:rows])
+        if self.out is None:
+            self.out = torch.zeros(self.cache.slots, self.vocab, dtype=torch.float32, device=self.cache.device)
         graph = self.graphs.get((rows, width))
         if graph is None:
             graph = self.graphs[(rows, width)] = self._capture(rows, width)
@@ -139,6 +142,7 @@ class DecodeGraphs:
         return graph
 
     def drop(self) -> None:
-        """Forget the captured graphs (a stand-down frees the cache they point at)."""
+        """Forget the captured graphs and free their memory pool and logits buffer (a stand-down frees the cache
+        they point at; the trainer gets the memory back)."""
         self.graphs.clear()
-        self._pool, self._storage = None, None
+        self._pool, self._storage, self.out = None, None, None
