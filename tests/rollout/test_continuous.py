@@ -206,6 +206,12 @@ def test_the_cache_is_sized_by_the_budget_in_the_compute_dtype_and_named_at_star
     assert all(0 <= t < eng.vocab_size for r in res for t in r.token_ids)
     with pytest.raises(ValueError, match="needs 130 positions and a KV-cache slot holds 128"):
         eng.generate([GenerationRequest("long", [5, 6], SamplingParams(max_new_tokens=128))])
+    assert "of backend_args.max_rows" not in caplog.text  # 256 slots: all the rows it was asked for
+    with caplog.at_level("WARNING"):
+        short = _engine(rows=1000)
+    assert short.continuous.cache.slots < 1000  # type: ignore[union-attr]
+    assert (f"KV cache holds {short.continuous.cache.slots} of backend_args.max_rows=1000 rows: "  # type: ignore[union-attr]
+            "backend_args.kv_cache_gb=0.01 GB") in caplog.text
 
 
 @pytest.mark.parity

@@ -27,6 +27,7 @@ error in the run fails every call waiting on it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -41,6 +42,8 @@ from screl.rollout.engines.sdpa_attention import ATTENTION_PATH
 from screl.rollout.engines.slot_forward import SlotForward
 from screl.rollout.engines.slot_state import LENGTH, PREFILLING, RUNNING, STOPPED, SlotState
 from screl.rollout.engines.torch_sampling import Row, needs_filter
+
+log = logging.getLogger(__name__)
 
 CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4,
                        "cuda_graphs": "auto"}
@@ -66,6 +69,12 @@ class ContinuousDecoder:
         max_len = args.get("max_len") or int(model.config.max_position_embeddings)
         shape = self.forward.cache_shape(int(max_len), dtype)
         slots = slots_for_budget(shape, float(args["kv_cache_gb"]), int(args["max_rows"]))
+        if slots < int(args["max_rows"]):  # a short cache decodes few rows at a time: say so, with the fix
+            log.warning("screl: the continuous path's KV cache holds %d of backend_args.max_rows=%d rows: "
+                        "backend_args.kv_cache_gb=%g GB over %.1f MiB a slot of %d positions (backend_args.max_len; "
+                        "default: the model's context length); raise kv_cache_gb or lower max_len to the longest "
+                        "prompt + max_new_tokens", slots, int(args["max_rows"]), float(args["kv_cache_gb"]),
+                        shape.slot_bytes() / 2**20, shape.max_len)
         self.cache = SlotKVCache(shape, slots, device)
         capture = graphs_enabled(args.get("cuda_graphs", "auto"), device)
         self.graphs = DecodeGraphs(self.forward, self.cache, vocab_size, capture=capture)
