@@ -100,8 +100,9 @@ def engine_job(rank: int, out: str) -> None:
 
 
 def tensor_parallel_job(rank: int, out: str, autocast: torch.dtype | None = None) -> None:
-    """Two ranks: rank 0's engine decodes with its TP=2 shard, rank 1 follows through the decode link (``autocast``
-    bf16: each rank decodes a bf16 copy of its fp32 shard, the follower's freed when the leader ends the turn)."""
+    """Two ranks: rank 0's engine decodes with its TP=2 shard, rank 1 follows through the decode link; two turns,
+    the trainer's step between them flipping every weight in place (``autocast`` bf16: each rank decodes a bf16 copy
+    of its fp32 shard, freed at the end of each turn and cast again at the next, under the new weights)."""
     from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
 
     from screl.rollout.engines.megatron_decode import DecodeLink, TensorParallelRanks
@@ -114,66 +115,34 @@ def tensor_parallel_job(rank: int, out: str, autocast: torch.dtype | None = None
     model = trainer_gpt(spec, hf)
     model.train()  # a trainer's module: the engine switches it to eval for each forward and back
     link = DecodeLink(dist.new_group([0, 1], backend="gloo"), src=0)
-    result: dict[str, Any] = {}
-    if rank == 0:
-        engine = MegatronGenerationEngine(policy(), model=model, link=link, seed=1, max_batch_size=2,
-                                          autocast=autocast)
-        result["megatron"] = as_lists(engine.generate(requests("tp", 1.0)))
-        result["copied"] = engine.model is not model
-        result["still_training"] = model.training
-        link.end()
-        ref = TorchGenerationEngine(policy(), decode="hf", model=hf, autocast=autocast)  # fp32 spec: the masters
-        result["torch"] = as_lists(ref.generate(requests("tp", 1.0)))
-    else:
-        ranks = TensorParallelRanks(link, model, autocast)
-        result["forwards"] = ranks.follow()
-        result["copied"] = ranks._decode is not model
-        result["freed"] = all(p.numel() == 0 for p in ranks._decode.parameters()) if result["copied"] else None
-        result["still_training"] = model.training
-    dist.barrier()
+    result: dict[str, Any] = {"megatron": [], "torch": [], "forwards": [], "freed": []}
+    engine = MegatronGenerationEngine(policy(), model=model, link=link, seed=1, max_batch_size=2,
+                                      autocast=autocast) if rank == 0 else None
+    ranks = TensorParallelRanks(link, model, autocast) if rank else None
+    ref = TorchGenerationEngine(policy(), decode="hf", model=hf, autocast=autocast) if rank == 0 else None
+    for turn in range(2):
+        if engine is not None and ref is not None:
+            result["megatron"].append(as_lists(engine.generate(requests(f"tp{turn}", 1.0))))
+            link.end()
+            twin = getattr(engine.model, "screl_decode_copy", None)
+            if twin is not None:
+                twin.free()  # the colocated host's stand-down
+            result["casts"] = None if twin is None else twin.casts
+            result["torch"].append(as_lists(ref.generate(requests(f"tp{turn}", 1.0))))  # fp32 spec: the masters
+            result["copied"] = engine.model is not model
+        elif ranks is not None:
+            result["forwards"].append(ranks.follow())
+            result["copied"] = ranks._decode is not model
+            result["freed"].append(all(p.numel() == 0 for p in ranks._decode.parameters()))
+            twin = getattr(ranks._decode, "screl_decode_copy", None)
+            result["casts"] = None if twin is None else twin.casts
+        with torch.no_grad():  # the trainer's step: every master flipped in place, on each rank's shard
+            for p in list(model.parameters()) + (list(hf.parameters()) if rank == 0 else []):
+                p.mul_(-1.0)
+        dist.barrier()
+    result["still_training"] = model.training
     torch.save(result, f"{out}.{rank}")
 
 
 def tensor_parallel_bf16_job(rank: int, out: str) -> None:
     tensor_parallel_job(rank, out, torch.bfloat16)
-
-
-def colocated_copy_job(rank: int, out: str) -> None:
-    """A colocated engine on fp32 masters with bf16 autocast: it decodes a bf16 copy of the GPTModel (cast once,
-    re-cast after the masters change) against the same engine on the masters under autocast."""
-    from screl.strategies.parallel import ParallelismConfig, initialize_model_parallel
-
-    from screl.rollout.engines import megatron_engine
-    from screl.rollout.engines.megatron_engine import MegatronGenerationEngine
-
-    spec = policy()
-    hf = spec.build_model()
-    initialize_model_parallel(ParallelismConfig(), seed=0, cpu=True)
-    model = trainer_gpt(spec, hf)
-    model.train()
-    copied = MegatronGenerationEngine(policy(), model=model, seed=1, autocast=torch.bfloat16)
-    keep = megatron_engine.decode_module
-    megatron_engine.decode_module = lambda m, a: m  # the reference: the masters under autocast every step
-    try:
-        masters = MegatronGenerationEngine(policy(), model=model, seed=1, autocast=torch.bfloat16)
-    finally:
-        megatron_engine.decode_module = keep
-    twin = copied.model.screl_decode_copy
-    result: dict[str, Any] = {
-        "copy_dtypes": sorted({str(p.dtype) for p in copied.model.parameters()}),
-        "master_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "reference_is_masters": masters.model is model, "copy_is_masters": copied.model is model}
-    for temp in (1.0, 0.0):
-        result[f"t{temp}"] = {"copy": as_lists(copied.generate(requests(f"c{temp}", temp))),
-                              "masters": as_lists(masters.generate(requests(f"m{temp}", temp)))}
-    result["casts"], result["checks"] = twin.casts, twin.checks
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(-1.0)  # the trainer's step, in place
-    twin.free()  # the colocated host's stand-down
-    result["freed"] = all(p.numel() == 0 for p in copied.model.parameters())
-    result["after_step"] = {"copy": as_lists(copied.generate(requests("s", 0.0))),
-                            "masters": as_lists(masters.generate(requests("s2", 0.0)))}
-    result["casts_after"] = twin.casts
-    result["still_training"] = model.training
-    torch.save(result, f"{out}.{rank}")
