@@ -18,7 +18,8 @@ a refit lands between steps (the rows go on on their KV cache, or re-prefill und
 re-prefilling after the wake.
 
 Concurrent ``generate`` calls share one scheduler (:meth:`ContinuousDecoder.run`): each hands its rows to the run
-in progress, or starts one on a decode thread of its own when none runs, and waits for its own rows only, counted
+in progress, or starts one (on the engine's decode thread, kept while runs come) when none runs, and waits for its
+own rows only, counted
 as parked by the loop's pauses (the decode thread counts as the running call). The run takes the handed rows in
 between steps, so they join the running batch as slots free up, and it ends when every row handed to it has
 finished; a run that starts while the last one winds down waits for the cache (:meth:`RequestLoop.exclusive`). An
@@ -44,6 +45,9 @@ from screl.rollout.engines.slot_state import LENGTH, PREFILLING, RUNNING, STOPPE
 from screl.rollout.engines.torch_sampling import Row, needs_filter
 
 log = logging.getLogger(__name__)
+
+IDLE_S = 5.0
+"""Seconds the decode thread waits for another run before it leaves."""
 
 CONTINUOUS_DEFAULTS = {"kv_cache_gb": 1.0, "max_rows": 256, "max_len": None, "prefill_tokens": 2048, "sync_every": 4,
                        "cuda_graphs": "auto"}
@@ -83,8 +87,10 @@ class ContinuousDecoder:
             raise ValueError(f"backend_args.prefill_tokens ({self.prefill_tokens}) and backend_args.sync_every "
                              f"({self.sync_every}) must be >= 1")
         self.vocab_size, self.device = vocab_size, device
-        self._driving: _Call | None = None  # the call whose thread runs the decode steps now
-        self._join = threading.Lock()  # guards _driving and its joining rows
+        self._driving: _Call | None = None  # the run taking rows now
+        self._join = threading.Condition()  # guards _driving, its joining rows, _runs and _thread
+        self._runs: deque[tuple[Any, _Call]] = deque()  # runs waiting for the decode thread
+        self._thread: threading.Thread | None = None
         self.merged_calls = 0  # calls whose rows joined another call's run (a figure for tests and logs)
 
     def describe(self) -> str:
@@ -116,8 +122,12 @@ class ContinuousDecoder:
             if call is None or not call.open:
                 call = self._driving = _Call(self, loop)
                 loop.driver_starts()  # counted as running from now: a pause waits for it
-                threading.Thread(target=self._drive, args=(loop, call), name="screl-continuous-decode",
-                                 daemon=True).start()
+                self._runs.append((loop, call))
+                if self._thread is None:  # one decode thread, kept while runs come (its OpenMP team stays warm)
+                    self._thread = threading.Thread(target=self._decode_thread, name="screl-continuous-decode",
+                                                    daemon=True)
+                    self._thread.start()
+                self._join.notify_all()
             else:
                 self.merged_calls += 1
             call.joining.extend(rows)
@@ -125,6 +135,17 @@ class ContinuousDecoder:
         if call.error is not None and any(r.finish is None for r in rows):
             raise RuntimeError(f"generate: the continuous decode run failed ({type(call.error).__name__}: "
                                f"{call.error})") from call.error
+
+    def _decode_thread(self) -> None:
+        """Runs the runs handed to it, one after another; leaves after :data:`IDLE_S` without one (a new run
+        starts it again), so an idle engine holds no thread."""
+        while True:
+            with self._join:
+                if not self._join.wait_for(lambda: bool(self._runs), IDLE_S):
+                    self._thread = None
+                    return
+                loop, call = self._runs.popleft()
+            self._drive(loop, call)
 
     def _drive(self, loop: Any, call: _Call) -> None:
         """The decode thread of one run: it holds the KV cache until every row handed to it has finished."""
@@ -155,6 +176,7 @@ class _Call:
         self.pending: deque[Row] = deque()
         self.joining: list[Row] = []  # rows handed to the run, not taken in yet (guarded by dec._join)
         self.open = True  # takes joining calls (guarded by dec._join); False once it decided to stop
+        self.finished = 0  # rows finished when the waiting calls were last woken
         self.error: BaseException | None = None
         self.slotted: dict[int, Row] = {}
         self.step0: dict[int, int] = {}  # slot -> index in step_versions of its first token not on the host yet
@@ -172,7 +194,10 @@ class _Call:
                 self.sync()
             self.loop._checkpoint(self.rows, on_drop=self.drop)
             self.leave()
-            self.loop.notify()  # a waiting call may have all its rows now (finished, aborted)
+            finished = sum(r.finish is not None for r in self.rows)
+            if finished != self.finished:  # a waiting call may have all its rows now (finished, aborted)
+                self.finished = finished
+                self.loop.notify()  # only then: a woken waiter would take the GIL from the decode steps
             with self.dec._join:
                 if not self.joining and all(r.finish is not None for r in self.rows):
                     self.open = False
