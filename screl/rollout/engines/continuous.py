@@ -123,7 +123,7 @@ class ContinuousDecoder:
                 call = self._driving = _Call(self, loop)
                 loop.driver_starts()  # counted as running from now: a pause waits for it
                 self._runs.append((loop, call))
-                if self._thread is None:  # one decode thread, kept while runs come (its OpenMP team stays warm)
+                if self._thread is None:  # one decode thread, kept while runs come
                     self._thread = threading.Thread(target=self._decode_thread, name="screl-continuous-decode",
                                                     daemon=True)
                     self._thread.start()
