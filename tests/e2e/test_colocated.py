@@ -85,8 +85,9 @@ def test_colocated_learns_validates_audits_and_freezes_deadlines(tmp_path: Path)
     assert len(reward) == steps
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.03, reward
     assert max(column(rows, "train/logprob_mismatch")) < 1e-5  # the engine decodes with the trainer's module
-    busy = column(rows, "rollout/engine_busy_s")  # each step's generation phase: stood-down time left out
-    assert len(busy) == steps and all(b > 0 for b in busy) and max(busy) < HOLD_S, busy
+    # each step's generation phase, stood-down time left out (0 where the lookahead had the step's batch ready)
+    busy = column(rows, "rollout/engine_busy_s")
+    assert len(busy) == steps and min(busy) >= 0 and sum(busy) > 0 and max(busy) < HOLD_S, busy
     made = column(rows, "rollout/engine_tokens")  # the tokens its calls returned in that phase
     # every trained row's call returned before its step's stand-down: 8 groups of 4 x 16 tokens a step, at least
     assert len(made) == steps and sum(made) >= 8 * 4 * 16 * steps, made
