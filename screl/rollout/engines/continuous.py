@@ -18,12 +18,11 @@ a refit lands between steps (the rows go on on their KV cache, or re-prefill und
 re-prefilling after the wake.
 
 Concurrent ``generate`` calls share one scheduler (:meth:`ContinuousDecoder.run`): each hands its rows to the run
-in progress, or starts one (on the engine's decode thread, kept while runs come) when none runs, and waits for its
-own rows only, counted
-as parked by the loop's pauses (the decode thread counts as the running call). The run takes the handed rows in
-between steps, so they join the running batch as slots free up, and it ends when every row handed to it has
-finished; a run that starts while the last one winds down waits for the cache (:meth:`RequestLoop.exclusive`). An
-error in the run fails every call waiting on it.
+in progress, or starts one when none runs, and waits for its own rows only, counted as parked by the loop's pauses
+(the run counts as the running call). The run takes the handed rows in between steps, so they join the running
+batch as slots free up, and it ends when every row handed to it has finished. Runs go one after another to the
+engine's one decode thread, so one run at a time holds the KV cache. An error in the run fails every call waiting
+on it.
 """
 
 from __future__ import annotations
@@ -148,13 +147,12 @@ class ContinuousDecoder:
             self._drive(loop, call)
 
     def _drive(self, loop: Any, call: _Call) -> None:
-        """The decode thread of one run: it holds the KV cache until every row handed to it has finished."""
+        """One run on the decode thread: it holds the KV cache until every row handed to it has finished."""
         try:
-            with loop.exclusive():
-                try:
-                    call.run()
-                finally:
-                    call.leave(everyone=True)
+            try:
+                call.run()
+            finally:
+                call.leave(everyone=True)
         except BaseException as err:  # every call waiting on the run raises it (run)
             call.error = err
         finally:

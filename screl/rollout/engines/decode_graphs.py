@@ -55,13 +55,6 @@ def graphs_enabled(setting: str | bool, device: torch.device) -> bool:
     return setting is not False and device.type == "cuda"
 
 
-class _Graph:
-    """One captured shape: the graph and the rows it decodes."""
-
-    def __init__(self, graph: Any, rows: int) -> None:
-        self.graph, self.rows = graph, rows
-
-
 class DecodeGraphs:
     """Decode steps of a :class:`~.slot_forward.SlotForward` on a :class:`~.kv_cache.SlotKVCache` at bucketed shapes,
     replayed as CUDA graphs where ``capture`` (see the module docstring)."""
@@ -74,7 +67,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(cache.slots, dtype=torch.long, device=dev)
         self.vocab = vocab
         self.out: Tensor | None = None  # the captured steps' logits [slots, vocab], made at the first capture
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}  # (rows, keys) -> its recorded step (replay() runs it)
         self.captures = 0  # shapes captured so far (start-up cost; a figure for logs and tests)
         self._pool: Any = None
         self._storage: tuple[int, ...] | None = None
@@ -109,11 +102,11 @@ class DecodeGraphs:
         graph = self.graphs.get((rows, width))
         if graph is None:
             graph = self.graphs[(rows, width)] = self._capture(rows, width)
-        graph.graph.replay()
+        graph.replay()
         assert self.out is not None
         return self.out[:hi]
 
-    def _capture(self, rows: int, width: int) -> _Graph:
+    def _capture(self, rows: int, width: int) -> Any:
         """The shape's step (the logits land in :attr:`out`), recorded once (:meth:`_record`)."""
         assert self.out is not None
         out = self.out
@@ -121,9 +114,8 @@ class DecodeGraphs:
         def step() -> None:
             out[:rows].copy_(self.forward.decode(self.cache, self.ids[:rows], self.pos[:rows], width))
 
-        graph = self._record(step)
         self.captures += 1
-        return _Graph(graph, rows)
+        return self._record(step)
 
     def _record(self, step: Any) -> Any:
         """Warm ``step`` up on a side stream (the writes it makes are the step's own, so repeating them is harmless),

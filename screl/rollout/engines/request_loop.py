@@ -105,7 +105,6 @@ class RequestLoop:
         self._pause_mode: PauseMode | None = None
         self._active = 0  # generate calls decoding now (not parked, not waiting to start)
         self._stood_down = False  # paused with the KV caches freed (colocated: the trainer has the module)
-        self._exclusive = False  # a call holds the engine's shared KV cache (the continuous path)
         self._busy_s = 0.0  # seconds with a call running (decoding, not parked), up to _busy_since
         self._busy_since: float | None = None
         self._tokens_out = 0  # tokens of the rows every call returned
@@ -274,27 +273,6 @@ class RequestLoop:
         """Whether an abort or a pause waits for the next checkpoint (the continuous path reads its tokens first)."""
         with self._cond:
             return bool(self._aborted) or self._pause_mode == "keep"
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """One call at a time holds the engine's shared KV cache; a call waiting for it while paused in ``keep``
-        mode counts as parked (the pause does not wait for it), else as running (it will run, as the pause asks)."""
-        with self._cond:
-            while self._exclusive:
-                parked = self._pause_mode == "keep"
-                if parked:
-                    self._shift(-1)
-                    self._cond.notify_all()
-                self._cond.wait()
-                if parked:
-                    self._shift(1)
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
     def driver_starts(self) -> None:
         """A decode thread that runs calls' rows for them (the continuous path) counts as a running call from now."""
