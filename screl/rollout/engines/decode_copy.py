@@ -9,7 +9,6 @@ configs, a Megatron module's process groups, which cannot be deep-copied), its h
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -83,7 +82,7 @@ def _twin(module: torch.nn.Module, cast: dict[int, torch.nn.Parameter], done: di
     state = twin.__dict__
     for name, value in list(state.items()):
         if "hook" in name and isinstance(value, dict):
-            state[name] = type(value)(value) if not isinstance(value, OrderedDict) else OrderedDict(value)
+            state[name] = type(value)(value)  # dict or OrderedDict, its own
     state["_parameters"] = {k: None if p is None else cast[id(p)] for k, p in module._parameters.items()}
     state["_buffers"] = dict(module._buffers)
     state["_modules"] = {k: None if m is None else _twin(m, cast, done) for k, m in module._modules.items()}
