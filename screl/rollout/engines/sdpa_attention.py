@@ -59,5 +59,10 @@ def length_bias(lengths: Tensor, keys: int, dtype: torch.dtype) -> Tensor:
     """``[rows, 1, 1, keys]`` in ``dtype``: 0 where key ``j`` of row ``i`` is valid (``j < lengths[i]``), -inf past
     it; on the lengths' device, with no host read."""
     valid = torch.arange(keys, device=lengths.device)[None, :] < lengths[:, None]
-    zero = torch.zeros((), dtype=dtype, device=lengths.device)
-    return torch.where(valid, zero, float("-inf")).to(dtype)[:, None, None, :]
+    return additive_bias(valid, dtype)[:, None, None, :]
+
+
+def additive_bias(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """``valid``'s shape in ``dtype``: 0 where it is true, -inf where it is false (what SDPA would make of it as a
+    boolean mask at every call)."""
+    return torch.where(valid, torch.zeros((), dtype=dtype, device=valid.device), float("-inf"))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from screl.rollout.engines.sdpa_attention import decode_attention
+from screl.rollout.engines.sdpa_attention import additive_bias, decode_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -174,7 +174,7 @@ class StaticDecoder:
         start, end = self._len, self._len + n
         h = F.embedding(ids, self.embed)
         # once a forward, not in every layer (SDPA would turn a boolean mask into this bias at each call)
-        bias = torch.where(mask, torch.zeros((), dtype=self._k[0].dtype, device=mask.device), float("-inf"))
+        bias = additive_bias(mask, self._k[0].dtype)
         cos = self._cos[pos][:, None]  # [rows, 1, n, head_dim]
         sin = self._sin[pos][:, None]
         half = self.head_dim // 2
