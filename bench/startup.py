@@ -13,6 +13,12 @@ process, the driver, Ray's services and each actor class, spent from the launch 
 ``screl check --config configs/grpo_tiny.yaml`` (``check_s``, median of ``--reps``) beside its floor: a bare
 Python, ``import torch`` and ``import lightning.pytorch`` in fresh processes (``import_floor_s``), which every
 ``screl check`` pays before it reads a line of config.
+
+``phases_s`` splits screl's launch -> first step at the run's own start-up lines (stderr, timed as they arrive):
+``driver`` (launch -> the rollout side starts at the first batch: imports, the config, the model, Lightning's
+set-up), ``fleet`` (-> the generation workers and the controller are ready: their processes boot and import, the
+weights load; TransferQueue starts meanwhile) and ``first_rollout_and_step``. ``cpu_floor_s`` is the CPU-seconds to
+the first step over the cores this process may use: no overlap of the processes brings the first step below it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,9 +62,33 @@ def _first_step_time(work: Path) -> float | None:
     return None
 
 
-def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], int]:
-    """Launch -> first ``train_step`` event; and the CPU-seconds each kind of process spent until then (sampled
-    every 0.1 s over the ``screl fit`` process and everything it started: Ray's services, the actors)."""
+PHASE_LINES = (("driver", "screl: Ray "), ("fleet", " and the controller ready in "))
+"""The start-up lines that end each phase but the last (``screl.controller.runtime``'s ``screl.startup`` log)."""
+
+
+def _time_lines(stream: Any, t0: float, seen: dict[str, float], tail: list[str]) -> None:
+    """Read ``stream`` to its end: the time (since ``t0``) each of :data:`PHASE_LINES` first appears; the lines."""
+    for line in stream:
+        tail.append(line)
+        for phase, text in PHASE_LINES:
+            if phase not in seen and text in line:
+                seen[phase] = time.time() - t0
+
+
+def _phases(seen: dict[str, float], first_s: float) -> dict[str, float]:
+    """The phases' lengths from the times their ends were seen (see the module)."""
+    missing = [text for phase, text in PHASE_LINES if phase not in seen]
+    if missing:
+        raise RuntimeError(f"screl fit did not print its start-up lines containing {missing}")
+    driver, fleet = seen["driver"], seen["fleet"]
+    return {"driver": round(driver, 2), "fleet": round(fleet - driver, 2),
+            "first_rollout_and_step": round(first_s - fleet, 2)}
+
+
+def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], int, dict[str, float]]:
+    """Launch -> first ``train_step`` event; the CPU-seconds each kind of process spent until then (sampled
+    every 0.1 s over the ``screl fit`` process and everything it started: Ray's services, the actors); and its
+    phases (see the module)."""
     import psutil
 
     cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
@@ -69,6 +100,10 @@ def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], i
     t0 = time.time()
     proc = psutil.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: dict[str, float] = {}
+    lines: list[str] = []
+    reader = threading.Thread(target=_time_lines, args=(proc.stderr, t0, seen, lines), daemon=True)
+    reader.start()
     cpu: dict[int, tuple[str, float]] = {}
     first: float | None = None
     while proc.poll() is None and first is None:
@@ -84,16 +119,17 @@ def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], i
                 pass
         first = _first_step_time(work)
         time.sleep(0.1)
-    _, err = proc.communicate()
+    proc.wait()
+    reader.join()
     if proc.returncode != 0:
-        raise RuntimeError(f"screl fit failed:\n{err[-3000:]}")
+        raise RuntimeError(f"screl fit failed:\n{''.join(lines)[-3000:]}")
     first = first if first is not None else _first_step_time(work)
     if first is None:
         raise RuntimeError(f"screl fit logged no train_step under {work}")
     per_kind: dict[str, float] = {}
     for kind, seconds in cpu.values():
         per_kind[kind] = round(per_kind.get(kind, 0.0) + seconds, 2)
-    return first - t0, dict(sorted(per_kind.items(), key=lambda kv: -kv[1])), len(cpu)
+    return first - t0, dict(sorted(per_kind.items(), key=lambda kv: -kv[1])), len(cpu), _phases(seen, first - t0)
 
 
 def trl_first_step(peer: Path, steps: int, out: Path) -> float:
@@ -137,30 +173,36 @@ def main() -> int:
     peer = Path(env_peer) if env_peer else REPO / "bench" / "trl_peer.py"
     if not peer.is_file():
         raise SystemExit(f"startup: the TRL peer is missing at {peer} (set $SCREL_TRL_PEER)")
-    screl, trl, breakdowns, counts = [], [], [], []
+    screl, trl, breakdowns, counts, phases = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="screl-startup-") as tmp:
         for rep in range(args.reps):  # alternated, so drift hits both sides alike
-            seconds, per_kind, processes = screl_first_step(args.steps, Path(tmp) / f"screl{rep}")
+            seconds, per_kind, processes, phase = screl_first_step(args.steps, Path(tmp) / f"screl{rep}")
             screl.append(seconds)
             counts.append(processes)
             breakdowns.append(per_kind)
+            phases.append(phase)
             trl.append(trl_first_step(peer, args.steps, Path(tmp) / f"trl{rep}.json"))
-            print(f"rep {rep}: screl {screl[-1]:.1f} s, TRL {trl[-1]:.1f} s; CPU-s to the first step: {per_kind}",
-                  flush=True)
+            print(f"rep {rep}: screl {screl[-1]:.1f} s ({phase}), TRL {trl[-1]:.1f} s; CPU-s to the first step: "
+                  f"{per_kind}", flush=True)
     kinds = sorted({k for b in breakdowns for k in b})
     res: dict[str, Any] = {"screl_s": screl, "trl_s": trl, "screl_median_s": statistics.median(screl),
            "trl_median_s": statistics.median(trl),
+           "phases_s": {p: statistics.median(ph[p] for ph in phases) for p in phases[0]},
            "cpu_s_to_first_step": {k: statistics.median(b.get(k, 0.0) for b in breakdowns) for k in kinds},
            "processes_to_first_step": statistics.median(counts)}
     res["cpu_s_to_first_step_total"] = round(sum(res["cpu_s_to_first_step"].values()), 2)
+    res["cores"] = len(os.sched_getaffinity(0))
+    res["cpu_floor_s"] = round(res["cpu_s_to_first_step_total"] / res["cores"], 2)
+    res["first_step_target_s"] = round(1.5 * res["trl_median_s"], 2)  # issue 52: at most 1.5x TRL's
     res.update(check_times(args.reps))
     res["ratio"] = res["screl_median_s"] / res["trl_median_s"]
     res["first_step_over_trl"] = res["ratio"]  # the key issue 19's targets name (target <= 1.0)
     out = REPO / "bench" / "results" / "startup.json"
     out.write_text(json.dumps(res, indent=1))
-    print(f"time to first step (median of {args.reps}): screl {res['screl_median_s']:.1f} s, TRL "
-          f"{res['trl_median_s']:.1f} s, screl / TRL = {res['ratio']:.2f}; screl check {res['check_median_s']:.1f} s "
-          f"(import floor: {res['import_floor_s']}) -> {out}")
+    print(f"time to first step (median of {args.reps}): screl {res['screl_median_s']:.1f} s {res['phases_s']}, TRL "
+          f"{res['trl_median_s']:.1f} s, screl / TRL = {res['ratio']:.2f} (CPU floor {res['cpu_floor_s']:.1f} s on "
+          f"{res['cores']} cores); screl check {res['check_median_s']:.1f} s (import floor: {res['import_floor_s']}) "
+          f"-> {out}")
     return 0
 
 
