@@ -1,5 +1,6 @@
 """``bench/startup.py`` splits the launch -> first step at the run's own start-up lines: the lines it waits for are
-the ones the rollout side prints, and each phase is the time between their arrivals."""
+the ones the rollout side prints, and each phase is the time between their arrivals. ``bench/startup_ab.py`` reads
+its sides as ``LABEL:NAME=VALUE,...``."""
 
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def test_each_phase_is_the_time_between_its_lines() -> None:
     assert phases["first_rollout_and_step"] == pytest.approx(0.5, abs=0.01)
     with pytest.raises(RuntimeError, match="did not print its start-up lines containing"):
         startup._phases({"driver": 1.0}, first_s=3.0)
+
+
+def test_an_ab_side_is_a_label_and_its_settings() -> None:
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from bench.startup_ab import side
+
+    assert side("base:") == ("base", {})
+    assert side("change:PYTHONPATH=/tmp/wt,SCREL_RAY_PRESTART=0") == (
+        "change", {"PYTHONPATH": "/tmp/wt", "SCREL_RAY_PRESTART": "0"})
+    assert side("eq:X=a=b") == ("eq", {"X": "a=b"})  # the first '=' splits
+    with pytest.raises(argparse.ArgumentTypeError, match="a side is LABEL: or LABEL:NAME=VALUE"):
+        side("base")
+    with pytest.raises(argparse.ArgumentTypeError, match="'FLAG' in 'x:FLAG' is not NAME=VALUE"):
+        side("x:FLAG")
