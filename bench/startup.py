@@ -62,6 +62,17 @@ def _first_step_time(work: Path) -> float | None:
     return None
 
 
+def tiny_config(work: Path, steps: int) -> Path:
+    """``configs/grpo_tiny.yaml`` for ``steps`` steps logging under ``work``, written there; its path."""
+    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
+    cfg["trainer"].update(max_steps=steps, default_root_dir=str(work), enable_progress_bar=False)
+    cfg["grpo"]["max_num_steps"] = steps
+    path = work / "config.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 PHASE_LINES = (("driver", "screl: Ray "), ("fleet", " and the controller ready in "))
 """The start-up lines that end each phase but the last (``screl.controller.runtime``'s ``screl.startup`` log)."""
 
@@ -91,12 +102,7 @@ def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], i
     phases (see the module)."""
     import psutil
 
-    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
-    cfg["trainer"].update(max_steps=steps, default_root_dir=str(work), enable_progress_bar=False)
-    cfg["grpo"]["max_num_steps"] = steps
-    path = work / "config.yaml"
-    work.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
+    path = tiny_config(work, steps)
     t0 = time.time()
     proc = psutil.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

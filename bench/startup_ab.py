@@ -24,11 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.startup import REPO, _first_step_time  # noqa: E402
+from bench.startup import _first_step_time, tiny_config  # noqa: E402
 
 
 def side(spec: str) -> tuple[str, dict[str, str]]:
@@ -48,15 +46,11 @@ def side(spec: str) -> tuple[str, dict[str, str]]:
 def launch(env: dict[str, str], work: Path, steps: int) -> tuple[float | None, str]:
     """One ``screl fit`` of the tiny config under ``os.environ`` + ``env``: (launch -> first step, or None; its
     output's tail)."""
-    cfg = yaml.safe_load((REPO / "configs" / "grpo_tiny.yaml").read_text())
-    cfg["trainer"].update(max_steps=steps, default_root_dir=str(work), enable_progress_bar=False)
-    cfg["grpo"]["max_num_steps"] = steps
-    work.mkdir(parents=True)
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    config = tiny_config(work, steps)
     log = work / "fit.log"
     t0 = time.time()
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(work / "config.yaml")],
+        proc = subprocess.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(config)],
                                 env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=out,
                                 cwd=tempfile.gettempdir())  # not the repository: PYTHONPATH decides which screl
         first = None

@@ -4,9 +4,10 @@ its sides as ``LABEL:NAME=VALUE,...``."""
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import inspect
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,11 +16,10 @@ import pytest
 
 from screl.controller import runtime
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("startup_bench", REPO / "bench" / "startup.py")
-assert _spec is not None and _spec.loader is not None
-startup = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(startup)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench scripts import each other as bench.*
+
+from bench import startup  # noqa: E402
+from bench.startup_ab import side  # noqa: E402
 
 
 def test_the_phase_lines_are_the_ones_the_rollout_side_prints() -> None:
@@ -56,12 +56,6 @@ def test_each_phase_is_the_time_between_its_lines() -> None:
 
 
 def test_an_ab_side_is_a_label_and_its_settings() -> None:
-    import argparse
-    import sys
-
-    sys.path.insert(0, str(REPO))
-    from bench.startup_ab import side
-
     assert side("base:") == ("base", {})
     assert side("change:PYTHONPATH=/tmp/wt,SCREL_RAY_PRESTART=0") == (
         "change", {"PYTHONPATH": "/tmp/wt", "SCREL_RAY_PRESTART": "0"})
