@@ -222,24 +222,6 @@ def test_a_crash_in_the_rollout_pump_surfaces_in_the_trainer(tmp_path: Path) -> 
         run_fit(cfg, tmp_path)
 
 
-def test_tensorboard_and_offline_wandb_loggers_from_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    cfg = base_config(tmp_path / "run")
-    cfg["trainer"].update(max_steps=2)
-    cfg["grpo"]["max_num_steps"] = 2
-    save = str(tmp_path / "logs")
-    cfg["trainer"]["logger"] = [
-        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": save}},
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": save}},
-        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": save, "offline": True}},
-    ]
-    run_fit(cfg, tmp_path)
-    assert list((tmp_path / "logs").rglob("metrics.csv"))
-    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
-    assert list((tmp_path / "logs").rglob("*.wandb")), "no offline wandb run was written"
-
-
 class _ControllerLatency(Callback):
     """Times a controller round trip at every training batch: it stalls if anything blocks its event loop."""
 

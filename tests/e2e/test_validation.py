@@ -79,15 +79,25 @@ def test_val_period_logs_the_validated_versions_and_leaves_training_alone(tmp_pa
     assert not any("val/version" in r for r in metrics(plain_dir))
 
 
-def test_validation_in_an_async_run_is_pinned_while_rollouts_go_on(tmp_path: Path) -> None:
+def test_validation_in_an_async_run_is_pinned_while_rollouts_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also the loggers from config: CSV (the default), TensorBoard and an offline W&B run side by side, as
+    docs/running.md shows."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     cfg = _config(tmp_path / "run", 4, {"val_period": 2})
     cfg["async_rl"]["sampler"] = {"name": "in_order", "max_lookahead_versions": 1}
     cfg["model"]["init_args"]["loss_fn"]["init_args"] = {"use_importance_sampling_correction": True}
-    root = str(tmp_path / "run")  # CSV (the default) and TensorBoard side by side, as docs/running.md shows
+    root = str(tmp_path / "run")
     cfg["trainer"]["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
                                 {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                                 "init_args": {"save_dir": root, "name": "tb"}}]
+                                 "init_args": {"save_dir": root, "name": "tb"}},
+                                {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                                 "init_args": {"save_dir": root, "offline": True}}]
     run_dir = run_fit(cfg, tmp_path)
+    assert list((tmp_path / "run").rglob("metrics.csv"))
+    assert list((tmp_path / "run").rglob("*.wandb")), "no offline wandb run was written"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = EventAccumulator(str(next((tmp_path / "run" / "tb").rglob("events.out.tfevents.*")).parent)).Reload()
