@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,18 @@ def _first_step_time(work: Path) -> float | None:
             if '"train_step"' in line:
                 return float(json.loads(line)["time"])
     return None
+
+
+def await_first_step(proc: subprocess.Popen[Any], work: Path, tick: Callable[[], None] = lambda: None) -> float | None:
+    """The time of the first ``train_step`` event ``proc`` (a ``screl fit`` logging under ``work``) logs, polled every
+    0.1 s (``tick`` runs at each poll) until it appears or ``proc`` ends; waits for ``proc`` to end. None: no step."""
+    first = None
+    while proc.poll() is None and first is None:
+        tick()
+        first = _first_step_time(work)
+        time.sleep(0.1)
+    proc.wait()
+    return first if first is not None else _first_step_time(work)
 
 
 def tiny_config(work: Path, steps: int) -> Path:
@@ -111,25 +124,23 @@ def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], i
     reader = threading.Thread(target=_time_lines, args=(proc.stderr, t0, seen, lines), daemon=True)
     reader.start()
     cpu: dict[int, tuple[str, float]] = {}
-    first: float | None = None
-    while proc.poll() is None and first is None:
+
+    def sample_cpu() -> None:
         try:
             family = [proc, *proc.children(recursive=True)]
-        except psutil.Error:
-            break
+        except psutil.Error:  # the launch has ended
+            return
         for p in family:
             try:
                 times = p.cpu_times()
                 cpu[p.pid] = (_kind(p.cmdline()), times.user + times.system)
             except psutil.Error:
                 pass
-        first = _first_step_time(work)
-        time.sleep(0.1)
-    proc.wait()
+
+    first = await_first_step(proc, work, sample_cpu)
     reader.join()
     if proc.returncode != 0:
         raise RuntimeError(f"screl fit failed:\n{''.join(lines)[-3000:]}")
-    first = first if first is not None else _first_step_time(work)
     if first is None:
         raise RuntimeError(f"screl fit logged no train_step under {work}")
     per_kind: dict[str, float] = {}

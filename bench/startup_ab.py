@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.startup import _first_step_time, tiny_config  # noqa: E402
+from bench.startup import await_first_step, tiny_config  # noqa: E402
 
 
 def side(spec: str) -> tuple[str, dict[str, str]]:
@@ -53,12 +53,7 @@ def launch(env: dict[str, str], work: Path, steps: int) -> tuple[float | None, s
         proc = subprocess.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(config)],
                                 env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=out,
                                 cwd=tempfile.gettempdir())  # not the repository: PYTHONPATH decides which screl
-        first = None
-        while proc.poll() is None and first is None:
-            first = _first_step_time(work)
-            time.sleep(0.1)
-        proc.wait()
-    first = first if first is not None else _first_step_time(work)
+        first = await_first_step(proc, work)
     return (None if first is None or proc.returncode != 0 else first - t0), log.read_text()[-2000:]
 
 
