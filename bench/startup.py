@@ -42,11 +42,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _kind(cmdline: list[str]) -> str:
-    """A process's kind: a Ray actor's class (``ray::GenerationWorker.update_weights`` -> ``GenerationWorker``), a
-    Ray service's program, or ``driver``."""
+    """A process's kind: a Ray actor's class (``ray::GenerationWorker.update_weights`` -> ``GenerationWorker``, a
+    named one's ``ray::screl-generation-0-7:GenerationWorker.generate`` too), a Ray service's program, or
+    ``driver``."""
     title = cmdline[0] if cmdline else "?"
     if title.startswith("ray::"):
-        return title[5:].split(".")[0].strip()
+        return title[5:].split(".")[0].split(":")[-1].strip()
     args = " ".join(cmdline)
     for part in ("gcs_server", "raylet", "dashboard_agent", "dashboard.py", "log_monitor", "monitor.py",
                  "runtime_env_agent"):
