@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,18 @@ def test_each_process_is_named_by_its_kind(cmdline: list[str], expected: str) ->
 
 
 def test_a_process_born_while_sampling_counts_all_its_cpu_under_its_kind() -> None:
-    burn = ("import time\nwhile time.process_time() < 0.6: pass\nprint(time.process_time(), flush=True)\n"
-            "time.sleep(0.4)")  # idle before exiting: the sampler's last reading sees all it spent
+    burn = ("import sys, time\nwhile time.process_time() < 0.6: pass\nprint(time.process_time(), flush=True)\n"
+            "sys.stdin.read()")  # idle until told to exit: the sampler reads all it spent, however loaded the machine
     with Sampler(interval=0.05) as sampler:
-        proc = subprocess.run(["suite-cpu-probe", "-c", burn], executable=sys.executable, capture_output=True,
-                              text=True, check=True)
-    own = float(proc.stdout)
+        proc = subprocess.Popen(["suite-cpu-probe", "-c", burn], executable=sys.executable, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        own = float(proc.stdout.readline())
+        deadline = time.monotonic() + 30
+        while sampler.cpu.get("suite-cpu-probe", 0.0) < own - 0.02 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
     # the kernel's count in clock ticks (1/100 s) against the process's own clock: equal within two ticks
     assert sampler.cpu["suite-cpu-probe"] == pytest.approx(own, abs=0.02)
     assert len(sampler.pids["suite-cpu-probe"]) == 1
