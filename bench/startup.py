@@ -41,14 +41,21 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+BOOT = "ray-worker-boot"
+"""A Ray worker process from its exec to the moment an actor's class names it (``ray::IDLE`` meanwhile): Python's and
+Ray's start, then the imports of the actor's module."""
+
+
 def _kind(cmdline: list[str]) -> str:
     """A process's kind: a Ray actor's class (``ray::GenerationWorker.update_weights`` -> ``GenerationWorker``, a
-    named one's ``ray::screl-generation-0-7:GenerationWorker.generate`` too), a Ray service's program, or
-    ``driver``."""
+    named one's ``ray::screl-generation-0-7:GenerationWorker.generate`` too), ``BOOT`` for a Ray worker that hosts
+    no actor yet, a Ray service's program, or ``driver``."""
     title = cmdline[0] if cmdline else "?"
+    args = " ".join(cmdline)
+    if title == "ray::IDLE" or "default_worker.py" in args:  # its --raylet-name argument must not make it a raylet
+        return BOOT
     if title.startswith("ray::"):
         return title[5:].split(".")[0].split(":")[-1].strip()
-    args = " ".join(cmdline)
     for part in ("gcs_server", "raylet", "dashboard_agent", "dashboard.py", "log_monitor", "monitor.py",
                  "runtime_env_agent"):
         if part in args:

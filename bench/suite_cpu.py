@@ -30,14 +30,11 @@ from bench.startup import _kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
-BOOT = "ray-worker-boot"
-"""A Ray worker process from its exec to the moment an actor's class names it (``ray::IDLE`` meanwhile): Python and
-Ray's start, then the imports of the actor's module."""
 
 
 def kind(cmdline: list[str]) -> str:
-    """``startup``'s kinds (a Ray actor's class, a Ray service, ``driver`` for ``screl fit``), and the pytest
-    processes: ``pytest-worker`` (an xdist worker: the in-process fits' trainers run there) and ``pytest``."""
+    """``startup``'s kinds (a Ray actor's class, a Ray worker booting, a Ray service, ``driver`` for ``screl fit``),
+    and the pytest processes: ``pytest-worker`` (an xdist worker: the in-process fits' trainers run there) and ``pytest``."""
     args = " ".join(cmdline)
     if "exec(eval(sys.stdin.readline()))" in args:  # how execnet starts an xdist worker
         return "pytest-worker"
@@ -45,8 +42,6 @@ def kind(cmdline: list[str]) -> str:
         return "pytest"
     if "screl.cli check" in args:
         return "screl check"
-    if "default_worker.py" in args or cmdline[:1] == ["ray::IDLE"]:  # before the actor's class renames it
-        return BOOT
     return _kind(cmdline)
 
 
@@ -105,13 +100,15 @@ class Sampler:
             if not pid.isdigit() or int(pid) == self._me:
                 continue
             seconds = _cpu_s(pid)
-            cmdline = _cmdline(pid)
-            if seconds is None or cmdline is None:
+            if seconds is None:
                 continue
             n = int(pid)
             before = self._last.get(n)
             self._last[n] = seconds
             if first:
+                continue
+            cmdline = _cmdline(pid)
+            if cmdline is None:  # a kernel thread, or gone meanwhile
                 continue
             if before is None or seconds < before:  # a process born since the last reading (or a reused pid)
                 before = 0.0
@@ -126,7 +123,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.2, help="seconds between two readings of /proc")
     ap.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's arguments")
     args = ap.parse_args()
-    pytest_args = [a for a in args.pytest_args if a != "--"] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     cores = len(os.sched_getaffinity(0))
     t0 = time.monotonic()
     with Sampler(args.interval) as sampler:
