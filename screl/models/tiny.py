@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+import transformers  # its model classes load on first use: `screl check` resolves this spec without Qwen2's modeling
 
 from screl.models.spec import PolicySpec, resolve_dtype
 from screl.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, build_char_tokenizer, char_vocab
@@ -118,21 +118,21 @@ class TinyCausalLM(PolicySpec):
                 f"num_kv_heads={kw['num_key_value_heads']}."
             )
 
-    def build_config(self) -> Qwen2Config:
+    def build_config(self) -> transformers.Qwen2Config:
         """The model config, vocabulary size taken from the character tokenizer."""
-        return Qwen2Config(vocab_size=len(char_vocab()), **self.config_kwargs())
+        return transformers.Qwen2Config(vocab_size=len(char_vocab()), **self.config_kwargs())
 
-    def build_model(self) -> Qwen2ForCausalLM:
+    def build_model(self) -> transformers.Qwen2ForCausalLM:
         """Build the model on CPU, seeded without disturbing the global RNG when ``seed`` is set."""
         cfg = self.build_config()
         if self.seed is None:
-            model = Qwen2ForCausalLM(cfg)
+            model = transformers.Qwen2ForCausalLM(cfg)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                model = Qwen2ForCausalLM(cfg)
+                model = transformers.Qwen2ForCausalLM(cfg)
         return model.to(dtype=resolve_dtype(self.dtype))  # type: ignore[call-arg]  # transformers' wrapped .to
 
-    def build_tokenizer(self) -> PreTrainedTokenizerFast:
+    def build_tokenizer(self) -> transformers.PreTrainedTokenizerFast:
         """The in-memory character tokenizer."""
         return build_char_tokenizer()
