@@ -38,15 +38,19 @@ def test_one_name_does_not_import_the_rest(stmt: str, heavy: str) -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_screl_check_resolves_the_tiny_spec_without_building_anything() -> None:
-    """``screl check`` reads the spec's signature and config (jsonargparse also runs a module's TYPE_CHECKING
-    imports to resolve annotations): neither Qwen2's modeling code nor Ray nor TransferQueue is imported."""
-    heavy = ("transformers.models.qwen2.modeling_qwen2", "ray", "transfer_queue")
+def test_screl_check_resolves_the_specs_without_their_modeling_code() -> None:
+    """``screl check`` reads a spec's signature and config (jsonargparse also runs a module's TYPE_CHECKING imports
+    to resolve annotations): neither transformers' modeling code (``PreTrainedModel``, Qwen2's, Llama's) nor Ray nor
+    TransferQueue is imported, for the in-memory tiny model and for SmolLM2 (``HFCausalLM``'s subclass)."""
+    heavy = ("transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
+             "transformers.models.llama.modeling_llama", "ray", "transfer_queue")
+    configs = [str(ROOT / "configs" / name) for name in ("grpo_tiny.yaml", "grpo_smollm2.yaml")]
     code = ("import sys\nfrom screl.cli import main\n"
-            f"sys.argv = ['screl', 'check', '--config', {str(ROOT / 'configs' / 'grpo_tiny.yaml')!r}]\n"
-            "try:\n    main()\nexcept SystemExit as err:\n    assert not err.code, err.code\n"
+            f"for config in {configs!r}:\n"
+            "    sys.argv = ['screl', 'check', '--config', config]\n"
+            "    try:\n        main()\n    except SystemExit as err:\n        assert not err.code, (config, err.code)\n"
             f"print('loaded:', sorted(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "screl check: the config is valid" in out.stdout, out.stdout[-2000:]
+    assert out.stdout.count("screl check: the config is valid") == 2, out.stdout[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "loaded: []", out.stdout[-2000:]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import transformers  # PreTrainedModel (its modeling code) loads on first use: `screl check` resolves this spec without it
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from screl.models.hub import HubFiles
 from screl.models.spec import PolicySpec, chat_prompt_token_ids, resolve_dtype
@@ -81,14 +82,14 @@ class HFCausalLM(HubFiles, PolicySpec):
 
         return AutoConfig.from_pretrained(folder, **self._kwargs())
 
-    def build_model(self) -> PreTrainedModel:
+    def build_model(self) -> transformers.PreTrainedModel:
         """Load the model weights from ``path`` on CPU."""
         kwargs: dict[str, object] = {"dtype": resolve_dtype(self.dtype), **self._kwargs()}
         if self.gguf_file is not None:
             kwargs["gguf_file"] = self.gguf_file
         if self.attn_implementation is not None:
             kwargs["attn_implementation"] = self.attn_implementation
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.local_dir("path"), **kwargs)
+        model: transformers.PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.local_dir("path"), **kwargs)
         return model
 
     def build_tokenizer(self) -> PreTrainedTokenizerBase:

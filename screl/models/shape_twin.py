@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+import transformers  # PreTrainedModel (its modeling code) loads on first use: `screl check` resolves this spec without it
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from screl.models.spec import PolicySpec, chat_prompt_token_ids, resolve_dtype
 from screl.models.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, build_char_tokenizer, char_vocab
@@ -129,11 +130,11 @@ class ShapeTwin(PolicySpec):
         fields = self.config_fields()
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
-    def build_model(self) -> PreTrainedModel:
+    def build_model(self) -> transformers.PreTrainedModel:
         """The model on CPU, seeded without disturbing the global RNG."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model: PreTrainedModel = AutoModelForCausalLM.from_config(self.build_config())
+            model: transformers.PreTrainedModel = AutoModelForCausalLM.from_config(self.build_config())
         return model.to(dtype=resolve_dtype(self.dtype))  # type: ignore[call-arg]  # transformers' wrapped .to
 
     def build_tokenizer(self) -> PreTrainedTokenizerBase:

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import transformers  # PreTrainedModel (its modeling code) loads on first use: `screl check` resolves this spec without it
+from transformers import PreTrainedTokenizerBase
 
 from screl.models.hf import HFCausalLM
 
@@ -111,7 +112,7 @@ class SmolLM2(HFCausalLM):
                 convert_gguf(smollm2_gguf(), out)
         return out
 
-    def build_model(self) -> PreTrainedModel:
+    def build_model(self) -> transformers.PreTrainedModel:
         self.ensure_converted()
         return super().build_model()
 
