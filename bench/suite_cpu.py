@@ -68,7 +68,8 @@ def _busy_s() -> float:
 
 
 class Sampler:
-    """CPU-seconds per kind of process, read from ``/proc`` every ``interval`` seconds in a thread."""
+    """CPU-seconds per kind of process, read from ``/proc`` every ``interval`` seconds in a thread; ``pids``: per
+    kind, the processes that spent CPU meanwhile (an idle one's command line is not read)."""
 
     def __init__(self, interval: float = 0.2) -> None:
         self.interval = interval
@@ -107,11 +108,13 @@ class Sampler:
             self._last[n] = seconds
             if first:
                 continue
+            if before is None or seconds < before:  # a process born since the last reading (or a reused pid)
+                before = 0.0
+            if seconds == before:  # spent nothing since the last reading: its command line need not be read
+                continue
             cmdline = _cmdline(pid)
             if cmdline is None:  # a kernel thread, or gone meanwhile
                 continue
-            if before is None or seconds < before:  # a process born since the last reading (or a reused pid)
-                before = 0.0
             k = kind(cmdline)  # read at every pass: a Ray worker renames itself once it hosts an actor
             self.cpu[k] = self.cpu.get(k, 0.0) + seconds - before
             self.pids.setdefault(k, set()).add(n)
