@@ -38,6 +38,8 @@ def kind(cmdline: list[str]) -> str:
     args = " ".join(cmdline)
     if "exec(eval(sys.stdin.readline()))" in args:  # how execnet starts an xdist worker
         return "pytest-worker"
+    if "_launch_zygote" in args:  # tests/_launch.py: the zygote's imports, and the `screl fit`s forked from it
+        return "zygote-and-forked-drivers"
     if "-m pytest" in args or "/pytest " in f"{args} ":
         return "pytest"
     if "screl.cli check" in args:

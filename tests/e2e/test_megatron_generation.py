@@ -10,8 +10,6 @@ any poll of the run's process tree, and validation lands at the steps it validat
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from _fit_env import fit_env
+from _launch import launch
 
 from screl.data.event_check import check_events
 
@@ -42,9 +40,7 @@ def _fit(config: str, tmp_path: Path, holdout: int = 0, **changes: Any) -> tuple
     cfg["data"]["init_args"]["step_timeout_s"] = 120
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = (tmp_path / "fit.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "screl.cli", "fit", "--config", str(path)], stdout=log,
-                            stderr=subprocess.STDOUT, env=fit_env())
+    proc = launch(["-m", "screl.cli", "fit", "--config", str(path)], tmp_path / "fit.log")
     seen = 0
     try:
         while proc.poll() is None:

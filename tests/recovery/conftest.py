@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from _fit_env import fit_env
+from _launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,16 +44,13 @@ def recovery_config(base: Path, checkpoint_dir: str, *, steps: int, sampler: dic
     return path
 
 
-def start_fit(config: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`screl fit` in its own session (so a kill takes its Ray processes with it, as a node loss would)."""
-    out = log.open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "screl.cli", "fit", "--config", str(config)],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=fit_env(env),
-    )
+def start_fit(config: Path, log: Path, env: dict[str, str] | None = None) -> Any:
+    """`screl fit` in its own session (so a kill takes its Ray processes with it, as a node loss would), forked
+    from the test zygote where it can be (``tests/_launch.py``): a ``Popen``-like handle."""
+    return launch(["-m", "screl.cli", "fit", "--config", str(config)], log, env=env)
 
 
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+def kill_tree(proc: Any) -> None:
     """SIGKILL the trainer and everything it started (Ray, TransferQueue, workers)."""
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -81,7 +76,7 @@ def count_events(run_dir: Path, name: str) -> int:
     return sum(1 for line in path.read_text().splitlines() if f'"event":"{name}"' in line)
 
 
-def wait_for(pred: Any, timeout: float, proc: subprocess.Popen[bytes] | None = None, poll_s: float = 0.05) -> bool:
+def wait_for(pred: Any, timeout: float, proc: Any = None, poll_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():

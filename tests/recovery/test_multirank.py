@@ -63,17 +63,18 @@ def _relayout(config: Path, parallelism: dict[str, int]) -> Path:
 
 
 class _Ranks:
-    """The most ``screl fit`` training processes (Lightning starts rank 1 as ``-m screl.cli``) seen at once in a
-    process tree polled over time. A process counts once it is seen in two polls in a row: a child a rank forks to
-    start some other program carries the rank's command line until it execs, for a few milliseconds."""
+    """The most ``screl fit`` training processes (the launched one, rank 0, and those Lightning starts as
+    ``-m screl.cli``) seen at once in a process tree polled over time. A process counts once it is seen in two polls
+    in a row: a child a rank forks to start some other program carries the rank's command line until it execs, for a
+    few milliseconds. Rank 0 is known by its pid (forked from the tests' zygote, its command line is the zygote's)."""
 
     def __init__(self) -> None:
         self.most = 0
         self._last: set[int] = set()
 
-    def see(self, pids: set[int]) -> None:
-        now = set()
-        for pid in pids:
+    def see(self, pids: set[int], rank0: int) -> None:
+        now = {rank0} & pids
+        for pid in pids - {rank0}:
             try:
                 cmd = psutil.Process(pid).cmdline()
             except psutil.Error:
@@ -108,7 +109,7 @@ def _run_watching_sockets(config: Path, log: Path) -> tuple[list[tuple[int, str,
         except psutil.NoSuchProcess:
             break
         wide += [a for a in listening_addresses(tree) if a[1] not in LOOPBACK_IPS]
-        ranks.see(tree)
+        ranks.see(tree, proc.pid)
         time.sleep(0.5)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     return wide, ranks.most
@@ -223,7 +224,7 @@ def test_ddp_bundles_survive_a_kill_and_resume_as_one_process_would_train(tmp_pa
         with contextlib.suppress(psutil.NoSuchProcess):
             tree = {proc.pid} | {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
             wide.extend(a for a in listening_addresses(tree) if a[1] not in LOOPBACK_IPS)
-            ranks.see(tree)
+            ranks.see(tree, proc.pid)
         return (cut / "bundles" / f"step_{kill_after}" / "manifest.json").exists()
 
     assert wait_for(bundle_published, 300, proc, poll_s=0.2), log.read_text()[-3000:]

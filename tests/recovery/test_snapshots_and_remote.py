@@ -4,12 +4,11 @@ ranked by a metric, is tests/recovery/test_storage_faults_e2e.py's object-store 
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _launch import launch
 
 from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
@@ -117,9 +116,7 @@ def test_snapshot_under_trainer_anchor_carries_newer_rollouts(tmp_path: Path) ->
                             snapshot_attempt_interval_s=0.2)
     driver, marker = tmp_path / "hold.py", tmp_path / "held"
     driver.write_text(_HOLD_AFTER_SNAPSHOT)
-    with (tmp_path / "fit.log").open("ab") as log:
-        proc = subprocess.Popen([sys.executable, str(driver), str(config), str(ck_root), str(marker)], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launch([str(driver), str(config), str(ck_root), str(marker)], tmp_path / "fit.log")
     assert wait_for(marker.exists, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
     kill_tree(proc)
     latest = CheckpointStore(str(ck_root)).latest()
@@ -154,9 +151,6 @@ cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 def test_snapshot_taken_mid_step_restores_the_open_steps_groups(tmp_path: Path) -> None:
     """A snapshot captured while a step holds its claims rolls that step back: its groups come back as ready
     (in the replay index, checked against the data plane) and train exactly once after the resume."""
-    import subprocess
-    import sys
-
     import torch
 
     ck_root = tmp_path / "bundles"
@@ -164,9 +158,7 @@ def test_snapshot_taken_mid_step_restores_the_open_steps_groups(tmp_path: Path) 
                             snapshot_attempt_interval_s=3600.0)  # only the snapshot the callback takes
     driver, marker = tmp_path / "driver.py", tmp_path / "snapshot_outcome"
     driver.write_text(_SNAPSHOT_MID_STEP)
-    log = (tmp_path / "fit.log").open("ab")
-    proc = subprocess.Popen([sys.executable, str(driver), str(config), str(marker)], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launch([str(driver), str(config), str(marker)], tmp_path / "fit.log")
     assert wait_for(marker.exists, 300, proc), (tmp_path / "fit.log").read_text()[-3000:]
     kill_tree(proc)
     assert marker.read_text() == "completed"

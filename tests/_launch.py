@@ -1,0 +1,332 @@
+"""Python subprocesses for the tests, forked from a warm interpreter instead of started cold.
+
+A ``screl fit`` a test launches spends about 6 CPU-seconds importing torch, Lightning and transformers before it
+does anything the test looks at, and the fault-injection tests launch dozens (``bench/README.md``, "Where the test
+suite's CPU goes"). :func:`launch` hands the launch to a *zygote*: one process per pytest worker that imported those
+modules once and forks a child per launch. The child is a real process like the one ``subprocess.Popen`` would
+start: its own session (``start_new_session``), its output in the given file, its environment and working
+directory set, ``sys.argv`` and ``sys.path[0]`` as ``python -m`` (or ``-c``, or a script) sets them, and at its end
+Python's own shutdown (non-daemon threads joined, ``atexit`` run) before it exits with the run's code. It is
+killed, signalled and waited on like a ``Popen`` (:class:`Forked`).
+
+A launch goes to a plain ``subprocess.Popen`` instead when its environment is not the one the zygote imported under
+(a test's extra variables may be read at import time: ``TMPDIR``, ``RAY_*``), or when ``SCREL_TEST_FORK=0``. Tests
+of the start-up itself (``tests/dataplane/test_ray_prestart.py``, ``tests/test_lazy_exports.py``) start their
+processes cold, as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+PRELOAD = ("screl.cli", "screl.datamodule", "screl.modules", "screl.callbacks",
+           "transformers.models.qwen2.modeling_qwen2")
+"""What a ``screl fit`` imports before it trains. Ray and TransferQueue are left to the child (about 1 CPU-second):
+a process that forks after loading gRPC and ZMQ is not one their authors support."""
+
+ENABLED = os.environ.get("SCREL_TEST_FORK", "1") != "0"
+
+
+def launch(args: Sequence[str], out: Path | IO[bytes], *, env: dict[str, str] | None = None,
+           cwd: str | Path | None = None) -> Any:
+    """``python *args`` in a new session with stdout and stderr into ``out`` (a path, appended to, or an open binary
+    file), ``fit_env(env)`` as its environment: a :class:`Forked` child of the zygote, or a ``subprocess.Popen``
+    (see the module's docstring)."""
+    from _fit_env import fit_env  # here: the zygote imports this module without the tests' folder on its path
+
+    full_env = fit_env(env)
+    if ENABLED and not env:
+        zygote = _zygote()
+        if zygote is not None and _import_env(zygote.env) == _import_env(full_env):
+            return zygote.fork(list(args), out, full_env, str(cwd or os.getcwd()))
+    handle = out.open("ab") if isinstance(out, Path) else out
+    try:
+        return subprocess.Popen([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=full_env, cwd=cwd)
+    finally:
+        if isinstance(out, Path):
+            handle.close()
+
+
+RUNTIME_ONLY = frozenset({"PYTEST_CURRENT_TEST"})
+"""Variables that change between launches and that nothing reads at import time (pytest's, per test)."""
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in RUNTIME_ONLY}
+
+
+class Forked:
+    """A child of the zygote, with ``Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
+    ``terminate`` and ``kill``."""
+
+    def __init__(self, zygote: _Zygote, pid: int, args: list[str]) -> None:
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, timeout=0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            code = self.zygote.exit_code(self.pid, timeout=timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.returncode = code
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """The client side: the zygote process, and a thread that reads what it reports (forks, exits)."""
+
+    def __init__(self) -> None:
+        from _fit_env import fit_env
+
+        self.env = fit_env()
+        bootstrap = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('_launch_zygote', "
+                     f"{str(Path(__file__).resolve())!r}); mod = importlib.util.module_from_spec(spec); "
+                     "spec.loader.exec_module(mod); mod.serve()")
+        self.proc = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=self.env, start_new_session=True)
+        self.lock = threading.Condition()
+        self.pids: dict[int, int] = {}  # request id -> pid
+        self.errors: dict[int, str] = {}
+        self.exits: dict[int, int] = {}  # pid -> exit code
+        self.ready = False
+        self.dead = False
+        self.next_id = 0
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                if "ready" in msg:
+                    self.ready = True
+                elif "rc" in msg:
+                    self.exits[msg["pid"]] = msg["rc"]
+                elif "error" in msg:
+                    self.errors[msg["id"]] = msg["error"]
+                else:
+                    self.pids[msg["id"]] = msg["pid"]
+                self.lock.notify_all()
+        with self.lock:
+            self.dead = True
+            self.lock.notify_all()
+
+    def fork(self, args: list[str], out: Path | IO[bytes], env: dict[str, str], cwd: str) -> Forked:
+        if isinstance(out, Path):
+            out.open("ab").close()  # there when this returns, as Popen's output file is
+            out_path = str(out)
+        else:
+            out_path = f"/proc/{os.getpid()}/fd/{out.fileno()}"  # the child opens the same file (appending)
+        with self.lock:
+            rid = self.next_id
+            self.next_id += 1
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps({"id": rid, "args": args, "out": out_path, "env": env,
+                                               "cwd": cwd}) + "\n").encode())
+            self.proc.stdin.flush()
+            if not self.lock.wait_for(lambda: rid in self.pids or rid in self.errors or self.dead, timeout=300):
+                raise RuntimeError("the test zygote did not fork within 300 s")
+            if rid in self.errors or self.dead:
+                raise RuntimeError(f"the test zygote could not fork: {self.errors.get(rid, 'it exited')}")
+            return Forked(self, self.pids[rid], args)
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        with self.lock:
+            self.lock.wait_for(lambda: pid in self.exits or self.dead, timeout=timeout)
+            if pid in self.exits:
+                return self.exits[pid]
+            if self.dead:
+                raise RuntimeError(f"the test zygote exited before it reported process {pid}'s end")
+            return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_zygote_lock = threading.Lock()
+_the_zygote: list[_Zygote | None] = []
+
+
+def _zygote() -> _Zygote | None:
+    """This process's zygote, started at the first launch (None if it failed to start)."""
+    with _zygote_lock:
+        if not _the_zygote:
+            try:
+                zygote: _Zygote | None = _Zygote()
+                atexit.register(zygote.close)  # type: ignore[union-attr]
+            except OSError:
+                zygote = None
+            _the_zygote.append(zygote)
+        return _the_zygote[0]
+
+
+# --- the zygote's side ---------------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """Import :data:`PRELOAD`, then fork a child per request read from stdin, and report each child's pid and,
+    when it ends, its exit code (one JSON line each on stdout)."""
+    import importlib
+    import select
+    import signal
+
+    control_in, control_out = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)  # stray output of the imports goes to the worker's stderr, not into the reports
+
+    def report(msg: dict[str, Any]) -> None:
+        os.write(control_out, (json.dumps(msg) + "\n").encode())
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w)
+    report({"ready": True})
+    pending = b""
+    while True:
+        try:
+            readable, _, _ = select.select([control_in, wake_r], [], [])
+        except InterruptedError:
+            readable = []
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        _reap(report)
+        if control_in not in readable:
+            continue
+        chunk = os.read(control_in, 65536)
+        if not chunk:
+            return  # the pytest worker is gone: running children go on, as Popen's would
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            try:
+                pid = os.fork()
+            except OSError as err:
+                report({"id": request["id"], "error": str(err)})
+                continue
+            if pid == 0:
+                for fd in (control_in, control_out, wake_r, wake_w):
+                    os.close(fd)
+                _child(request, devnull)  # never returns
+            report({"id": request["id"], "pid": pid})
+
+
+def _reap(report: Any) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        report({"pid": pid, "rc": os.waitstatus_to_exitcode(status)})
+
+
+def _child(request: dict[str, Any], devnull: int) -> None:
+    """Become ``python *request["args"]``: as a fresh interpreter would run it, then exit with its code."""
+    import signal
+    import tempfile
+
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        out = os.open(request["out"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(devnull)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # TMPDIR is read again
+        code = _run(request["args"])
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the exit code
+        sys.excepthook(*sys.exc_info())
+    finally:
+        os._exit(code)
+
+
+def _run(args: list[str]) -> int:
+    """Run ``python *args`` (``-m module``, ``-c code`` or a script) in this process; its exit code."""
+    import runpy
+
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = ["-m", *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path[0] = ""
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            sys.argv = list(args)
+            sys.path[0] = str(Path(args[0]).resolve().parent)
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as done:
+        code = _exit_code(done.code)
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _exit_code(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
