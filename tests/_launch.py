@@ -110,11 +110,8 @@ class _Zygote:
         from _fit_env import fit_env
 
         self.env = fit_env()
-        bootstrap = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('_launch_zygote', "
-                     f"{str(Path(__file__).resolve())!r}); mod = importlib.util.module_from_spec(spec); "
-                     "spec.loader.exec_module(mod); mod.serve()")
-        self.proc = subprocess.Popen([sys.executable, "-c", bootstrap], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(zygote_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
+                                     start_new_session=True)
         self.lock = threading.Condition()
         self.pids: dict[int, int] = {}  # request id -> pid
         self.errors: dict[int, str] = {}
@@ -178,6 +175,14 @@ class _Zygote:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def zygote_command() -> list[str]:
+    """The zygote's command line (its forked children carry it too: ``bench/suite_cpu.py`` counts them under it)."""
+    bootstrap = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('_launch_zygote', "
+                 f"{str(Path(__file__).resolve())!r}); mod = importlib.util.module_from_spec(spec); "
+                 "spec.loader.exec_module(mod); mod.serve()")
+    return [sys.executable, "-c", bootstrap]
 
 
 _zygote_lock = threading.Lock()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _launch import zygote_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench scripts import each other as bench.*
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the sam
     (["/v/bin/python", "/v/lib/python3.11/site-packages/ray/_private/workers/default_worker.py",
       "--raylet-name=/tmp/ray/session_1/sockets/raylet"], "ray-worker-boot"),  # not the raylet it names
     (["/v/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=/tmp/s"], "raylet"),
+    (zygote_command(), "zygote-and-forked-drivers"),  # tests/_launch.py's, and the `screl fit`s it forks
 ])
 def test_each_process_is_named_by_its_kind(cmdline: list[str], expected: str) -> None:
     assert kind(cmdline) == expected
