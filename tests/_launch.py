@@ -9,10 +9,12 @@ directory set, ``sys.argv`` and ``sys.path[0]`` as ``python -m`` (or ``-c``, or 
 Python's own shutdown (non-daemon threads joined, ``atexit`` run) before it exits with the run's code. It is
 killed, signalled and waited on like a ``Popen`` (:class:`Forked`).
 
-A launch goes to a plain ``subprocess.Popen`` instead when its environment is not the one the zygote imported under
-(a test's extra variables may be read at import time: ``TMPDIR``, ``RAY_*``), or when ``SCREL_TEST_FORK=0``. Tests
-of the start-up itself (``tests/dataplane/test_ray_prestart.py``, ``tests/test_lazy_exports.py``) start their
-processes cold, as before.
+The zygote imports under the environment the launch would have had: some variables are read at import time
+(``OMP_NUM_THREADS`` by the OpenMP runtime torch loads). When the worker's own environment changes (an in-process
+fit sets ``PL_GLOBAL_SEED``, a Ray start its loopback variables), the next launch starts a new zygote under it and
+the old one exits once its children have. A launch with variables of its own (``env``) goes to a plain
+``subprocess.Popen``, as does every launch when ``SCREL_TEST_FORK=0``. Tests of the start-up itself
+(``tests/dataplane/test_ray_prestart.py``, ``tests/test_lazy_exports.py``) start their processes cold, as before.
 """
 
 from __future__ import annotations
@@ -44,9 +46,7 @@ def launch(args: Sequence[str], out: Path | IO[bytes], *, env: dict[str, str] | 
 
     full_env = fit_env(env)
     if ENABLED and not env:
-        zygote = _zygote()
-        if zygote is not None and _import_env(zygote.env) == _import_env(full_env):
-            return zygote.fork(list(args), out, full_env, str(cwd or os.getcwd()))
+        return _zygote(full_env).fork(list(args), out, full_env, str(cwd or os.getcwd()))
     handle = out.open("ab") if isinstance(out, Path) else out
     try:
         return subprocess.Popen([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT,
@@ -106,11 +106,9 @@ class Forked:
 class _Zygote:
     """The client side: the zygote process, and a thread that reads what it reports (forks, exits)."""
 
-    def __init__(self) -> None:
-        from _fit_env import fit_env
-
-        self.env = fit_env()
-        self.proc = subprocess.Popen(zygote_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen(zygote_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True)
         self.lock = threading.Condition()
         self.pids: dict[int, int] = {}  # request id -> pid
@@ -167,6 +165,14 @@ class _Zygote:
                 raise RuntimeError(f"the test zygote exited before it reported process {pid}'s end")
             return None
 
+    def retire(self) -> None:
+        """Fork nothing more; exit once every child has ended (and been reported)."""
+        with self.lock:
+            if not self.dead:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b'{"retire": true}\n')
+                self.proc.stdin.flush()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
@@ -186,20 +192,21 @@ def zygote_command() -> list[str]:
 
 
 _zygote_lock = threading.Lock()
-_the_zygote: list[_Zygote | None] = []
+_current: list[_Zygote] = []
 
 
-def _zygote() -> _Zygote | None:
-    """This process's zygote, started at the first launch (None if it failed to start)."""
+def _zygote(env: dict[str, str]) -> _Zygote:
+    """The zygote for a launch under ``env``: this process's current one if it imported under the same variables,
+    else a new one (the old one retires)."""
     with _zygote_lock:
-        if not _the_zygote:
-            try:
-                zygote: _Zygote | None = _Zygote()
-                atexit.register(zygote.close)  # type: ignore[union-attr]
-            except OSError:
-                zygote = None
-            _the_zygote.append(zygote)
-        return _the_zygote[0]
+        if _current and _import_env(_current[0].env) == _import_env(env):
+            return _current[0]
+        if _current:
+            _current.pop().retire()
+        zygote = _Zygote(env)
+        atexit.register(zygote.close)
+        _current.append(zygote)
+        return zygote
 
 
 # --- the zygote's side ---------------------------------------------------------------------------------------
@@ -228,14 +235,16 @@ def serve() -> None:
     signal.set_wakeup_fd(wake_w)
     report({"ready": True})
     pending = b""
-    while True:
+    children: set[int] = set()
+    retired = False
+    while not (retired and not children):
         try:
             readable, _, _ = select.select([control_in, wake_r], [], [])
         except InterruptedError:
             readable = []
         if wake_r in readable:
             os.read(wake_r, 4096)
-        _reap(report)
+        children -= _reap(report)
         if control_in not in readable:
             continue
         chunk = os.read(control_in, 65536)
@@ -245,6 +254,9 @@ def serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if request.get("retire"):
+                retired = True
+                continue
             try:
                 pid = os.fork()
             except OSError as err:
@@ -254,17 +266,21 @@ def serve() -> None:
                 for fd in (control_in, control_out, wake_r, wake_w):
                     os.close(fd)
                 _child(request, devnull)  # never returns
+            children.add(pid)
             report({"id": request["id"], "pid": pid})
 
 
-def _reap(report: Any) -> None:
+def _reap(report: Any) -> set[int]:
+    """Report every child that ended; their pids."""
+    ended = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return ended
         if pid == 0:
-            return
+            return ended
+        ended.add(pid)
         report({"pid": pid, "rc": os.waitstatus_to_exitcode(status)})
 
 

@@ -75,3 +75,22 @@ def test_a_launch_with_its_own_variables_starts_cold(tmp_path: Path) -> None:
     assert isinstance(forked, Forked)
     assert forked.wait(timeout=60) == 0
     assert (tmp_path / "f").read_text().split() == ["True", sys.executable]  # warm: the zygote's imports
+
+
+def test_a_changed_environment_gets_a_zygote_of_its_own_and_the_old_one_waits_for_its_children(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variable may be read at import time: a launch under a changed environment forks from a zygote that
+    imported under it, and the old zygote still reports its running child's end before it exits."""
+    marker = tmp_path / "go"
+    first = launch(["-c", f"import os, time\nwhile not os.path.exists({str(marker)!r}): time.sleep(0.02)"],
+                   tmp_path / "a")
+    assert isinstance(first, Forked)
+    monkeypatch.setenv("SCREL_PROBE_IMPORT_VAR", "seen")
+    second = launch(["-c", "import os; print(os.environ['SCREL_PROBE_IMPORT_VAR'])"], tmp_path / "b")
+    assert isinstance(second, Forked) and second.zygote is not first.zygote
+    assert second.zygote.env["SCREL_PROBE_IMPORT_VAR"] == "seen"
+    assert second.wait(timeout=60) == 0 and (tmp_path / "b").read_text() == "seen\n"
+    assert first.poll() is None and first.zygote.proc.poll() is None  # retired, but its child still runs
+    marker.touch()
+    assert first.wait(timeout=60) == 0
+    assert first.zygote.proc.wait(timeout=60) == 0  # then it exits
