@@ -133,6 +133,7 @@ class _Zygote:
                 else:
                     self.pids[msg["id"]] = msg["pid"]
                 self.lock.notify_all()
+        self.proc.wait()  # a retired zygote exits by itself: reaped here, not left a zombie until the worker ends
         with self.lock:
             self.dead = True
             self.lock.notify_all()
