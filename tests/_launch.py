@@ -22,12 +22,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 PRELOAD = ("screl.cli", "screl.datamodule", "screl.modules", "screl.callbacks",
            "transformers.models.qwen2.modeling_qwen2")
@@ -37,23 +38,18 @@ a process that forks after loading gRPC and ZMQ is not one their authors support
 ENABLED = os.environ.get("SCREL_TEST_FORK", "1") != "0"
 
 
-def launch(args: Sequence[str], out: Path | IO[bytes], *, env: dict[str, str] | None = None,
+def launch(args: Sequence[str], out: Path, *, env: dict[str, str] | None = None,
            cwd: str | Path | None = None) -> Any:
-    """``python *args`` in a new session with stdout and stderr into ``out`` (a path, appended to, or an open binary
-    file), ``fit_env(env)`` as its environment: a :class:`Forked` child of the zygote, or a ``subprocess.Popen``
-    (see the module's docstring)."""
+    """``python *args`` in a new session with stdout and stderr appended to ``out``, ``fit_env(env)`` as its
+    environment: a :class:`Forked` child of the zygote, or a ``subprocess.Popen`` (see the module's docstring)."""
     from _fit_env import fit_env  # here: the zygote imports this module without the tests' folder on its path
 
     full_env = fit_env(env)
     if ENABLED and not env:
         return _zygote(full_env).fork(list(args), out, full_env, str(cwd or os.getcwd()))
-    handle = out.open("ab") if isinstance(out, Path) else out
-    try:
+    with out.open("ab") as handle:
         return subprocess.Popen([sys.executable, *args], stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=full_env, cwd=cwd)
-    finally:
-        if isinstance(out, Path):
-            handle.close()
 
 
 RUNTIME_ONLY = frozenset({"PYTEST_CURRENT_TEST"})
@@ -65,8 +61,8 @@ def _import_env(env: dict[str, str]) -> dict[str, str]:
 
 
 class Forked:
-    """A child of the zygote, with ``Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``,
-    ``terminate`` and ``kill``."""
+    """A child of the zygote, with ``Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal`` and
+    ``kill``."""
 
     def __init__(self, zygote: _Zygote, pid: int, args: list[str]) -> None:
         self.zygote, self.pid, self.args = zygote, pid, args
@@ -92,14 +88,7 @@ class Forked:
             except ProcessLookupError:
                 pass
 
-    def terminate(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 
@@ -114,7 +103,6 @@ class _Zygote:
         self.pids: dict[int, int] = {}  # request id -> pid
         self.errors: dict[int, str] = {}
         self.exits: dict[int, int] = {}  # pid -> exit code
-        self.ready = False
         self.dead = False
         self.next_id = 0
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
@@ -124,9 +112,7 @@ class _Zygote:
         for line in self.proc.stdout:
             msg = json.loads(line)
             with self.lock:
-                if "ready" in msg:
-                    self.ready = True
-                elif "rc" in msg:
+                if "rc" in msg:
                     self.exits[msg["pid"]] = msg["rc"]
                 elif "error" in msg:
                     self.errors[msg["id"]] = msg["error"]
@@ -138,17 +124,13 @@ class _Zygote:
             self.dead = True
             self.lock.notify_all()
 
-    def fork(self, args: list[str], out: Path | IO[bytes], env: dict[str, str], cwd: str) -> Forked:
-        if isinstance(out, Path):
-            out.open("ab").close()  # there when this returns, as Popen's output file is
-            out_path = str(out)
-        else:
-            out_path = f"/proc/{os.getpid()}/fd/{out.fileno()}"  # the child opens the same file (appending)
+    def fork(self, args: list[str], out: Path, env: dict[str, str], cwd: str) -> Forked:
+        out.open("ab").close()  # there when this returns, as Popen's output file is
         with self.lock:
             rid = self.next_id
             self.next_id += 1
             assert self.proc.stdin is not None
-            self.proc.stdin.write((json.dumps({"id": rid, "args": args, "out": out_path, "env": env,
+            self.proc.stdin.write((json.dumps({"id": rid, "args": args, "out": str(out), "env": env,
                                                "cwd": cwd}) + "\n").encode())
             self.proc.stdin.flush()
             if not self.lock.wait_for(lambda: rid in self.pids or rid in self.errors or self.dead, timeout=300):
@@ -218,7 +200,6 @@ def serve() -> None:
     when it ends, its exit code (one JSON line each on stdout)."""
     import importlib
     import select
-    import signal
 
     control_in, control_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -234,7 +215,6 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.set_wakeup_fd(wake_w)
-    report({"ready": True})
     pending = b""
     children: set[int] = set()
     retired = False
@@ -273,7 +253,7 @@ def serve() -> None:
 
 def _reap(report: Any) -> set[int]:
     """Report every child that ended; their pids."""
-    ended = set()
+    ended: set[int] = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -287,7 +267,6 @@ def _reap(report: Any) -> set[int]:
 
 def _child(request: dict[str, Any], devnull: int) -> None:
     """Become ``python *request["args"]``: as a fresh interpreter would run it, then exit with its code."""
-    import signal
     import tempfile
 
     code = 1
