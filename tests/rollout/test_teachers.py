@@ -41,6 +41,15 @@ def ray_cluster() -> Iterator[None]:
         yield
 
 
+def _spawn_ready(cfg: DistillationConfig, namespace_prefix: str) -> dict[str, list[Any]]:
+    """The teachers, each replica's model built (its ``ping`` answered) before the test's first call, as the
+    runtime waits for them at start-up: ``score_timeout_s`` bounds a scoring call, not a process's boot (on a
+    loaded machine four boots outlast the tests' 30 s)."""
+    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix=namespace_prefix)
+    ray.get([a.ping.remote() for replicas in actors.values() for a in replicas], timeout=600)
+    return actors
+
+
 def _config(**kw: Any) -> DistillationConfig:
     teachers = [Teacher("count", TinyCausalLM(seed=1)), Teacher("add", TinyCausalLM(seed=2))]
     return DistillationConfig(teachers=teachers, teacher_map={"add": "add"}, default_teacher="count",
@@ -98,7 +107,7 @@ def test_placement_keys_are_checked() -> None:
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_teachers_rows_are_split_among_its_replicas() -> None:
     cfg = _config(score_timeout_s=30.0, teacher_replicas=2)
-    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test-replicas")
+    actors = _spawn_ready(cfg, "screl-test-replicas")
     try:
         assert [len(r) for r in actors.values()] == [2, 2]
         rows = [("count", *s) for s in (*SEQS, SEQS[0])]
@@ -131,7 +140,7 @@ def test_schema_adds_teacher_logprobs_aligned_like_generation_logprobs() -> None
 @pytest.mark.usefixtures("ray_cluster")
 def test_router_routes_by_task_source_and_a_dead_teacher_fails_its_rows_only() -> None:
     cfg = _config(score_timeout_s=30.0)
-    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test")
+    actors = _spawn_ready(cfg, "screl-test")
     try:
         router = TeacherRouter(actors, cfg)
         rows = [("add", *SEQS[0]), (None, *SEQS[1]), ("count", *SEQS[2]), ("other", *SEQS[0])]
@@ -171,7 +180,7 @@ class RecordingPlane:
 @pytest.mark.usefixtures("ray_cluster")
 def test_worker_writes_teacher_logprobs_and_a_failed_teacher_call_is_a_data_failure() -> None:
     cfg = _config(score_timeout_s=30.0)
-    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test")
+    actors = _spawn_ready(cfg, "screl-test")
     task = TaskMixture({"count": CountLetter(), "add": CountLetter(letter="b")})
     try:
         worker = GenerationWorker(TinyCausalLM(seed=0), task=task, teachers=TeacherRouter(actors, cfg),
@@ -210,7 +219,7 @@ def test_top_k_teachers_write_their_top_tokens_into_each_row() -> None:
     """``estimator: top_k``: the worker's rows carry the teacher's top-k ids and logprobs at each completion position
     (the teacher actor's forward), beside ``teacher_logprobs``; the rows collate to ``[rows, length - 1, k]``."""
     cfg = _config(score_timeout_s=30.0, estimator="top_k", top_k=5)
-    actors = spawn_teachers(cfg, temperature=1.0, namespace_prefix="screl-test-topk")
+    actors = _spawn_ready(cfg, "screl-test-topk")
     task = TaskMixture({"count": CountLetter(), "add": CountLetter(letter="b")})
     try:
         router = TeacherRouter(actors, cfg)
