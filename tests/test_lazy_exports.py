@@ -41,11 +41,14 @@ def test_one_name_does_not_import_the_rest(stmt: str, heavy: str) -> None:
 def test_screl_check_resolves_the_specs_without_their_modeling_code() -> None:
     """``screl check`` reads a spec's signature and config (jsonargparse also runs a module's TYPE_CHECKING imports
     to resolve annotations): neither transformers' modeling code (``PreTrainedModel``, Qwen2's, Llama's) nor Ray nor
-    TransferQueue is imported, for the in-memory tiny model and for SmolLM2 (``HFCausalLM``'s subclass)."""
+    TransferQueue is imported, for the in-memory tiny model and for SmolLM2 (``HFCausalLM``'s subclass); nor, as
+    ``screl check``'s own process imports Lightning (``screl.lightning_import``), ``torch._dynamo``, sympy or
+    matplotlib."""
     heavy = ("transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
-             "transformers.models.llama.modeling_llama", "ray", "transfer_queue")
+             "transformers.models.llama.modeling_llama", "ray", "transfer_queue", "torch._dynamo", "sympy",
+             "matplotlib")
     configs = [str(ROOT / "configs" / name) for name in ("grpo_tiny.yaml", "grpo_smollm2.yaml")]
-    code = ("import sys\nfrom screl.cli import main\n"
+    code = ("import sys\nsys.argv = ['screl', 'check']\nfrom screl.cli import main\n"
             f"for config in {configs!r}:\n"
             "    sys.argv = ['screl', 'check', '--config', config]\n"
             "    try:\n        main()\n    except SystemExit as err:\n        assert not err.code, (config, err.code)\n"

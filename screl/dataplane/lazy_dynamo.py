@@ -14,14 +14,14 @@ trainer process: Lightning imports it) nothing changes.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
+
+from screl._import_hooks import OneModuleFinder, hooked
 
 DYNAMO = "torch._dynamo"
 TENSORDICT = "tensordict"
@@ -39,56 +39,11 @@ def _register_pending(dynamo: ModuleType) -> None:
         getattr(dynamo, marker)(fn)
 
 
-class _Loader(importlib.abc.Loader):
-    """A module's own loader, with ``after`` called on the module once it ran, or its execution wrapped in
-    ``around``."""
-
-    def __init__(self, inner: importlib.abc.Loader, after: Callable[[ModuleType], None] | None = None,
-                 around: Callable[[], Any] | None = None) -> None:
-        self.inner, self.after, self.around = inner, after, around
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        if self.around is not None:
-            with self.around():
-                self.inner.exec_module(module)
-        else:
-            self.inner.exec_module(module)
-        if self.after is not None:
-            self.after(module)
-
-
-class _OneModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds one module as the other finders do, giving it a :class:`_Loader`; removes itself once used."""
-
-    def __init__(self, name: str, **loader: Any) -> None:
-        self.name, self.loader = name, loader
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader, **self.loader)
-                return spec
-        return None
-
-
-def _hooked(name: str) -> bool:
-    return any(isinstance(f, _OneModuleFinder) and f.name == name for f in sys.meta_path)
-
-
 def install() -> None:
     """tensordict's first import in this process (if it is still to come) runs under
     :func:`deferred_allow_in_graph`. Imports nothing."""
-    if TENSORDICT not in sys.modules and not _hooked(TENSORDICT):
-        sys.meta_path.insert(0, _OneModuleFinder(TENSORDICT, around=deferred_allow_in_graph))
+    if TENSORDICT not in sys.modules and not hooked(TENSORDICT):
+        sys.meta_path.insert(0, OneModuleFinder(TENSORDICT, around=deferred_allow_in_graph))
 
 
 def _deferred(marker: str) -> Callable[[Any], Any]:
@@ -128,8 +83,8 @@ def deferred_allow_in_graph() -> Iterator[None]:
             setattr(torch.compiler, marker, fn)
         if DYNAMO in sys.modules:  # something in the block imported it after all
             _register_pending(sys.modules[DYNAMO])
-        elif _pending and not _hooked(DYNAMO):
-            sys.meta_path.insert(0, _OneModuleFinder(DYNAMO, after=_register_pending))
+        elif _pending and not hooked(DYNAMO):
+            sys.meta_path.insert(0, OneModuleFinder(DYNAMO, after=_register_pending))
 
 
 def pending() -> list[tuple[str, Callable[..., Any]]]:

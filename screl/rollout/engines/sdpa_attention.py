@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 ATTENTION_PATH = ("sdpa (prefill: is_causal, no mask, GQA without a KV copy, later chunks lower-right causal; decode: "
                   "GQA folded into the query axis, no KV copy, a [rows, 1, 1, keys] additive length bias built once "
@@ -41,6 +40,10 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """A prefill chunk of ``n`` positions after ``s - n`` cached ones: ``q`` ``[1, heads, n, d]`` over ``k``/``v``
     ``[1, kv_heads, s, d]`` (the slot's positions up to the chunk's end); query ``i`` sees keys ``0 .. s - n + i``."""
+    # imported here: its import imports torch._dynamo (~1 CPU-s), which `screl check` (the engine's capabilities)
+    # does without
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
