@@ -24,7 +24,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,39 @@ LOOPBACK_IPS = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 START_ATTEMPTS = 3
 """Starts of a local cluster whose raylet misses Ray's fixed 30 s registration (an overloaded machine) before the
 error reaches the caller."""
+
+
+MONITORS_VAR = "SCREL_RAY_MONITORS"
+"""``1``: a local cluster screl starts keeps Ray's autoscaler monitor and log monitor (see :func:`_monitors_off`)."""
+
+
+@contextmanager
+def _monitors_off(log_to_driver: bool) -> Iterator[None]:
+    """A local cluster started in the block runs without Ray's autoscaler monitor (``monitor.py``: a fixed local
+    cluster has nothing to scale; ``ray status`` then reports no autoscaler state) and, unless the workers' output
+    goes to the driver, without its log monitor (which only forwards the workers' log files to the driver; the files
+    are written all the same): about 0.85 CPU-s per cluster to boot, and their polling after. These are the
+    ``no_monitor`` and ``include_log_monitor`` of Ray's node parameters, which ``ray start`` takes and ``ray.init``
+    does not pass on. ``SCREL_RAY_MONITORS=1`` keeps both."""
+    if os.environ.get(MONITORS_VAR) == "1":
+        yield
+        return
+    import ray._private.parameter as parameter
+
+    real = parameter.RayParams
+
+    def node_params(*args: Any, **kwargs: Any) -> Any:
+        params = real(*args, **kwargs)
+        params.no_monitor = True
+        if not log_to_driver:
+            params.include_log_monitor = False  # type: ignore[assignment]  # Ray annotates it Optional[str]
+        return params
+
+    parameter.RayParams = node_params  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        parameter.RayParams = real  # type: ignore[misc]
 
 
 def _force_loopback_env() -> None:
@@ -239,7 +273,8 @@ def _start_local(ray: Any, kwargs: dict[str, Any], gpu_ids: Sequence[str] | None
     if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     try:
-        _init_with_retries(ray, kwargs)
+        with _monitors_off(kwargs["log_to_driver"]):
+            _init_with_retries(ray, kwargs)
     finally:
         if gpu_ids is not None:
             if saved is None:
