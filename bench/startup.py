@@ -9,7 +9,8 @@ controller all start inside the timed window), P=8 G=4 L=16, ``--steps`` steps. 
 subprocess's wall time less its ``trainer.train()`` wall time plus its first step (what follows the last step,
 writing one JSON file, is left in: a few milliseconds). Writes ``bench/results/startup.json`` (``ratio``, also
 under ``first_step_over_trl``: screl's median / TRL's; ``cpu_s_to_first_step``: the median CPU-seconds each kind of
-process, the driver, Ray's services and each actor class, spent from the launch to the first step). It also times
+process, the driver, Ray's services and each actor class, spent from the launch to the first step). The
+repository's own bytecode is compiled first (``bytecode_compiled``; see :func:`compile_bytecode`). It also times
 ``screl check --config configs/grpo_tiny.yaml`` (``check_s``, median of ``--reps``) beside its floor: a bare
 Python, ``import torch`` and ``import lightning.pytorch`` in fresh processes (``import_floor_s``), which every
 ``screl check`` pays before it reads a line of config.
@@ -189,6 +190,19 @@ def check_times(reps: int) -> dict[str, Any]:
     return {"check_s": check, "check_median_s": statistics.median(check), "import_floor_s": floor}
 
 
+BYTECODE_DIRS = ("screl", "callbacks", "strategies")
+
+
+def compile_bytecode() -> bool:
+    """The repository's own bytecode, written before the launches are timed, as TRL's (pip compiled it at install)
+    and as ``.ci/run`` does: where ``PYTHONDONTWRITEBYTECODE`` is set (this machine kind sets it) an editable
+    install's modules are otherwise compiled again by every process, the driver and each Ray worker alike. A user's
+    second run has it. Returns whether every file compiled."""
+    proc = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *BYTECODE_DIRS], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    return proc.returncode == 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
@@ -198,6 +212,7 @@ def main() -> int:
     peer = Path(env_peer) if env_peer else REPO / "bench" / "trl_peer.py"
     if not peer.is_file():
         raise SystemExit(f"startup: the TRL peer is missing at {peer} (set $SCREL_TRL_PEER)")
+    compiled = compile_bytecode()
     screl, trl, breakdowns, counts, phases = [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="screl-startup-") as tmp:
         for rep in range(args.reps):  # alternated, so drift hits both sides alike
@@ -220,6 +235,7 @@ def main() -> int:
     res["cpu_floor_s"] = round(res["cpu_s_to_first_step_total"] / res["cores"], 2)
     res["first_step_target_s"] = round(1.5 * res["trl_median_s"], 2)  # issue 52: at most 1.5x TRL's
     res.update(check_times(args.reps))
+    res["bytecode_compiled"] = compiled
     res["ratio"] = res["screl_median_s"] / res["trl_median_s"]
     res["first_step_over_trl"] = res["ratio"]  # the key issue 19's targets name (target <= 1.0)
     out = REPO / "bench" / "results" / "startup.json"
