@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
+import pytest
 import ray
 
 from screl.dataplane import listening_addresses, start_local_ray, stop_ray_if_started
-from screl.dataplane.cluster import LOOPBACK_IPS, MONITORS_VAR
+from screl.dataplane.cluster import LOOPBACK_IPS, MONITORS_VAR, _monitors_off
 
 
 def test_ray_listens_on_loopback_only(ray_cluster: None) -> None:
@@ -27,20 +23,35 @@ def test_start_local_ray_is_a_no_op_when_ray_runs(ray_cluster: None) -> None:
     assert ray.is_initialized()
 
 
-def test_a_local_cluster_runs_without_rays_monitors_unless_asked() -> None:
-    """``start_local_ray`` leaves out Ray's autoscaler monitor and (without ``log_to_driver``) its log monitor;
-    ``SCREL_RAY_MONITORS=1`` keeps both, and ``log_to_driver`` keeps the log monitor. Fresh interpreters: the session's
-    cluster is this process's."""
-    script = ("import json, ray\nfrom screl.dataplane import start_local_ray\n"
-              "start_local_ray(num_cpus=1, log_to_driver={log})\n"
-              "from ray._private import ray_constants as c, worker\n"
-              "kinds = worker._global_node.all_processes\n"
-              "print(json.dumps([c.PROCESS_TYPE_MONITOR in kinds, c.PROCESS_TYPE_LOG_MONITOR in kinds, "
-              "c.PROCESS_TYPE_GCS_SERVER in kinds]))\nray.shutdown()\n")
-    found = {}
-    for label, log, env in (("off", False, {}), ("kept", False, {MONITORS_VAR: "1"}), ("to_driver", True, {})):
-        proc = subprocess.run([sys.executable, "-c", script.format(log=log)], capture_output=True, text=True,
-                              timeout=180, env={**os.environ, **env}, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        found[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert found == {"off": [False, False, True], "kept": [True, True, True], "to_driver": [False, True, True]}
+def test_a_local_cluster_runs_without_rays_monitors(ray_cluster: None) -> None:
+    """The session's cluster (``start_local_ray``, no ``log_to_driver``) runs neither Ray's autoscaler monitor nor
+    its log monitor, and its GCS and raylet as ever."""
+    from ray._private import ray_constants as c
+    from ray._private import worker
+
+    kinds = set(worker._global_node.all_processes)
+    assert {c.PROCESS_TYPE_GCS_SERVER, c.PROCESS_TYPE_RAYLET} <= kinds
+    assert kinds.isdisjoint({c.PROCESS_TYPE_MONITOR, c.PROCESS_TYPE_LOG_MONITOR}), kinds
+
+
+@pytest.mark.parametrize(("log_to_driver", "env", "no_monitor", "log_monitor"), [
+    (False, None, True, False),
+    (True, None, True, True),  # the workers' output goes to the driver through the log monitor
+    (False, "1", False, True),
+])
+def test_the_monitors_left_out_follow_log_to_driver_and_screl_ray_monitors(
+        monkeypatch: pytest.MonkeyPatch, log_to_driver: bool, env: str | None, no_monitor: bool,
+        log_monitor: bool) -> None:
+    """What ``ray.init`` builds its head node from inside the start (Ray's own parameters), and nothing after."""
+    import ray._private.parameter as parameter
+
+    if env is None:
+        monkeypatch.delenv(MONITORS_VAR, raising=False)
+    else:
+        monkeypatch.setenv(MONITORS_VAR, env)
+    real = parameter.RayParams
+    with _monitors_off(log_to_driver):
+        params = parameter.RayParams(num_cpus=1)
+        params.update_if_absent(include_log_monitor=True)  # as ray's Node fills the parameters left unset
+    assert parameter.RayParams is real
+    assert (bool(params.no_monitor), bool(params.include_log_monitor)) == (no_monitor, log_monitor)
