@@ -43,11 +43,12 @@ from screl.rules import ConfigError, config_problems  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
 
-from screl.lightning_import import is_check, lean_lightning_import  # noqa: E402
+from screl.lightning_import import import_lightning, is_check  # noqa: E402
 
-with lean_lightning_import(is_check(sys.argv)):  # `screl check`: Lightning without torch._dynamo, torchmetrics' extras
-    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-    from lightning.pytorch.cli import LightningCLI
+import_lightning(lean=is_check(sys.argv))  # `screl check`: Lightning without torch._dynamo, torchmetrics' extras
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 #: Top-level blocks and their types (None default = optional block).

@@ -21,12 +21,15 @@ Within :func:`lean_lightning_import` (the CLI wraps its Lightning import in it, 
   it has no ``bert_score``, ``infolm`` or ``.plot()``.
 
 The stand-in and ``torch.compiler.disable`` are undone when the block ends. ``screl fit`` and every other command
-import Lightning as it is.
+import Lightning as it is. :func:`import_lightning` is what the CLI calls: should a Lightning import a Dynamo
+submodule at import (which the stand-in, not a package, cannot serve), the lean import is done again in full, so a
+``check`` is slower but never broken by it (``tests/test_lazy_exports.py`` fails on it, naming ``torch._dynamo``).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +38,8 @@ from types import ModuleType
 from typing import Any
 
 from screl._import_hooks import OneModuleFinder
+
+log = logging.getLogger(__name__)
 
 DYNAMO = "torch._dynamo"
 TORCHMETRICS_IMPORTS = "torchmetrics.utilities.imports"
@@ -83,6 +88,24 @@ def is_check(argv: Sequence[str]) -> bool:
 def _torchmetrics_without_extras(module: ModuleType) -> None:
     for flag in TORCHMETRICS_ABSENT:
         getattr(module, flag).available = False  # a RequirementCache: evaluated once, here answered
+
+
+LIGHTNING_MODULES = ("lightning.pytorch", "lightning.pytorch.cli")
+
+
+def import_lightning(lean: bool, modules: Sequence[str] = LIGHTNING_MODULES) -> None:
+    """Import ``modules`` (Lightning and its CLI), within :func:`lean_lightning_import` where ``lean``; a lean
+    import that fails on a ``torch._dynamo`` submodule is done again in full."""
+    try:
+        with lean_lightning_import(lean):
+            for name in modules:
+                importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if not lean or not (err.name or "").startswith(DYNAMO + "."):
+            raise
+        log.info("screl: Lightning imported in full: it imports %s at import", err.name)
+        for name in modules:
+            importlib.import_module(name)
 
 
 @contextmanager

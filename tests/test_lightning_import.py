@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 LEAN = """
 import json, sys, torch
@@ -75,3 +76,25 @@ print(json.dumps([wrappers.OptimizedModule is torch._dynamo.OptimizedModule,
                   is_check(["pytest", "check"])]))
 """
     assert _run(script) == [True, True, True, False, False]
+
+
+def test_a_lean_import_that_meets_a_dynamo_submodule_is_done_again_in_full(tmp_path: Path) -> None:
+    """A module imported at Lightning's import that imports a ``torch._dynamo`` submodule (which the stand-in cannot
+    serve) fails the lean block naming it; :func:`import_lightning` then imports in full."""
+    (tmp_path / "needs_dynamo_submodule.py").write_text("import torch._dynamo.eval_frame\nOK = True\n")
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(tmp_path)!r})
+from screl.lightning_import import import_lightning, lean_lightning_import
+try:
+    with lean_lightning_import(True):
+        import needs_dynamo_submodule
+    failed = None
+except ModuleNotFoundError as err:
+    failed = err.name
+left = "torch._dynamo" in sys.modules
+import_lightning(True, modules=("json", "needs_dynamo_submodule"))
+import needs_dynamo_submodule, torch._dynamo
+print(json.dumps([failed, left, needs_dynamo_submodule.OK, type(sys.modules["torch._dynamo"]).__name__]))
+"""
+    assert _run(script) == ["torch._dynamo.eval_frame", False, True, "module"]
