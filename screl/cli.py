@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from screl.prestart import prestart_for_command
+from screl.prestart import cli_command, prestart_for_command
 
 prestart_for_command(sys.argv)  # `screl fit`: Ray comes up while the driver imports Lightning and parses its config
 
@@ -43,9 +43,9 @@ from screl.rules import ConfigError, config_problems  # noqa: E402
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
 
-from screl.lightning_import import import_lightning, is_check  # noqa: E402
+from screl.lightning_import import import_lightning  # noqa: E402
 
-import_lightning(lean=is_check(sys.argv))  # `screl check`: Lightning without torch._dynamo, torchmetrics' extras
+import_lightning(lean=cli_command(sys.argv) == "check")  # `screl check`: Lightning without torch._dynamo, torchmetrics' extras
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402

@@ -10,7 +10,8 @@ parses a config and runs no model never uses:
 * torchmetrics' BERTScore and InfoLM, which import transformers' ``AutoModel`` (transformers' model index: about
   0.6 CPU-s), and its plots, which import matplotlib (about 0.25): Lightning imports all of torchmetrics.
 
-Within :func:`lean_lightning_import` (the CLI wraps its Lightning import in it, for ``check`` only):
+Within :func:`lean_lightning_import` (the CLI imports Lightning within it through :func:`import_lightning`, for
+``check`` only):
 
 * ``torch._dynamo`` is a stand-in module whose ``OptimizedModule`` is :class:`OptimizedModule`: ``isinstance`` with
   it is Dynamo's own once Dynamo is imported, and False before (no compiled module exists then). Any other name
@@ -21,9 +22,9 @@ Within :func:`lean_lightning_import` (the CLI wraps its Lightning import in it, 
   it has no ``bert_score``, ``infolm`` or ``.plot()``.
 
 The stand-in and ``torch.compiler.disable`` are undone when the block ends. ``screl fit`` and every other command
-import Lightning as it is. :func:`import_lightning` is what the CLI calls: should a Lightning import a Dynamo
-submodule at import (which the stand-in, not a package, cannot serve), the lean import is done again in full, so a
-``check`` is slower but never broken by it (``tests/test_lazy_exports.py`` fails on it, naming ``torch._dynamo``).
+import Lightning as it is. Should a Lightning import a Dynamo submodule at import (which the stand-in, not a
+package, cannot serve), :func:`import_lightning` imports it again in full, so a ``check`` is slower but never broken
+by it (``tests/test_lazy_exports.py`` fails on it, naming ``torch._dynamo``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -80,11 +80,6 @@ class OptimizedModule(metaclass=_DeferredClass):
     ``isinstance``/``issubclass`` with it are with ``torch._dynamo.OptimizedModule`` once Dynamo is imported."""
 
 
-def is_check(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` (``sys.argv``) is a ``screl check``."""
-    return len(argv) >= 2 and Path(argv[0]).name in ("screl", "cli.py") and argv[1] == "check"
-
-
 def _torchmetrics_without_extras(module: ModuleType) -> None:
     for flag in TORCHMETRICS_ABSENT:
         getattr(module, flag).available = False  # a RequirementCache: evaluated once, here answered
@@ -115,14 +110,15 @@ def lean_lightning_import(active: bool = True) -> Iterator[None]:
     if not active:
         yield
         return
-    finder = OneModuleFinder(TORCHMETRICS_IMPORTS, after=_torchmetrics_without_extras)
+    finder = None
     if TORCHMETRICS_IMPORTS not in sys.modules:
+        finder = OneModuleFinder(TORCHMETRICS_IMPORTS, after=_torchmetrics_without_extras)
         sys.meta_path.insert(0, finder)
     try:
         with _dynamo_deferred():
             yield
     finally:
-        if finder in sys.meta_path:
+        if finder is not None and finder in sys.meta_path:  # the finder removes itself once used
             sys.meta_path.remove(finder)
 
 

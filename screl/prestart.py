@@ -78,11 +78,17 @@ def ray_block(args: Sequence[str]) -> dict[str, Any] | None:
     return block
 
 
+def cli_command(argv: Sequence[str]) -> str | None:
+    """The ``screl`` subcommand ``argv`` (``sys.argv``) runs (``fit``, ``check``, ...), None when it is not the
+    ``screl`` CLI (``pytest``, a script importing it)."""
+    return argv[1] if len(argv) >= 2 and Path(argv[0]).name in ("screl", "cli.py") else None
+
+
 def prestart_for_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> bool:
     """Begin Ray's start when ``argv`` (``sys.argv``) is a ``screl fit`` that may (see the module); returns
     whether it did."""
     env = os.environ if environ is None else environ
-    if len(argv) < 2 or Path(argv[0]).name not in ("screl", "cli.py") or argv[1] != "fit":
+    if cli_command(argv) != "fit":
         return False
     if env.get(OFF_VAR) == "0" or any(env.get(v) for v in LAUNCHED_RANK_VARS) or node_gpu_ids(env):
         return False
