@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from screl.dataplane import ray_worker
+
 log = logging.getLogger(__name__)
 
 LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
@@ -41,18 +43,22 @@ error reaches the caller."""
 
 
 MONITORS_VAR = "SCREL_RAY_MONITORS"
-"""``1``: a local cluster screl starts keeps Ray's autoscaler monitor and log monitor (see :func:`_monitors_off`)."""
+"""``1``: a local cluster screl starts keeps Ray's autoscaler monitor and log monitor (see :func:`_node_params`)."""
 
 
 @contextmanager
-def _monitors_off(log_to_driver: bool) -> Iterator[None]:
+def _node_params(log_to_driver: bool, worker: str | None) -> Iterator[None]:
     """A local cluster started in the block runs without Ray's autoscaler monitor (``monitor.py``: a fixed local
     cluster has nothing to scale; ``ray status`` then reports no autoscaler state) and, unless the workers' output
     goes to the driver, without its log monitor (which only forwards the workers' log files to the driver; the files
     are written all the same): about 0.85 CPU-s per cluster to boot, and their polling after. These are the
     ``no_monitor`` and ``include_log_monitor`` of Ray's node parameters, which ``ray start`` takes and ``ray.init``
-    does not pass on. ``SCREL_RAY_MONITORS=1`` keeps both."""
-    if os.environ.get(MONITORS_VAR) == "1":
+    does not pass on. ``SCREL_RAY_MONITORS=1`` keeps both.
+
+    ``worker``: the program the raylet runs as a Python worker (Ray's own when None; see
+    :mod:`screl.dataplane.ray_worker`)."""
+    monitors = os.environ.get(MONITORS_VAR) == "1"
+    if monitors and worker is None:
         yield
         return
     import ray._private.parameter as parameter
@@ -61,9 +67,12 @@ def _monitors_off(log_to_driver: bool) -> Iterator[None]:
 
     def node_params(*args: Any, **kwargs: Any) -> Any:
         params = real(*args, **kwargs)
-        params.no_monitor = True
-        if not log_to_driver:
-            params.include_log_monitor = False  # type: ignore[assignment]  # Ray annotates it Optional[str]
+        if not monitors:
+            params.no_monitor = True
+            if not log_to_driver:
+                params.include_log_monitor = False  # type: ignore[assignment]  # Ray annotates it Optional[str]
+        if worker is not None:
+            params.worker_path = worker
         return params
 
     parameter.RayParams = node_params  # type: ignore[misc,assignment]
@@ -272,15 +281,43 @@ def _start_local(ray: Any, kwargs: dict[str, Any], gpu_ids: Sequence[str] | None
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpu_ids is not None:  # the raylet (a child process) inherits it; this process's CUDA read its own already
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    zygote = None
     try:
-        with _monitors_off(kwargs["log_to_driver"]):
+        zygote = _start_zygote()
+        worker = None if zygote is None else ray_worker.SCRIPT
+        with _node_params(kwargs["log_to_driver"], worker):
             _init_with_retries(ray, kwargs)
+        if zygote is not None:
+            zygote.watch_raylet(_raylet_pid(ray))
+    except BaseException:
+        if zygote is not None:
+            zygote.stop()
+        raise
     finally:
+        os.environ.pop(ray_worker.ZYGOTE_VAR, None)
         if gpu_ids is not None:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _start_zygote() -> Any:
+    """The worker zygote of the cluster about to start (:mod:`screl.dataplane.worker_zygote`), its socket in this
+    process's environment for the raylet to inherit; None when ``SCREL_RAY_WORKER_FORK=0``."""
+    from screl.dataplane import worker_zygote
+
+    if not worker_zygote.enabled():
+        return None
+    zygote = worker_zygote.WorkerZygote(dict(os.environ))
+    atexit.register(zygote.stop)
+    os.environ[ray_worker.ZYGOTE_VAR] = zygote.path
+    return zygote
+
+
+def _raylet_pid(ray: Any) -> int:
+    node = ray._private.worker._global_node
+    return int(node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
 
 
 def _init_with_retries(ray: Any, kwargs: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from screl.dataplane import listening_addresses, start_local_ray, stop_ray_if_started
-from screl.dataplane.cluster import LOOPBACK_IPS, MONITORS_VAR, _monitors_off
+from screl.dataplane.cluster import LOOPBACK_IPS, MONITORS_VAR, _node_params
 
 
 def test_ray_listens_on_loopback_only(ray_cluster: None) -> None:
@@ -50,8 +50,9 @@ def test_the_monitors_left_out_follow_log_to_driver_and_screl_ray_monitors(
     else:
         monkeypatch.setenv(MONITORS_VAR, env)
     real = parameter.RayParams
-    with _monitors_off(log_to_driver):
+    with _node_params(log_to_driver, "/screl/worker.py"):
         params = parameter.RayParams(num_cpus=1)
-        params.update_if_absent(include_log_monitor=True)  # as ray's Node fills the parameters left unset
+        params.update_if_absent(include_log_monitor=True, worker_path="/ray/default_worker.py")  # as ray's Node does
     assert parameter.RayParams is real
     assert (bool(params.no_monitor), bool(params.include_log_monitor)) == (no_monitor, log_monitor)
+    assert params.worker_path == "/screl/worker.py"
