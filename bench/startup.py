@@ -47,7 +47,15 @@ BOOT = "ray-worker-boot"
 Ray's start, then the imports of the actor's module."""
 
 
-def _kind(cmdline: list[str]) -> str:
+ZYGOTE = "worker-zygote"
+"""The cluster's worker zygote (``screl.dataplane.worker_zygote``): the imports every forked Ray worker shares."""
+ZYGOTE_NAME = "screl-zygote"
+"""The process name (``/proc/PID/comm``) of a zygote forked from ``screl fit`` (its command line is the driver's)."""
+STAND_IN = "ray-worker-stand-in"
+"""The raylet's process for a forked worker (``screl.dataplane.ray_worker``)."""
+
+
+def _kind(cmdline: list[str], name: str = "") -> str:
     """A process's kind: a Ray actor's class (``ray::GenerationWorker.update_weights`` -> ``GenerationWorker``, a
     named one's ``ray::screl-generation-0-7:GenerationWorker.generate`` too), ``BOOT`` for a Ray worker that hosts
     no actor yet, a Ray service's program, or ``driver``."""
@@ -57,6 +65,10 @@ def _kind(cmdline: list[str]) -> str:
         return BOOT
     if title.startswith("ray::"):
         return title[5:].split(".")[0].split(":")[-1].strip()
+    if "worker_zygote" in args or name == ZYGOTE_NAME:  # a forked worker carries it until Ray titles it ray::IDLE
+        return ZYGOTE
+    if "ray_worker.py" in args:
+        return STAND_IN
     for part in ("gcs_server", "raylet", "dashboard_agent", "dashboard.py", "log_monitor", "monitor.py",
                  "runtime_env_agent"):
         if part in args:
@@ -142,7 +154,7 @@ def screl_first_step(steps: int, work: Path) -> tuple[float, dict[str, float], i
         for p in family:
             try:
                 times = p.cpu_times()
-                cpu[p.pid] = (_kind(p.cmdline()), times.user + times.system)
+                cpu[p.pid] = (_kind(p.cmdline(), p.name()), times.user + times.system)
             except psutil.Error:
                 pass
 

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def kind(cmdline: list[str]) -> str:
+def kind(cmdline: list[str], name: str = "") -> str:
     """``startup``'s kinds (a Ray actor's class, a Ray worker booting, a Ray service, ``driver`` for ``screl fit``),
     and the pytest processes: ``pytest-worker`` (an xdist worker: the in-process fits' trainers run there) and ``pytest``."""
     args = " ".join(cmdline)
@@ -44,7 +44,7 @@ def kind(cmdline: list[str]) -> str:
         return "pytest"
     if "screl.cli check" in args:
         return "screl check"
-    return _kind(cmdline)
+    return _kind(cmdline, name)
 
 
 def _cmdline(pid: str) -> list[str] | None:
@@ -53,6 +53,13 @@ def _cmdline(pid: str) -> list[str] | None:
     except OSError:
         return None
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part] or None
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _cpu_s(pid: str) -> float | None:
@@ -117,7 +124,7 @@ class Sampler:
             cmdline = _cmdline(pid)
             if cmdline is None:  # a kernel thread, or gone meanwhile
                 continue
-            k = kind(cmdline)  # read at every pass: a Ray worker renames itself once it hosts an actor
+            k = kind(cmdline, _comm(pid))  # read at every pass: a Ray worker renames itself once it hosts an actor
             self.cpu[k] = self.cpu.get(k, 0.0) + seconds - before
             self.pids.setdefault(k, set()).add(n)
 

@@ -30,9 +30,20 @@ pytestmark = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the sam
       "--raylet-name=/tmp/ray/session_1/sockets/raylet"], "ray-worker-boot"),  # not the raylet it names
     (["/v/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=/tmp/s"], "raylet"),
     (zygote_command(), "zygote-and-forked-drivers"),  # tests/_launch.py's, and the `screl fit`s it forks
+    (["/v/bin/python", "-c", "import sys; from screl.dataplane.worker_zygote import serve; serve(sys.argv[1])",
+      "/tmp/screl-zygote-x/sock", "torch"], "worker-zygote"),  # a local cluster's, and a worker it just forked
+    (["/v/bin/python", "/r/screl/dataplane/ray_worker.py", "--raylet-name=/tmp/ray/session_1/sockets/raylet"],
+     "ray-worker-stand-in"),  # the raylet's process for a forked worker
 ])
 def test_each_process_is_named_by_its_kind(cmdline: list[str], expected: str) -> None:
     assert kind(cmdline) == expected
+
+
+def test_a_zygote_forked_from_screl_fit_is_named_by_its_process_name() -> None:
+    driver = ["/v/bin/python", "-m", "screl.cli", "fit", "--config", "c.yaml"]  # what it inherits
+    assert kind(driver, "screl-zygote") == "worker-zygote"
+    assert kind(driver, "python") == "driver"
+    assert kind(["ray::GenerationWorker.generate"], "screl-zygote") == "GenerationWorker"  # a worker it forked
 
 
 def test_a_process_born_while_sampling_counts_all_its_cpu_under_its_kind() -> None:

@@ -21,7 +21,7 @@ from screl.config import GenerationConfig, RunConfig
 from screl.controller.controller import RolloutController
 from screl.controller.resources import check_cluster_fits, engine_options, worker_resources
 from screl.dataplane import DataPlane, start_local_ray, stop_ray_if_started
-from screl.dataplane.cluster import adopted_prestart_s
+from screl.dataplane.cluster import adopted_prestart_s, warm_worker_zygote
 from screl.dataplane.tq_client import in_daemon_thread
 from screl.envs import Task
 from screl.models import PolicySpec
@@ -155,6 +155,7 @@ class RolloutRuntime:
         self._ray_started = start_local_ray(num_cpus=rc.num_cpus, namespace=rc.namespace, address=rc.address,
                                             log_to_driver=os.environ.get("SCREL_VERBOSE") == "1",
                                             gpu_ids=local_ray_gpu_ids() if rc.address is None else None)
+        warm_worker_zygote()  # the workers, the controller and TransferQueue are on their way
         early = adopted_prestart_s()
         if early is not None:
             startup.info("screl: Ray started at launch, beside the driver's start-up (up %.1f s before it was needed)",

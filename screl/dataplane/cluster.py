@@ -82,11 +82,28 @@ def _node_params(log_to_driver: bool, worker: str | None) -> Iterator[None]:
         parameter.RayParams = real  # type: ignore[misc]
 
 
+CLUSTER_DEFAULTS = {
+    # TransferQueue's put/get pins torch to TQ_NUM_THREADS threads (default 8, clamped to the physical cores, with a
+    # warning) and Ray workers inherit this environment: one thread is right on CPU.
+    "TQ_NUM_THREADS": "1",
+    # Ray prestarts one idle Python worker per logical CPU for the first driver; screl's few actors start their own,
+    # so on a small machine the idle ones only compete with them for the cores (about 3 CPU-s and 2 s of wall time
+    # per start-up on 2 cores). SCREL users may still set it to 1.
+    "RAY_prestart_worker_first_driver": "0",
+}
+"""Variables a local cluster's start sets where they are unset (the raylet and its workers inherit them)."""
+
+
+def cluster_env(env: Any) -> None:
+    """Set in ``env`` (a mapping: ``os.environ``, or a process's environment to be) what this process's environment
+    holds when it starts a local cluster: :data:`LOOPBACK_ENV`, and :data:`CLUSTER_DEFAULTS` where unset."""
+    env.update(LOOPBACK_ENV)
+    for key, value in CLUSTER_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
 def _force_loopback_env() -> None:
-    os.environ.update(LOOPBACK_ENV)
-    # TransferQueue's put/get pins torch to TQ_NUM_THREADS threads (default 8, clamped to the physical
-    # cores, with a warning) and Ray workers inherit this environment: one thread is right on CPU.
-    os.environ.setdefault("TQ_NUM_THREADS", "1")
+    cluster_env(os.environ)
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # `import ray` already happened: its import-time read missed the variable
         constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
@@ -175,6 +192,7 @@ def prestart_local_ray(num_cpus: int, namespace: str, log_to_driver: bool, gpu_i
     (Linux's parent-death signal), so it waits, idle, until the process ends. Ray sets its SIGTERM handler (exit,
     so that its shutdown runs) only from the main thread: this sets the same one here."""
     global _prestarted
+    _fork_zygote()
     import ray  # here, not in the thread: one import of Ray at a time beside the driver's own imports
 
     with _prestart_lock:
@@ -203,6 +221,25 @@ def prestart_local_ray(num_cpus: int, namespace: str, log_to_driver: bool, gpu_i
         _prestart_times.clear()
         threading.Thread(target=run, name=PRESTART_THREAD, daemon=True).start()
         atexit.register(_settle_prestart)
+
+
+def _fork_zygote() -> None:
+    """The worker zygote of the cluster the prestart begins, forked from this process before it imports Ray (a
+    zygote must not have it) while it runs one thread: it imports its modules beside the driver, from what this
+    process has imported (a process forked with torch and transformers imported, as the tests' launches are, has
+    little left to import)."""
+    from screl.dataplane import worker_zygote
+
+    if _early_zygote or not worker_zygote.enabled() or "ray" in sys.modules or threading.active_count() > 1:
+        return
+    _early_zygote.append(worker_zygote.WorkerZygote.forked(cluster=_cluster_vars()))
+
+
+def _cluster_vars() -> dict[str, str]:
+    """What :func:`cluster_env` will have set in this process's environment when it starts the cluster."""
+    env = dict(os.environ)
+    cluster_env(env)
+    return {k: env[k] for k in (*LOOPBACK_ENV, *CLUSTER_DEFAULTS)}
 
 
 class _DropMessage(logging.Filter):
@@ -283,7 +320,7 @@ def _start_local(ray: Any, kwargs: dict[str, Any], gpu_ids: Sequence[str] | None
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
     zygote = None
     try:
-        zygote = _start_zygote()
+        zygote = _start_zygote(gpu_ids)
         worker = None if zygote is None else ray_worker.SCRIPT
         with _node_params(kwargs["log_to_driver"], worker):
             _init_with_retries(ray, kwargs)
@@ -302,17 +339,44 @@ def _start_local(ray: Any, kwargs: dict[str, Any], gpu_ids: Sequence[str] | None
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def _start_zygote() -> Any:
-    """The worker zygote of the cluster about to start (:mod:`screl.dataplane.worker_zygote`), its socket in this
-    process's environment for the raylet to inherit; None when ``SCREL_RAY_WORKER_FORK=0``."""
-    from screl.dataplane import worker_zygote
+_early_zygote: list[Any] = []
+"""The worker zygote :func:`prestart_local_ray` forked, until the start it began takes it."""
 
-    if not worker_zygote.enabled():
+
+def _start_zygote(gpu_ids: Sequence[str] | None) -> Any:
+    """The worker zygote of the cluster about to start (:mod:`screl.dataplane.worker_zygote`), its socket in this
+    process's environment for the raylet to inherit: the one forked at the prestart, else a new interpreter. None
+    when ``SCREL_RAY_WORKER_FORK=0`` or where the cluster may have GPUs (``gpu_ids`` not empty, or None: Ray counts
+    them): a worker forked after its zygote touched CUDA could not use it, so Ray's own program starts those."""
+    from screl.dataplane import worker_zygote
+    from screl.placement_env import node_gpu_ids
+
+    early = _early_zygote.pop() if _early_zygote else None
+    if node_gpu_ids(os.environ) if gpu_ids is None else gpu_ids:
+        if early is not None:
+            early.stop()
         return None
-    zygote = worker_zygote.WorkerZygote(dict(os.environ))
+    if early is not None:
+        zygote = early
+    elif worker_zygote.enabled():
+        zygote = worker_zygote.WorkerZygote(dict(os.environ))  # imports at its first worker (or warm_worker_zygote)
+    else:
+        return None
     atexit.register(zygote.stop)
     os.environ[ray_worker.ZYGOTE_VAR] = zygote.path
+    _zygote[:] = [zygote]
     return zygote
+
+
+_zygote: list[Any] = []
+"""The worker zygote of the local cluster this process started last."""
+
+
+def warm_worker_zygote() -> None:
+    """Have the local cluster's worker zygote import now, if it waits for its first worker: the caller is about to
+    start actors (the rollout side at its first batch)."""
+    if _zygote:
+        _zygote[0].warm()
 
 
 def _raylet_pid(ray: Any) -> int:

@@ -49,6 +49,11 @@ def _ray_own(argv: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, default_worker(), *argv])
 
 
+def stand_in_name(pid: int) -> str:
+    """The process name (``ps -o comm``, ``psutil.Process.name()``) of the stand-in of the worker ``pid``."""
+    return f"screl-w{pid}"
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -86,6 +91,11 @@ def main(argv: list[str]) -> None:
         sock.close()
         _ray_own(argv)
     pid = struct.unpack("!q", _recv_exact(sock, 8))[0]
+    try:
+        with open("/proc/self/comm", "w") as comm:  # which worker this process stands in for, in ps and top
+            comm.write(stand_in_name(pid))
+    except OSError:
+        pass
 
     def forward(signum: int, frame: object) -> None:
         try:

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +46,13 @@ loads, so each worker loads it under its own variables (a zygote that finds Ray 
 
 PER_WORKER = frozenset({"RAY_JOB_ID", "RAY_RAYLET_PID", "OMP_NUM_THREADS", "PYTHONBREAKPOINT", "SPT_NOENV",
                         "RAY_LD_PRELOAD_ON_WORKERS", "TORCHINDUCTOR_CACHE_DIR", "RAY_USAGE_STATS_ENABLED",
-                        "SCREL_WORKER_ZYGOTE", "PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                        "TOKENIZERS_PARALLELISM"})
+                        "CUDA_VISIBLE_DEVICES", "RAY_CLIENT_MODE", "SCREL_WORKER_ZYGOTE", "PYTEST_CURRENT_TEST",
+                        "PYTORCH_NVML_BASED_CUDA_CHECK", "TOKENIZERS_PARALLELISM"})
 """Variables a forked worker may have other than the zygote's, none of them read at import time: Ray sets the first
-ones for the raylet or per worker (or per job; ``OMP_NUM_THREADS`` is applied in the worker), screl names the
-zygote's socket, pytest the current test, and the driver's own imports set the last two (Lightning's CUDA check, read
+ones for the raylet or per worker (or per job; ``OMP_NUM_THREADS`` is applied in the worker; ``CUDA_VISIBLE_DEVICES``
+is read when CUDA initialises, which a zygote never does: a cluster with GPUs has none) and ``RAY_CLIENT_MODE`` when
+the driver imports it, screl names the zygote's socket, pytest the current test, and the driver's own imports set the
+last two (Lightning's CUDA check, read
 when CUDA's availability is asked; the tokenizers' fork guard, read when a tokenizer goes parallel) while Ray starts
 beside them (:mod:`screl.prestart`), so the raylet may or may not have them. ``TORCHINDUCTOR_CACHE_DIR`` is read when
 something compiles."""
@@ -75,116 +79,206 @@ def enabled() -> bool:
 
 
 class WorkerZygote:
-    """The driver's handle on a zygote it started: its socket path (for the raylet's environment), and its end."""
+    """The driver's handle on a zygote it started: its socket path (for the raylet's environment), and its end.
 
-    def __init__(self, env: dict[str, str]) -> None:
+    Started as a fresh interpreter under ``env`` (``WorkerZygote(env)``), or forked from this process
+    (:meth:`forked`) while it has not imported Ray: it then starts from what this process imported already."""
+
+    def __init__(self, env: dict[str, str] | None, preload: Sequence[str] = PRELOAD, *, fork: bool = False,
+                 eager: bool = False, cluster: Mapping[str, str] | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="screl-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        env = {**env, **{k: v for k, v in WORKER_DEFAULTS.items() if k not in env}}
-        bootstrap = ("import sys; from screl.dataplane.worker_zygote import serve; serve(sys.argv[1])")
-        self.proc = subprocess.Popen([sys.executable, "-c", bootstrap, self.path], stdin=subprocess.PIPE, env=env,
-                                     stdout=subprocess.DEVNULL)
+        control_r, self.control = os.pipe()
+        if fork:
+            self.pid = os.fork()
+            if self.pid == 0:  # the zygote: never returns into the caller
+                code = 1
+                try:
+                    os.close(self.control)
+                    apply_worker_defaults(os.environ, cluster)
+                    code = serve(self.path, preload, control_r, eager=True, name="screl-zygote")
+                finally:
+                    os._exit(code)
+        else:
+            assert env is not None
+            env = dict(env)
+            apply_worker_defaults(env, cluster)
+            bootstrap = ("import os, sys; from screl.dataplane.worker_zygote import serve; "
+                         "sys.exit(serve(sys.argv[2], sys.argv[3:], int(os.environ.pop('SCREL_ZYGOTE_CONTROL')), "
+                         "eager=sys.argv[1] == 'eager'))")
+            env["SCREL_ZYGOTE_CONTROL"] = str(control_r)
+            proc = subprocess.Popen([sys.executable, "-c", bootstrap, "eager" if eager else "lazy", self.path, *preload],
+                                    env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(control_r,))
+            self.pid = proc.pid
+            proc.returncode = 0  # reaped here (see poll), not by subprocess
+        os.close(control_r)
+        self.returncode: int | None = None
+
+    @classmethod
+    def forked(cls, preload: Sequence[str] = PRELOAD, cluster: Mapping[str, str] | None = None) -> WorkerZygote:
+        """A zygote forked from this process (which must not have imported Ray, nor started threads); it imports at
+        once."""
+        return cls(None, preload, fork=True, cluster=cluster)
 
     def watch_raylet(self, pid: int) -> None:
         """Tell the zygote the cluster's raylet: it ends when that process does."""
+        self._send(f"raylet {pid}")
+
+    def warm(self) -> None:
+        """Tell the zygote to import now (a lazy one waits for its first worker): workers are on their way."""
+        self._send("preload")
+
+    def _send(self, line: str) -> None:
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(f"raylet {pid}\n".encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
+            os.write(self.control, f"{line}\n".encode())
+        except OSError:
             pass
 
-    def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
+    def poll(self) -> int | None:
+        if self.returncode is None:
             try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close its control pipe (it exits, as when this process ends) and wait for it; kill it past ``timeout_s``."""
         try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for name in ("sock",):
-            try:
-                os.unlink(os.path.join(self.dir, name))
-            except FileNotFoundError:
-                pass
+            os.close(self.control)
+        except OSError:
+            pass
+        end = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            while self.poll() is None:
+                time.sleep(0.02)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
         try:
             os.rmdir(self.dir)
         except OSError:
             pass
 
 
+def apply_worker_defaults(env: Any, cluster: Mapping[str, str] | None) -> None:
+    """``cluster`` (what the driver sets in its environment before it starts the cluster:
+    :func:`screl.dataplane.cluster.cluster_env`) and what the raylet adds to a worker's, into ``env``: the zygote
+    imports under the workers' variables."""
+    env.update(cluster or {})
+    for key, value in WORKER_DEFAULTS.items():
+        env.setdefault(key, value)
+
+
 # --- the zygote's side ---------------------------------------------------------------------------------------
 
 
-def serve(path: str) -> None:
-    """Listen on ``path``, import :data:`PRELOAD`, then fork a Ray worker per request until stdin closes or the
-    raylet named on stdin ends."""
-    import importlib
-
+def serve(path: str, preload: Sequence[str], control: int, eager: bool = True, name: str | None = None) -> int:
+    """Listen on ``path``, import ``preload`` (at once where ``eager``, else at the first worker's request or when the
+    driver says so), then fork a Ray worker per request until ``control`` (a pipe from the driver) closes or the
+    raylet it names ends. ``name``: this process's name (``ps -o comm``)."""
     from screl.dataplane.ray_worker import default_worker
 
     if sys.path and sys.path[0] == "":  # ``-c``: as a cold worker's, the path starts at Ray's workers' folder
         sys.path[0] = os.path.dirname(default_worker())
-    try:
-        from setproctitle import setproctitle
-
-        setproctitle("screl::worker-zygote")
-    except ImportError:
-        pass
+    if name is not None:
+        try:
+            with open("/proc/self/comm", "w") as comm:
+                comm.write(name)
+        except OSError:
+            pass
     os.nice(max(0, worker_niceness() - os.nice(0)))  # as the workers run: the driver's start-up comes first
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception as err:  # noqa: BLE001 - a worker that needs it imports it (and reports it) itself
-            print(f"screl worker zygote: {name} not preloaded: {err}", file=sys.stderr)
-    env = dict(os.environ)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    signal.set_wakeup_fd(wake_w)
-    control = sys.stdin.fileno()
-    conns: dict[int, tuple[socket.socket, int]] = {}  # client fd -> (socket, worker pid)
-    by_pid: dict[int, socket.socket] = {}
-    raylets: set[int] = set()
-    pending = b""
-    while True:
-        try:
-            readable, _, _ = select.select([listener, wake_r, control, *conns], [], [], 1.0)
-        except InterruptedError:
-            readable = []
-        if wake_r in readable:
-            os.read(wake_r, 4096)
-        _reap(by_pid, conns)
-        if control in readable:
-            chunk = os.read(control, 4096)
-            if not chunk:
+    server = _Server(path, control, preload)
+    if eager:
+        server.preload()
+    server.run()
+    return 0
+
+
+class _Server:
+    def __init__(self, path: str, control: int, preload: Sequence[str]) -> None:
+        self.path, self.control, self.modules = path, control, tuple(preload)
+        self.env: dict[str, str] | None = None  # what the imports saw, once they are done
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.conns: dict[int, tuple[socket.socket, int]] = {}  # a stand-in's connection fd -> (it, worker pid)
+        self.by_pid: dict[int, socket.socket] = {}
+        self.raylets: set[int] = set()
+        self.pending = b""
+
+    def preload(self) -> None:
+        import importlib
+
+        if self.env is not None:
+            return
+        for module in self.modules:
+            try:
+                importlib.import_module(module)
+            except Exception as err:  # noqa: BLE001 - a worker that needs it imports it (and reports it) itself
+                print(f"screl worker zygote: {module} not preloaded: {err}", file=sys.stderr)
+        self.env = dict(os.environ)
+
+    def run(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(wake_w)
+        listening = self.listener.fileno()
+        keep = (listening, wake_r, wake_w, self.control)
+        while True:
+            try:
+                readable, _, _ = select.select([listening, wake_r, self.control, *self.conns], [], [], 1.0)
+            except InterruptedError:
+                readable = []
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+            _reap(self.by_pid, self.conns)
+            if self.control in readable and not self._read_control():
                 break  # the driver is gone or done with the cluster
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                if line.startswith(b"raylet "):
-                    raylets.add(int(line.split()[1]))
-        if raylets and not any(_alive(pid) for pid in raylets):
-            break
-        for fd in [fd for fd in readable if fd in conns]:
-            sock, pid = conns.pop(fd)
-            if not sock.recv(1, socket.MSG_PEEK):  # its stand-in is gone: so is the worker
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                sock.close()
-                by_pid.pop(pid, None)
-        if listener in readable:
-            _accept(listener, env, conns, by_pid, keep=(listener.fileno(), wake_r, wake_w, control))
-    listener.close()
-    os.unlink(path)
+            if self.raylets and not any(_alive(pid) for pid in self.raylets):
+                break
+            for fd in [fd for fd in readable if fd in self.conns]:
+                self._stand_in_readable(fd)
+            if listening in readable:
+                self.preload()
+                assert self.env is not None
+                _accept(self.listener, self.env, self.conns, self.by_pid, keep)
+        self.listener.close()
+        os.unlink(self.path)
+
+    def _read_control(self) -> bool:
+        chunk = os.read(self.control, 4096)
+        if not chunk:
+            return False
+        self.pending += chunk
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            if line.startswith(b"raylet "):
+                self.raylets.add(int(line.split()[1]))
+            elif line == b"preload":
+                self.preload()
+        return True
+
+    def _stand_in_readable(self, fd: int) -> None:
+        sock, pid = self.conns[fd]
+        if sock.recv(1, socket.MSG_PEEK):
+            return
+        del self.conns[fd]  # its stand-in is gone: so is the worker
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sock.close()
+        self.by_pid.pop(pid, None)
 
 
 def _alive(pid: int) -> bool:

@@ -42,11 +42,10 @@ def _config(run_dir: Path, steps: int) -> dict[str, Any]:
 
 
 def _worker_processes() -> list[str]:
-    """Command lines of generation-worker processes under this driver's Ray cluster."""
-    node = ray._private.worker._global_node  # type: ignore[attr-defined]
-    raylet = node.all_processes["raylet"][0].process.pid
+    """Command lines of generation-worker processes under this driver (its Ray cluster's raylet starts them, or its
+    worker zygote forks them)."""
     out = []
-    for p in psutil.Process(raylet).children(recursive=True):
+    for p in psutil.Process().children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
         except psutil.Error:

@@ -2,8 +2,13 @@
 loopback, real TransferQueue actors, the tiny agent config, which runs every kind) at a seeded point, one kind after
 the other across one lineage of resumes:
 
-* a generation worker: Ray restarts it, its rollouts in flight are retried (infra failures), the run goes on (this
-  row replaced the e2e test of a killed worker's retry: the lineage's audit also proves nothing was dropped);
+* a generation worker's stand-in (the raylet's process for a worker forked from the cluster's worker zygote,
+  :mod:`screl.dataplane.ray_worker`): the worker dies with it, Ray restarts it, its rollouts in flight are retried
+  (infra failures), the run goes on;
+* the worker zygote (:mod:`screl.dataplane.worker_zygote`): nothing fails; the workers started after it are started
+  by Ray's own program;
+* a generation worker (there, one that Ray's own program restarted): as its stand-in (this row replaced the e2e test
+  of a killed worker's retry: the lineage's audit also proves nothing was dropped);
 * the policy server: Ray does not restart it, so the agents' calls cannot succeed on a retry: the controller's health
   check fails the run naming it (not data failures);
 * TransferQueue (one process: its controller holds the run's one storage unit, ``screl.dataplane.tq_host``; the unit
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ from screl.checkpoint.store import CheckpointStore
 from screl.data.event_check import check_events
 from screl.data.event_check_cli import main as events_cli
 from screl.data.events import parse_event, read_events
+from screl.dataplane.ray_worker import stand_in_name
 
 from .conftest import kill_tree, recovery_config, start_fit, wait_for
 
@@ -98,15 +105,58 @@ def _trains_after_start(proc: Any, run_dir: Path, log: Path, steps: int = 1) -> 
         log.read_text()[-3000:]
 
 
-def _kill(proc: Any, cls: str, rng: random.Random, run_dir: Path, log: Path) -> float:
-    """SIGKILL the ``ray::<cls>`` process at a seeded point of the step after this incarnation's next bundle;
-    returns the kill's time."""
-    target = _ray_process(proc, cls)  # found first: the kill follows the bundle closely
+def _kill(proc: Any, cls: str, rng: random.Random, run_dir: Path, log: Path,
+          pick: Callable[[psutil.Process], psutil.Process] = lambda p: p) -> float:
+    """SIGKILL the ``ray::<cls>`` process (or what ``pick`` takes from it) at a seeded point of the step after this
+    incarnation's next bundle; returns the kill's time."""
+    target = pick(_ray_process(proc, cls))  # found first: the kill follows the bundle closely
     _trains_after_start(proc, run_dir, log)
     wait_for(lambda: False, rng.uniform(0.0, 0.3), proc)  # a seeded point: polls the run meanwhile
     assert proc.poll() is None, "the run ended before its kill point"
     target.kill()
     return time.monotonic()
+
+
+def _stand_in(worker: psutil.Process) -> psutil.Process:
+    """The raylet's process for a forked worker (``screl.dataplane.ray_worker``): it carries the worker's pid."""
+    name = stand_in_name(worker.pid)
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == name:
+            return p
+    raise AssertionError(f"no stand-in ({name}) for the worker {worker.pid}: it was not forked")
+
+
+def _zygote(worker: psutil.Process) -> psutil.Process:
+    """The worker zygote a worker was forked from (its parent)."""
+    parent = worker.parent()
+    assert parent is not None and "worker_zygote" in " ".join(parent.cmdline()), \
+        f"the worker {worker.pid} was not forked from the worker zygote"
+    return parent
+
+
+def _parent_kind(worker: psutil.Process) -> str:
+    parent = worker.parent()
+    cmd = " ".join(parent.cmdline()) if parent is not None else ""
+    return "zygote" if "worker_zygote" in cmd else "raylet" if "raylet" in cmd else cmd
+
+
+def _recovers(run: tuple[Any, int], kill: Callable[[], float], run_dir: Path, log: Path, row: str) -> float:
+    """Kill (``kill`` returns the kill's time); the rollouts in flight fail as infra failures (if any was hit) and
+    groups commit again; returns (and prints) the kill-to-failure time."""
+    fails = _count(run_dir, "fail")
+    killed_at = kill()
+    killed_wall = time.time()  # the event log's clock
+    failed = wait_for(lambda: _count(run_dir, "fail") > fails, 30, run[0], poll_s=0.05)
+    took = time.monotonic() - killed_at
+
+    def committed_since() -> bool:
+        return any(e.name == "commit" and (e.time or 0.0) > killed_wall + 0.5 for e in _events(run_dir))
+
+    assert wait_for(committed_since, 120, run[0], poll_s=0.2), log.read_text()[-3000:]
+    print(f"chaos: {row}: kill -> its rollouts in flight failed (infra) in {took:.1f} s (hit rollouts in flight: "
+          f"{failed}); -> groups commit again after {time.monotonic() - killed_at:.1f} s")
+    assert all(e.reason == "infra" for e in _events(run_dir) if e.name == "fail")
+    return took
 
 
 def _start(config: Path, log: Path) -> tuple[Any, int]:
@@ -169,33 +219,32 @@ def _audit(run_dir: Path, steps: int) -> None:
 def test_killing_each_process_kind_fails_fast_or_recovers_and_the_lineage_loses_nothing(tmp_path: Path) -> None:
     """One lineage of ``configs/grpo_agent_tiny.yaml`` (the tiny agent config: it runs every kind of process, the
     policy server too), four incarnations, one kind of process SIGKILLed at a time at a seeded point after a bundle:
-    a generation worker (recovers), then the policy server, TransferQueue (its controller with the storage unit it
+    a generation worker's stand-in, the worker zygote, then a generation worker (each recovers), then the policy server, TransferQueue (its controller with the storage unit it
     holds) and the rollout controller (each fails the run naming it; the next incarnation resumes from the newest
     bundle); the last one finishes."""
     rng = random.Random(40)
-    steps = 14  # room for four kill points, each in the step after a bundle of its incarnation
+    steps = 18  # room for the kill points, each in the step after a bundle of its incarnation
     config = _config(tmp_path, steps, source="grpo_agent_tiny.yaml")
     run_dir, log = tmp_path / "run", tmp_path / "fit.log"
     store = CheckpointStore(str(tmp_path / "bundles"))
     times: dict[str, float] = {}
 
-    # a generation worker: Ray restarts it (and the controller hands it the data plane, the latest weights and the
-    # policy server again), its rollouts in flight are retried, the run goes on to a later bundle
+    # a generation worker's stand-in (the raylet's process for a worker forked from the worker zygote,
+    # screl.dataplane.ray_worker): the worker dies with it, Ray restarts it (forked again; the controller hands it the
+    # data plane, the latest weights and the policy server again), its rollouts in flight are retried, the run goes on
     run = _start(config, log)
-    fails = _count(run_dir, "fail")
-    killed_at = _kill(run[0], "GenerationWorker", rng, run_dir, log)
-    killed_wall = time.time()  # the event log's clock
-    failed = wait_for(lambda: _count(run_dir, "fail") > fails, 30, run[0], poll_s=0.05)
-    times["generation worker"] = time.monotonic() - killed_at
-
-    def committed_since() -> bool:
-        return any(e.name == "commit" and (e.time or 0.0) > killed_wall + 0.5 for e in _events(run_dir))
-
-    assert wait_for(committed_since, 120, run[0], poll_s=0.2), log.read_text()[-3000:]
-    print(f"chaos: generation worker: kill -> its rollouts in flight failed (infra) in {times['generation worker']:.1f} s"
-          f" (hit rollouts in flight: {failed}); -> groups commit again (Ray restarted it) after "
-          f"{time.monotonic() - killed_at:.1f} s")
-    assert all(e.reason == "infra" for e in _events(run_dir) if e.name == "fail")
+    times["stand-in"] = _recovers(
+        run, lambda: _kill(run[0], "GenerationWorker", rng, run_dir, log, pick=_stand_in), run_dir, log,
+        "a generation worker's stand-in")
+    # the worker zygote: nothing fails (the workers it forked are the raylet's); a generation worker killed after it
+    # is restarted by Ray's own program (cold) and the run goes on
+    zygote = _zygote(_ray_process(run[0], "GenerationWorker"))
+    _kill(run[0], "GenerationWorker", rng, run_dir, log, pick=lambda worker: zygote)
+    _trains_after_start(run[0], run_dir, log)
+    times["generation worker"] = _recovers(
+        run, lambda: _kill(run[0], "GenerationWorker", rng, run_dir, log), run_dir, log,
+        "generation worker (the zygote killed before it)")
+    assert _parent_kind(_ray_process(run[0], "GenerationWorker")) == "raylet", "the restart after the zygote was cold"
 
     # the policy server (same incarnation), then one kind per resumed incarnation: each run fails naming what died
     kills = [("PolicyServer", "RuntimeError: the controller's health check stopped the run: PolicyServerLostError(",
