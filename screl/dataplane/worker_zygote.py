@@ -46,16 +46,18 @@ loads, so each worker loads it under its own variables (a zygote that finds Ray 
 
 PER_WORKER = frozenset({"RAY_JOB_ID", "RAY_RAYLET_PID", "OMP_NUM_THREADS", "PYTHONBREAKPOINT", "SPT_NOENV",
                         "RAY_LD_PRELOAD_ON_WORKERS", "TORCHINDUCTOR_CACHE_DIR", "RAY_USAGE_STATS_ENABLED",
-                        "CUDA_VISIBLE_DEVICES", "RAY_CLIENT_MODE", "SCREL_WORKER_ZYGOTE", "PYTEST_CURRENT_TEST",
-                        "PYTORCH_NVML_BASED_CUDA_CHECK", "TOKENIZERS_PARALLELISM"})
-"""Variables a forked worker may have other than the zygote's, none of them read at import time: Ray sets the first
-ones for the raylet or per worker (or per job; ``OMP_NUM_THREADS`` is applied in the worker; ``CUDA_VISIBLE_DEVICES``
-is read when CUDA initialises, which a zygote never does: a cluster with GPUs has none) and ``RAY_CLIENT_MODE`` when
-the driver imports it, screl names the zygote's socket, pytest the current test, and the driver's own imports set the
-last two (Lightning's CUDA check, read
-when CUDA's availability is asked; the tokenizers' fork guard, read when a tokenizer goes parallel) while Ray starts
-beside them (:mod:`screl.prestart`), so the raylet may or may not have them. ``TORCHINDUCTOR_CACHE_DIR`` is read when
-something compiles."""
+                        "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                        "TOKENIZERS_PARALLELISM"})
+RUNTIME_PREFIXES = ("RAY_", "SCREL_", "PL_")
+"""Variables a forked worker may have other than the zygote's, none of them read at import time by what the zygote
+imported. Ray sets the first ones for the raylet or per worker (or per job; ``OMP_NUM_THREADS`` is applied in the
+worker; ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, which a zygote never does: a cluster with GPUs has
+none); pytest names the current test. Ray's own (``RAY_*``) are read by the worker's own import of Ray; screl's
+(``SCREL_*``: the device map, the zygote's socket) and Lightning's (``PL_*``: the seed) are read as the run goes.
+Those and the last two (Lightning's CUDA check, read when CUDA's availability is asked; the tokenizers' fork guard,
+read when a tokenizer goes parallel) are set by the driver as it starts up, while Ray starts beside it
+(:mod:`screl.prestart`): the raylet may or may not have them. ``TORCHINDUCTOR_CACHE_DIR`` is read when something
+compiles."""
 
 WORKER_DEFAULTS = {"OMP_NUM_THREADS": "1", "SPT_NOENV": "1", "RAY_LD_PRELOAD_ON_WORKERS": "0"}
 """What the raylet adds to a Python worker's environment (``OMP_NUM_THREADS`` when it is unset): the zygote imports
@@ -311,11 +313,12 @@ def _reap(by_pid: dict[int, socket.socket], conns: dict[int, tuple[socket.socket
 
 def refusal(request: dict[str, Any], env: dict[str, str]) -> str | None:
     """Why a worker cannot be forked from a zygote that imported under ``env`` (None: it can): another interpreter,
-    or variables other than :data:`PER_WORKER` that differ."""
+    or variables that differ other than :data:`PER_WORKER` and those with a :data:`RUNTIME_PREFIXES` prefix."""
     if request.get("executable") != sys.executable:
         return f"interpreter {request.get('executable')} (the zygote's: {sys.executable})"
     theirs = request["env"]
-    differ = sorted(k for k in set(theirs) | set(env) if k not in PER_WORKER and theirs.get(k) != env.get(k))
+    differ = sorted(k for k in set(theirs) | set(env)
+                    if k not in PER_WORKER and not k.startswith(RUNTIME_PREFIXES) and theirs.get(k) != env.get(k))
     if differ:
         return f"environment differs from the zygote's: {', '.join(differ)}"
     return None

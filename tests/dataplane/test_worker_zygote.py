@@ -100,7 +100,8 @@ def test_a_worker_and_its_stand_in_die_together(ray_cluster: None, killed: str) 
 
 def test_refusal_names_the_variables_that_differ_but_not_the_per_worker_ones() -> None:
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "HF_HOME": "/a"}
-    same = {"env": {**env, "RAY_JOB_ID": "02000000", "OMP_NUM_THREADS": "4"}, "executable": sys.executable}
+    same = {"env": {**env, "RAY_JOB_ID": "02000000", "OMP_NUM_THREADS": "4", "PL_GLOBAL_SEED": "0",
+                    "SCREL_DEVICE_MAP": "{}", "RAY_CLIENT_MODE": "0"}, "executable": sys.executable}
     assert {"RAY_JOB_ID", "OMP_NUM_THREADS"} <= PER_WORKER
     assert refusal(same, env) is None
     differs = {"env": {"PATH": "/bin", "HF_HOME": "/b", "MKL_NUM_THREADS": "2"}, "executable": sys.executable}
