@@ -50,7 +50,7 @@ Ray's start, then the imports of the actor's module."""
 ZYGOTE = "worker-zygote"
 """The cluster's worker zygote (``screl.dataplane.worker_zygote``): the imports every forked Ray worker shares."""
 ZYGOTE_NAME = "screl-zygote"
-"""The process name (``/proc/PID/comm``) of a zygote forked from ``screl fit`` (its command line is the driver's)."""
+"""A worker zygote's process name (``/proc/PID/comm``): one forked from ``screl fit`` has the driver's command line."""
 STAND_IN = "ray-worker-stand-in"
 """The raylet's process for a forked worker (``screl.dataplane.ray_worker``)."""
 

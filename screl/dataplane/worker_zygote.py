@@ -98,7 +98,7 @@ class WorkerZygote:
                 try:
                     os.close(self.control)
                     apply_worker_defaults(os.environ, cluster)
-                    code = serve(self.path, preload, control_r, eager=True, name="screl-zygote")
+                    code = serve(self.path, preload, control_r, eager=True)
                 finally:
                     os._exit(code)
         else:
@@ -183,20 +183,24 @@ def apply_worker_defaults(env: Any, cluster: Mapping[str, str] | None) -> None:
 # --- the zygote's side ---------------------------------------------------------------------------------------
 
 
-def serve(path: str, preload: Sequence[str], control: int, eager: bool = True, name: str | None = None) -> int:
+NAME = "screl-zygote"
+"""A zygote's process name (``ps -o comm``, ``psutil.Process.name()``): a zygote forked from ``screl fit`` has the
+driver's command line."""
+
+
+def serve(path: str, preload: Sequence[str], control: int, eager: bool = True) -> int:
     """Listen on ``path``, import ``preload`` (at once where ``eager``, else at the first worker's request or when the
     driver says so), then fork a Ray worker per request until ``control`` (a pipe from the driver) closes or the
-    raylet it names ends. ``name``: this process's name (``ps -o comm``)."""
+    raylet it names ends."""
     from screl.dataplane.ray_worker import default_worker
 
     if sys.path and sys.path[0] == "":  # ``-c``: as a cold worker's, the path starts at Ray's workers' folder
         sys.path[0] = os.path.dirname(default_worker())
-    if name is not None:
-        try:
-            with open("/proc/self/comm", "w") as comm:
-                comm.write(name)
-        except OSError:
-            pass
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(NAME)
+    except OSError:
+        pass
     os.nice(max(0, worker_niceness() - os.nice(0)))  # as the workers run: the driver's start-up comes first
     server = _Server(path, control, preload)
     if eager:

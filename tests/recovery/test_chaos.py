@@ -42,12 +42,14 @@ from screl.data.event_check import check_events
 from screl.data.event_check_cli import main as events_cli
 from screl.data.events import parse_event, read_events
 from screl.dataplane.ray_worker import stand_in_name
+from screl.dataplane.worker_zygote import NAME as ZYGOTE_NAME
 
 from .conftest import kill_tree, recovery_config, start_fit, wait_for
 
 pytestmark = pytest.mark.slow
 
 IN_ORDER = {"name": "in_order", "max_lookahead_versions": 1}
+STAND_IN_PREFIX = stand_in_name(0)[:-1]  # "screl-w": a stand-in's name is it and its worker's pid
 STALL_TIMEOUT_S = 60.0
 """The stall watchdog's timeout in these runs: every failure must come well before it."""
 
@@ -66,7 +68,8 @@ def _config(base: Path, steps: int, source: str = "grpo_tiny.yaml") -> Path:
 
 
 def _ray_process(proc: Any, cls: str) -> psutil.Process:
-    """The process of ``screl fit``'s tree whose title is ``ray::<cls>`` (an actor's process names its class)."""
+    """The process of ``screl fit``'s tree whose title is ``ray::<cls>`` (an actor's process names its class), or of
+    a worker that a stand-in of the tree names (a forked worker whose zygote died left the tree with it)."""
     found: list[psutil.Process] = []
 
     def look() -> bool:
@@ -74,6 +77,13 @@ def _ray_process(proc: Any, cls: str) -> psutil.Process:
             children = psutil.Process(proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return False
+        for child in list(children):
+            try:
+                name = child.name()
+                if name.startswith(STAND_IN_PREFIX):
+                    children.append(psutil.Process(int(name[len(STAND_IN_PREFIX):])))
+            except (psutil.Error, ValueError):
+                continue
         for child in children:
             try:
                 title = " ".join(child.cmdline())
@@ -127,17 +137,17 @@ def _stand_in(worker: psutil.Process) -> psutil.Process:
 
 
 def _zygote(worker: psutil.Process) -> psutil.Process:
-    """The worker zygote a worker was forked from (its parent)."""
+    """The worker zygote a worker was forked from (its parent; forked from ``screl fit``, it has its command line)."""
     parent = worker.parent()
-    assert parent is not None and "worker_zygote" in " ".join(parent.cmdline()), \
-        f"the worker {worker.pid} was not forked from the worker zygote"
+    assert parent is not None and parent.name() == ZYGOTE_NAME, f"the worker {worker.pid} was not forked"
     return parent
 
 
 def _parent_kind(worker: psutil.Process) -> str:
     parent = worker.parent()
-    cmd = " ".join(parent.cmdline()) if parent is not None else ""
-    return "zygote" if "worker_zygote" in cmd else "raylet" if "raylet" in cmd else cmd
+    if parent is None:
+        return "none"
+    return "zygote" if parent.name() == ZYGOTE_NAME else "raylet" if parent.name() == "raylet" else parent.name()
 
 
 def _recovers(run: tuple[Any, int], kill: Callable[[], float], run_dir: Path, log: Path, row: str) -> float:
