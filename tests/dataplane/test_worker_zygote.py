@@ -131,3 +131,23 @@ def test_the_zygote_ends_with_its_raylet_and_when_its_driver_closes_it() -> None
     finally:
         for z in (zygote, other):
             z.stop()
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch_cpu" in maps.read()
+
+
+def test_a_zygote_imports_when_told_or_at_once_where_eager() -> None:
+    """A cluster's zygote imports at its first worker or when the driver warms it (the rollout side is coming): a
+    cluster that starts no actor pays a bare interpreter. An eager one (``screl fit``'s) imports at once."""
+    lazy = WorkerZygote(dict(os.environ), preload=("torch",))
+    eager = WorkerZygote(dict(os.environ), preload=("torch",), eager=True)
+    try:
+        assert _wait(lambda: _maps_torch(eager.pid), 60), "the eager zygote did not import"
+        assert not _maps_torch(lazy.pid)
+        lazy.warm()
+        assert _wait(lambda: _maps_torch(lazy.pid), 60), "the warmed zygote did not import"
+    finally:
+        lazy.stop()
+        eager.stop()
