@@ -49,15 +49,12 @@ PER_WORKER = frozenset({"RAY_JOB_ID", "RAY_RAYLET_PID", "OMP_NUM_THREADS", "PYTH
                         "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK",
                         "TOKENIZERS_PARALLELISM"})
 RUNTIME_PREFIXES = ("RAY_", "SCREL_", "PL_")
-"""Variables a forked worker may have other than the zygote's, none of them read at import time by what the zygote
-imported. Ray sets the first ones for the raylet or per worker (or per job; ``OMP_NUM_THREADS`` is applied in the
-worker; ``CUDA_VISIBLE_DEVICES`` is read when CUDA initialises, which a zygote never does: a cluster with GPUs has
-none); pytest names the current test. Ray's own (``RAY_*``) are read by the worker's own import of Ray; screl's
-(``SCREL_*``: the device map, the zygote's socket) and Lightning's (``PL_*``: the seed) are read as the run goes.
-Those and the last two (Lightning's CUDA check, read when CUDA's availability is asked; the tokenizers' fork guard,
-read when a tokenizer goes parallel) are set by the driver as it starts up, while Ray starts beside it
-(:mod:`screl.prestart`): the raylet may or may not have them. ``TORCHINDUCTOR_CACHE_DIR`` is read when something
-compiles."""
+"""Variables a forked worker may have other than the zygote's, none read at import by what the zygote imported. Ray
+sets the first ones per worker or job (``OMP_NUM_THREADS`` is applied in the worker; ``CUDA_VISIBLE_DEVICES`` is read
+when CUDA initialises, which a zygote never does); pytest names its test. ``RAY_*`` are read by the worker's own
+import of Ray, screl's and Lightning's as the run goes (the device map, the seed); they and the last two (Lightning's
+CUDA check, the tokenizers' fork guard) are set by the driver while Ray starts beside it (:mod:`screl.prestart`), so
+the raylet may or may not have them. ``TORCHINDUCTOR_CACHE_DIR`` is read when something compiles."""
 
 WORKER_DEFAULTS = {"OMP_NUM_THREADS": "1", "SPT_NOENV": "1", "RAY_LD_PRELOAD_ON_WORKERS": "0"}
 """What the raylet adds to a Python worker's environment (``OMP_NUM_THREADS`` when it is unset): the zygote imports

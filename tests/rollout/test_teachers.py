@@ -5,6 +5,7 @@ the teachers, the real torch engine in an in-process generation worker, an in-me
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -156,6 +157,7 @@ def test_router_routes_by_task_source_and_a_dead_teacher_fails_its_rows_only() -
             torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), rtol=0, atol=2e-6)
         assert ray.get(actors["add"][0].num_calls.remote()) == 1, "one call per teacher"
         ray.kill(actors["add"][0], no_restart=True)
+        _until_dead(actors["add"][0])  # ray.kill returns before the process ends: a call meanwhile may still run
         again = asyncio.run(router.score(rows))
         assert isinstance(again[0], RuntimeError)
         assert "teacher 'add' failed" in str(again[0])
@@ -164,6 +166,17 @@ def test_router_routes_by_task_source_and_a_dead_teacher_fails_its_rows_only() -
         for replicas in actors.values():
             for a in replicas:
                 ray.kill(a, no_restart=True)
+
+
+def _until_dead(actor: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.num_calls.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor still answered after {timeout_s} s")
 
 
 class RecordingPlane:
