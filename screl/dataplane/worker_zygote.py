@@ -1,23 +1,22 @@
 """A local cluster's *worker zygote*: one process that imports what screl's Ray workers import, once, and forks a
 Ray worker per request of :mod:`screl.dataplane.ray_worker` (the program the raylet runs as a worker).
 
-A Ray worker started cold imports Ray and, once its actor's class arrives, torch and screl's modules; the generation worker then imports transformers' model
-code while it unpickles its arguments: 2 to 4.5 CPU-seconds a process, several processes a run, every run. The zygote
-pays that once per cluster, while the driver imports Lightning; a forked worker starts in a few hundredths of a second
-and runs Ray's ``default_worker.py`` as a cold one would (its arguments, environment, working directory and standard
-streams are the raylet's).
+A Ray worker started cold imports Ray and, once its actor's class arrives, torch and screl's modules; the generation
+worker then imports transformers' model code while it unpickles its arguments: 2 to 4.5 CPU-seconds a process,
+several processes a run, every run. The zygote pays that once per cluster, beside the driver's own start-up; a forked
+worker imports only Ray and screl's actor modules, and runs Ray's ``default_worker.py`` as a cold one would (its
+arguments, environment, working directory and standard streams are the raylet's).
 
-A worker is forked only under the environment the zygote imported under (:data:`PER_WORKER` may differ: Ray sets them
-per worker and nothing reads them at import; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``). Anything
-else is refused and started by Ray's own program. The zygote ends with the process that started it (its stdin closes),
-or once the cluster's raylet is gone; the workers it forked are the raylet's to end, as ever. ``SCREL_RAY_WORKER_FORK=0``
-turns it off (Ray's own program starts every worker).
+A worker is forked only under the environment the zygote imported under (:func:`refusal`: what may differ is what
+nothing it imported reads at import). Anything else is refused and started by Ray's own program. The zygote ends with
+the process that started it (its control pipe closes), or once the cluster's raylet is gone; the workers it forked
+are the raylet's to end, as ever. ``SCREL_RAY_WORKER_FORK=0`` turns it off (Ray's own program starts every worker).
+See ``docs/running.md`` ("What starts").
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import select
 import signal
@@ -31,8 +30,6 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 OFF_VAR = "SCREL_RAY_WORKER_FORK"
 
