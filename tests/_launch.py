@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from screl._as_main import run_as_main
+
 PRELOAD = ("screl.cli", "screl.datamodule", "screl.modules", "screl.callbacks",
            "transformers.models.qwen2.modeling_qwen2")
 """What a ``screl fit`` imports before it trains. Ray and TransferQueue are left to the child (about 1 CPU-second):
@@ -284,50 +286,8 @@ def _child(request: dict[str, Any], devnull: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # TMPDIR is read again
-        code = _run(request["args"])
+        code = run_as_main(request["args"])
     except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the exit code
         sys.excepthook(*sys.exc_info())
     finally:
         os._exit(code)
-
-
-def _run(args: list[str]) -> int:
-    """Run ``python *args`` (``-m module``, ``-c code`` or a script) in this process; its exit code."""
-    import runpy
-
-    code = 0
-    try:
-        if args[0] == "-m":
-            sys.argv = ["-m", *args[2:]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        elif args[0] == "-c":
-            sys.argv = ["-c", *args[2:]]
-            sys.path[0] = ""
-            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        else:
-            sys.argv = list(args)
-            sys.path[0] = str(Path(args[0]).resolve().parent)
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as done:
-        code = _exit_code(done.code)
-    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: non-daemon threads, then atexit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return code
-
-
-def _exit_code(value: Any) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    print(value, file=sys.stderr)
-    return 1

@@ -105,12 +105,7 @@ def main(argv: list[str]) -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    while True:
-        try:
-            status = _recv_exact(sock, 5)
-            break
-        except InterruptedError:
-            continue
+    status = _recv_exact(sock, 5)  # the handlers above return: an interrupted recv is retried (PEP 475)
     if len(status) < 5 or status[:1] != b"X":
         os._exit(_wait_orphan(pid))
     code = struct.unpack("!i", status[1:])[0]

@@ -28,8 +28,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
+
+from screl._as_main import run_as_main
 
 OFF_VAR = "SCREL_RAY_WORKER_FORK"
 
@@ -389,7 +390,7 @@ def _child(request: dict[str, Any], fds: list[int], sock: socket.socket) -> None
         _apply_threads()
         _reseed()
         threading.Thread(target=_die_with_stand_in, args=(sock,), name="screl-stand-in-watch", daemon=True).start()
-        code = _run(request["args"])
+        code = run_as_main(request["args"])
     except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the exit code
         sys.excepthook(*sys.exc_info())
     finally:
@@ -418,28 +419,3 @@ def _reseed() -> None:
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()
-
-
-def _run(args: list[str]) -> int:
-    """Run the script ``args[0]`` with ``args[1:]`` as a fresh interpreter would; its exit code."""
-    import atexit
-    import runpy
-
-    code = 0
-    try:
-        sys.argv = list(args)
-        sys.path[0] = str(Path(args[0]).resolve().parent)
-        runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: non-daemon threads, then atexit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return code
